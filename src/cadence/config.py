@@ -1,0 +1,128 @@
+"""Engine configuration: one frozen dataclass per section; `validate()` raises ValueError naming the field.
+
+Every field is also an engine option (`LLM(max_num_seqs=32)`) and a command-line flag
+(`--max-num-seqs 32`): `EngineConfig.from_options` maps flat options onto the sections, so a new
+field needs no other wiring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SCHEDULERS = ("continuous", "static")
+POLICIES = ("fcfs", "priority", "fair", "deadline")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+GiB = 1 << 30
+
+
+def _require(cond: bool, name: str, why: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {why}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # GGUF file or Hugging Face directory; None = the default model
+    dtype: str = "auto"  # auto: bfloat16 where the CPU or GPU has fast bf16, else float32
+    device: str = "auto"  # auto: cuda when present, else cpu
+    max_model_len: int | None = None  # None: the model's context length, capped at 8192
+    served_model_name: str | None = None
+    seed: int = 0  # seeds unseeded random sampling
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+
+    def validate(self) -> None:
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
+        _require(self.device in DEVICES, "device", f"must be one of {DEVICES}")
+        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 1 * GiB  # bytes of K/V; the block count follows and is logged at start-up
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, simulations)
+    enable_prefix_caching: bool = True
+    tenant_isolation: bool = False  # salt prefix-cache hashes with the tenant
+
+    def validate(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128")
+        _require(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    scheduler: str = "continuous"  # or "static": hold a batch until its last member finishes
+    policy: str = "fcfs"  # fcfs | priority | fair | deadline
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step; 0 = budget only
+    max_num_partial_prefills: int = 1  # requests that may be mid-prefill at once
+    max_queue_len: int = 1024  # waiting requests; beyond it, refused (HTTP 429)
+    max_queued_tokens: int | None = None  # prompt tokens waiting; None = unbounded
+    tenant_max_running: int | None = None  # running requests per tenant
+    tenant_weights: tuple[tuple[str, float], ...] = ()  # fair share weights; others weigh 1
+    deadline_aging: float = 1.0  # seconds of waiting that count as one second nearer a deadline
+
+    def validate(self) -> None:
+        _require(self.scheduler in SCHEDULERS, "scheduler", f"must be one of {SCHEDULERS}")
+        _require(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0")
+        _require(self.max_num_partial_prefills >= 1, "max_num_partial_prefills", "must be >= 1")
+        _require(self.max_queue_len >= 1, "max_queue_len", "must be >= 1")
+        _require(self.max_queued_tokens is None or self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1")
+        _require(self.tenant_max_running is None or self.tenant_max_running >= 1, "tenant_max_running", "must be >= 1")
+        _require(all(w > 0 for _, w in self.tenant_weights), "tenant_weights", "weights must be > 0")
+        _require(self.deadline_aging > 0, "deadline_aging", "must be > 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> EngineConfig:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+        return self
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Build from flat options (`max_num_seqs=32`). Unknown names raise TypeError."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in options.items():
+            section = _FIELD_TO_SECTION.get(key)
+            if section is None:
+                raise TypeError(f"unknown engine option {key!r}")
+            sections[section][key] = value
+        cfg = cls(**{name: _SECTIONS[name](**kw) for name, kw in sections.items()})
+        return cfg.validate()
+
+    def replace(self, **options: Any) -> EngineConfig:
+        """A copy with some flat options changed."""
+        merged = {**self.as_options(), **options}
+        return EngineConfig.from_options(**merged)
+
+    def as_options(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in _SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        return out
+
+
+_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_FIELD_TO_SECTION: dict[str, str] = {f.name: sec for sec, cls in _SECTIONS.items() for f in fields(cls)}
+
+
+def engine_option_fields() -> list[tuple[str, dataclasses.Field]]:
+    """(section, field) for every engine option, in declaration order: the CLI derives flags from it."""
+    return [(sec, f) for sec, cls in _SECTIONS.items() for f in fields(cls)]

@@ -1,0 +1,52 @@
+"""Plain data the engine core emits each step; exporters (Prometheus, the benchmark) read it.
+
+The scheduler never imports an exporter: it fills these records and the engine passes them on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cadence.sched.output import RequestMetrics
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Gauges: the state after a step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use by running requests
+    num_live_tokens: int = 0  # tokens whose KV is held by running requests
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    request_id: str
+    tenant: str
+    priority: int
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+@dataclass
+class IterationStats:
+    """Counters: what one step did."""
+
+    step: int = 0
+    now: float = 0.0
+    step_time: float = 0.0  # seconds spent in execute()
+    num_prompt_tokens: int = 0  # prefill tokens computed this step
+    num_generation_tokens: int = 0  # tokens sampled this step
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    token_latencies: list[tuple[str, float]] = field(default_factory=list)  # (tenant, seconds since the previous token) per decode token
+    first_token_latencies: list[tuple[str, float]] = field(default_factory=list)  # (tenant, ttft)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    rejections: dict[str, int] = field(default_factory=dict)  # reason -> count

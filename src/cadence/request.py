@@ -1,0 +1,222 @@
+"""Requests and their sampling parameters.
+
+`Request` is owned and mutated by the scheduler alone; everything that crosses a boundary
+(to the executor, to the stream) is a frozen value built from it. One progress counter,
+`num_computed_tokens` (tokens whose KV is in the cache), replaces prefill and decode phases.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+# Caps that keep one request from asking the engine for unbounded work.
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_N = 16
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status >= FINISHED_STOPPED is terminal."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_DEADLINE = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _STATUS_TO_REASON.get(self)
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the value is what the OpenAI API reports."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+_STATUS_TO_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_DEADLINE: FinishReason.DEADLINE,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+def _check(cond: bool, name: str, why: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {why}")
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated on construction (ValueError names the field).
+
+    temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 switch those filters off.
+    `seed` makes a request's samples reproducible whatever else shares its batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists/dicts from callers but store hashable tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple((int(k), float(v)) for k, v in self.logit_bias.items()))
+        elif not isinstance(self.logit_bias, tuple):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        _check(_finite(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: off)")
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(
+            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty",
+            "must be in (0, 10]",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_finite(v) and -2.0 <= v <= 2.0, name, "must be in [-2, 2]")
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "must be in [0, 2^63)"
+        )
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        for s in self.stop:
+            _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN, "stop", f"each stop string must have 1 to {MAX_STOP_STRING_LEN} characters")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}]",
+        )
+        _check(len(self.logit_bias) <= 1024, "logit_bias", "at most 1024 entries")
+        for tok, bias in self.logit_bias:
+            _check(isinstance(tok, int) and tok >= 0, "logit_bias", "keys must be non-negative token ids")
+            _check(_finite(bias) and -100.0 <= bias <= 100.0, "logit_bias", "values must be in [-100, 100]")
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """True when sampling depends on the tokens seen so far (penalties)."""
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass
+class Request:
+    """One generation request as the scheduler sees it. Mutated by the scheduler only.
+
+    `num_computed_tokens` counts tokens of `all_token_ids` whose KV is in the cache. A request is
+    in prefill while that is below `num_prompt_tokens`; after a preemption (recompute) it is reset
+    to 0 and the prompt plus the outputs so far are computed again. The last sampled token is never
+    in the cache yet, so a decoding request has `num_computed_tokens == num_tokens - 1`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    priority: int = 0
+    tenant: str = "default"
+    deadline: float | None = None  # absolute time on the engine clock
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: str | None = None  # prefix-cache isolation (per tenant when asked)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens this request can ever occupy: the prompt plus every token it may generate."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason

@@ -1,0 +1,121 @@
+"""Frozen records that cross the scheduler's boundary, one set per step.
+
+The executor sees only `SchedulerOutput` (never the mutable `Request`); the stream sees only
+`RequestDelta`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cadence.request import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """What the executor needs to advance one request by one step.
+
+    `token_ids` are fed at positions `start_pos .. start_pos + len(token_ids) - 1` (a prefill
+    chunk, or the one last-sampled token when decoding); their K/V are written to the slots that
+    `block_table` maps those positions to. `sample` is true when this chunk reaches the end of the
+    request's known tokens, so the logits of its last position pick the next token.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int = 0  # outputs so far: the step index of seeded sampling, and min_tokens
+    history: tuple[int, ...] | None = None  # prompt + outputs, only when penalties need them
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        """Context length after this step."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    step: int
+    scheduled: tuple[ScheduledRequest, ...] = ()
+    preempted_ids: tuple[str, ...] = ()
+    finished_ids: tuple[str, ...] = ()  # ended since the previous step; executors may drop their state
+    num_batched_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and the top-N alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """The executor's answer: one sampled token per request that had `sample=True`."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Timings of one request on the engine clock (seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step did to one request, for its stream: new tokens and, at the end, why it ended."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None  # set on the last delta
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
