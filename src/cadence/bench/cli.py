@@ -1,0 +1,252 @@
+"""`cadence bench`: run one benchmark, sweep a load axis, or compare two reports.
+
+    cadence bench [run] --rate 4 --num-requests 200 --slo ttft=0.5 --out results/a
+    cadence bench sweep --rates 1,2,4,8 --out results/sweep
+    cadence bench compare results/a/summary.json results/b/summary.json
+
+`python -m cadence.bench.cli ...` does the same as `cadence bench ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+from cadence.bench import report
+from cadence.bench.client import BenchConfig, BenchResult, request_count, run_benchmark
+from cadence.workload import (
+    ARRIVALS,
+    BUILTIN_WORKLOADS,
+    Scaling,
+    Workload,
+    builtin_workload,
+    load_trace,
+    read_jsonl,
+    scale_workload,
+    write_jsonl,
+)
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers > 0, got {text!r}")
+    return values
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI-compatible server (default %(default)s)")
+    g.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="/v1/completions or /v1/chat/completions (default %(default)s)")
+    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--tokenizer", default="auto",
+                   help="auto: the server's /tokenize, else estimate; none: estimate 4 chars/token; "
+                        "or a tokenizer.json (or a directory holding one) (default %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default %(default)s)")
+    g.add_argument("--no-exact-output", action="store_true",
+                   help="do not send ignore_eos/min_tokens: let the model stop where it likes")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--workload", choices=BUILTIN_WORKLOADS, default=None, help="built-in mix (default chat)")
+    src.add_argument("--trace", default=None, help="Azure LLM CSV or Mooncake JSONL trace")
+    src.add_argument("--requests-file", default=None, help="workload JSONL: one request per line")
+    g.add_argument("--num-requests", type=int, default=None, help="send at most this many requests")
+    g.add_argument("--duration", type=float, default=None, help="stop sending new requests after SECONDS")
+    g.add_argument("--seed", type=int, default=0, help="seeds workloads, arrivals and prompt text (default 0)")
+    g.add_argument("--scale-lengths", type=float, default=1.0, help="multiply prompt lengths (and prefix blocks)")
+    g.add_argument("--scale-output", type=float, default=1.0, help="multiply output lengths")
+    g.add_argument("--max-prompt-tokens", type=int, default=None, help="clamp prompt lengths after scaling")
+    g.add_argument("--max-output-tokens", type=int, default=None, help="clamp output lengths after scaling")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply trace timestamps: 0.1 replays ten times faster (default 1)")
+    g.add_argument("--save-workload", default=None, help="also write the prepared workload as JSONL")
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load")
+    g.add_argument("--arrival", choices=ARRIVALS, default=None,
+                   help="default: poisson with --rate, none (closed loop) with only --concurrency, trace with --trace")
+    g.add_argument("--rate", type=float, default=None, help="offered load, requests/s (open loop)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma arrivals: coefficient of variation of the gaps; 1 = Poisson, >1 burstier")
+    g.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: N users; open loop: at most N requests in flight")
+    g.add_argument("--rates", type=_floats, default=None, help="sweep: comma-separated rates")
+    g.add_argument("--concurrencies", type=_floats, default=None, help="sweep: comma-separated user counts")
+    g.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="after the last send, seconds to wait for requests in flight (default %(default)s)")
+
+
+def add_parser(subparsers) -> None:
+    """Register `bench` on an argparse subparsers object (the top-level CLI calls this)."""
+    p = subparsers.add_parser("bench", help="benchmark an OpenAI-compatible server",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", nargs="?", choices=("run", "sweep", "compare"), default="run")
+    p.add_argument("files", nargs="*", help="compare: two summary.json files (or run directories)")
+    _add_target_args(p)
+    _add_workload_args(p)
+    _add_load_args(p)
+    g = p.add_argument_group("report")
+    g.add_argument("--slo", action="append", default=[], metavar="KEY=SECONDS",
+                   help=f"goodput objective, repeatable; KEY in {', '.join(report.SLO_KEYS)}")
+    g.add_argument("--out", default=None, help="directory for summary.json, requests.jsonl and PNG plots")
+    g.add_argument("--label", default=None, help="name of this run in reports and comparisons")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _scaling(args: argparse.Namespace) -> Scaling:
+    return Scaling(length_scale=args.scale_lengths, output_scale=args.scale_output,
+                   max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
+                   time_scale=args.time_scale, limit=args.num_requests)
+
+
+def _workload(args: argparse.Namespace, cfg: BenchConfig) -> Workload:
+    if args.trace:
+        return load_trace(args.trace, _scaling(args))
+    if args.requests_file:
+        return scale_workload(read_jsonl(args.requests_file), _scaling(args))
+    w = builtin_workload(args.workload or "chat", request_count(cfg) or 200, args.seed)
+    return scale_workload(w, replace(_scaling(args), limit=None))
+
+
+def _arrival(args: argparse.Namespace) -> str:
+    if args.arrival:
+        return args.arrival
+    if args.rate or args.rates:
+        return "poisson"
+    if args.concurrency or args.concurrencies:
+        return "none"
+    if args.trace:
+        return "trace"
+    raise ValueError("load: give --rate (open loop), --concurrency (closed loop) or --trace (its timestamps)")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    cfg = BenchConfig(
+        base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
+        arrival=_arrival(args), rate=args.rate, burstiness=args.burstiness, concurrency=args.concurrency,
+        num_requests=args.num_requests, duration=args.duration, seed=args.seed, slos=report.parse_slos(args.slo),
+        out_dir=args.out, tokenizer=args.tokenizer, request_timeout=args.request_timeout,
+        drain_timeout=args.drain_timeout, force_output_lengths=not args.no_exact_output,
+        temperature=args.temperature, progress=not args.no_progress, label=args.label,
+    )
+    if cfg.arrival in ("poisson", "gamma") and cfg.rate is None and args.rates:
+        cfg.rate = max(args.rates)  # sizes the workload for the busiest point; each point sets its own
+    cfg.workload = _workload(args, cfg)
+    if args.save_workload:
+        write_jsonl(cfg.workload, args.save_workload)
+    return cfg
+
+
+def _run_one(cfg: BenchConfig) -> int:
+    result = run_benchmark(cfg)
+    print(report.format_table(result.summary))
+    for f in result.files:
+        print(f"wrote {f}")
+    return 0 if result.summary["overall"]["completed"] else 1
+
+
+def run_sweep(cfg: BenchConfig, loads: list[float], kind: str) -> list[tuple[float, BenchResult]]:
+    """One run per load point: kind 'rate' (open loop, req/s) or 'concurrency' (closed loop users)."""
+    points = []
+    for x in loads:
+        label = f"{kind}={x:g}"
+        out = str(Path(cfg.out_dir) / label.replace("=", "_")) if cfg.out_dir else None
+        if kind == "rate":
+            point = replace(cfg, rate=x, label=label, out_dir=out)
+        else:
+            point = replace(cfg, arrival="none", concurrency=int(x), rate=None, label=label, out_dir=out)
+        points.append((x, run_benchmark(point)))
+    return points
+
+
+def _sweep(args: argparse.Namespace, cfg: BenchConfig) -> int:
+    if bool(args.rates) == bool(args.concurrencies):
+        raise ValueError("sweep: give exactly one of --rates or --concurrencies")
+    kind, loads = ("rate", args.rates) if args.rates else ("concurrency", args.concurrencies)
+    if kind == "concurrency" and any(x != int(x) for x in loads):
+        raise ValueError(f"--concurrencies: expected whole numbers of users, got {loads}")
+    points = run_sweep(cfg, loads, kind)
+    print(f"{kind:>12}{'req/s':>9}{'goodput':>9}{'tok/s':>9}{'p95 ttft ms':>13}{'p95 itl ms':>12}{'errors':>8}")
+    for x, res in points:
+        o = res.summary["overall"]
+        row = [o["request_throughput"], o["goodput"], o["output_token_throughput"]]
+        lat = [o["ttft"]["p95"], o["itl"]["p95"]]
+        print(f"{x:>12g}" + "".join(f"{v:>9.2f}" if v is not None else f"{'n/a':>9}" for v in row)
+              + "".join(f"{v * 1000:>13.1f}" if v is not None else f"{'n/a':>13}" for v in lat) + f"{o['errors']:>8}")
+    if cfg.out_dir:
+        from cadence.bench.plots import plot_sweep
+
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        doc = {"kind": kind, "points": [{"load": x, "summary": r.summary} for x, r in points]}
+        (out / "sweep.json").write_text(json.dumps(doc, indent=2) + "\n")
+        label = "offered load (req/s)" if kind == "rate" else "concurrent users"
+        plot_sweep([(x, r.summary) for x, r in points], out / "sweep.png", label, offered_diagonal=kind == "rate")
+        print(f"wrote {out / 'sweep.json'}\nwrote {out / 'sweep.png'}")
+    return 0
+
+
+def _load_summary(path: str) -> dict:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "summary.json"
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"compare: cannot read {p}: {e}") from e
+    if "overall" not in doc:
+        raise ValueError(f"compare: {p} is not a benchmark summary")
+    return doc
+
+
+def _compare(files: list[str]) -> int:
+    if len(files) != 2:
+        raise ValueError("compare: give two summary.json files (or run directories)")
+    a, b = (_load_summary(f) for f in files)
+    la = a["meta"].get("label") or Path(files[0]).stem
+    lb = b["meta"].get("label") or Path(files[1]).stem
+    print(report.compare(a, b, la[:13], lb[:13]))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "compare":
+            return _compare(args.files)
+        if args.files:
+            raise ValueError(f"unexpected arguments {args.files}")
+        cfg = config_from_args(args)
+        return _sweep(args, cfg) if args.action == "sweep" else _run_one(cfg)
+    except ValueError as e:
+        print(f"cadence bench: error: {e}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as e:  # before the load starts: no server, wrong URL, bad API key
+        print(f"cadence bench: error: {args.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cadence")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,362 @@
+"""The load generator: replays a workload against any OpenAI-compatible server, streaming.
+
+Open loop (arrivals from the workload: Poisson, gamma, trace timestamps; optionally capped at
+`concurrency` requests in flight) or closed loop (`concurrency` users, each sending its next
+request when the previous one ends). Bounded by a number of requests and by seconds. Works against
+cadence, vLLM and llama.cpp's server: fields a server does not know are ignored there, and what
+it does not honour (usage chunks, exact output lengths) is detected and reported.
+
+In-process use: `run_benchmark(BenchConfig(...)) -> BenchResult`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from cadence.bench import report
+from cadence.bench.prompts import LocalTokenizer, PromptBuilder, ServerTokenizer, Tokenizer
+from cadence.bench.report import RequestRecord
+from cadence.workload import Workload, WorkloadRequest, assign_arrivals, builtin_workload
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark run. `arrival`: poisson | gamma (needs `rate`) | trace | none (closed loop,
+    needs `concurrency`). `tokenizer`: "auto" (the server's /tokenize, else an estimate), "none"
+    (estimate), or a path to a tokenizer.json."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None
+    endpoint: str = "completions"
+    api_key: str | None = None
+    workload: Workload | None = None
+    arrival: str = "poisson"
+    rate: float | None = None
+    burstiness: float = 1.0
+    concurrency: int | None = None
+    num_requests: int | None = None
+    duration: float | None = None
+    seed: int = 0
+    slos: dict[str, float] = field(default_factory=dict)
+    out_dir: str | None = None
+    tokenizer: str = "auto"
+    request_timeout: float = 600.0
+    drain_timeout: float = 60.0
+    force_output_lengths: bool = True
+    temperature: float | None = None
+    progress: bool = True
+    label: str | None = None
+
+    def validate(self) -> None:
+        if self.endpoint not in ("completions", "chat"):
+            raise ValueError(f"endpoint: expected completions or chat, got {self.endpoint!r}")
+        if self.arrival == "none" and not self.concurrency:
+            raise ValueError("concurrency: a closed loop (--arrival none) needs --concurrency N")
+        if self.arrival in ("poisson", "gamma") and not self.rate:
+            raise ValueError(f"rate: {self.arrival} arrivals need --rate")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency: must be >= 1")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError("num_requests: must be >= 1")
+        if self.duration is not None and self.duration <= 0:
+            raise ValueError("duration: must be > 0 seconds")
+
+
+@dataclass
+class BenchResult:
+    records: list[RequestRecord]
+    summary: dict
+    started_at: float  # POSIX time of the start
+    files: list[str] = field(default_factory=list)
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def _resolve_model(client: httpx.AsyncClient) -> str:
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    data = r.json().get("data") or []
+    if not data:
+        raise ValueError("model: the server lists no models; pass --model")
+    return data[0]["id"]
+
+
+def request_count(cfg: BenchConfig) -> int | None:
+    """Requests to prepare: the cap given; for a duration, enough for it at the rate (all of a
+    trace's requests that arrive within it; 1000 for a closed loop); else 200."""
+    if cfg.num_requests is not None:
+        return cfg.num_requests
+    if cfg.duration is not None and cfg.arrival == "trace":
+        return None
+    if cfg.duration is not None and cfg.rate:
+        return int(cfg.rate * cfg.duration * 1.5) + 16
+    if cfg.duration is not None:
+        return 1000  # closed loop for a duration: the report says if it ran out first
+    return 200
+
+
+def prepare_workload(cfg: BenchConfig) -> Workload:
+    """The workload to send: capped, arrival times assigned, and (open loop) cut at the duration,
+    so that no prompt is made for a request that will not be sent."""
+    n = request_count(cfg)
+    w = cfg.workload or builtin_workload("chat", n or 200, cfg.seed)
+    if n is not None and len(w.requests) > n:
+        w = replace(w, requests=w.requests[:n])
+    w = assign_arrivals(w, cfg.arrival, cfg.rate, cfg.seed, cfg.burstiness)
+    if cfg.duration is not None and cfg.arrival != "none":
+        w = replace(w, requests=tuple(r for r in w.requests if (r.arrival_time or 0.0) <= cfg.duration))
+    if not w.requests:
+        raise ValueError("workload: no requests to send")
+    return w
+
+
+def _make_tokenizer(cfg: BenchConfig, model: str) -> Tokenizer | None:
+    if cfg.tokenizer == "none":
+        return None
+    if cfg.tokenizer == "auto":
+        return ServerTokenizer.probe(cfg.base_url, model, _headers(cfg.api_key))
+    return LocalTokenizer(cfg.tokenizer)
+
+
+def _body(cfg: BenchConfig, model: str, req: WorkloadRequest, text: str | None) -> dict:
+    body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                  "max_tokens": req.output_tokens}
+    if cfg.force_output_lengths:
+        # vLLM and cadence honour both; llama.cpp honours ignore_eos; the rest is detected.
+        body.update(ignore_eos=True, min_tokens=req.output_tokens)
+    if cfg.endpoint == "chat":
+        msgs = req.messages if req.messages is not None else (("user", text or ""),)
+        body["messages"] = [{"role": r, "content": c} for r, c in msgs]
+    else:
+        body["prompt"] = text if text is not None else "\n".join(c for _, c in req.messages or ())
+    if req.tenant != "default":
+        body["user"] = req.tenant
+    if req.priority:
+        body["priority"] = req.priority
+    if req.deadline is not None:
+        body["deadline"] = req.deadline  # seconds after the server receives it
+    if cfg.temperature is not None:
+        body["temperature"] = cfg.temperature
+    return body
+
+
+def _float_header(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None  # an HTTP-date Retry-After, or junk: not worth guessing
+
+
+def _on_event(rec: RequestRecord, obj: dict, now: float) -> None:
+    """Fold one SSE event into the record."""
+    if obj.get("error"):
+        err = obj["error"]
+        rec.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+        return
+    for choice in obj.get("choices") or ():
+        piece = choice.get("text")
+        if piece is None:
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") or delta.get("reasoning_content")
+        if piece:
+            if rec.first_token_time is None:
+                rec.first_token_time = now
+            rec.token_times.append(now)
+            rec.text += piece
+        if choice.get("finish_reason"):
+            rec.finish_reason = choice["finish_reason"]
+    usage = obj.get("usage")
+    if usage and usage.get("completion_tokens") is not None:
+        rec.output_tokens, rec.output_count_source = int(usage["completion_tokens"]), "usage"
+        rec.server_prompt_tokens = usage.get("prompt_tokens")
+        if usage.get("queue_time") is not None:
+            rec.queue_time = float(usage["queue_time"])
+    timings = obj.get("timings")  # llama.cpp's own per-request counters
+    if timings and timings.get("predicted_n") is not None and rec.output_count_source != "usage":
+        rec.output_tokens, rec.output_count_source = int(timings["predicted_n"]), "timings"
+
+
+async def _stream(client: httpx.AsyncClient, path: str, body: dict, headers: dict, rec: RequestRecord,
+                  t0: float) -> None:
+    async with client.stream("POST", path, json=body, headers=headers) as resp:
+        rec.status = resp.status_code
+        rec.queue_time = _float_header(resp.headers.get("x-queue-time"))
+        if resp.status_code != 200:
+            rec.retry_after = _float_header(resp.headers.get("retry-after"))
+            detail = (await resp.aread()).decode("utf-8", "replace")[:200]
+            rec.error = f"HTTP {resp.status_code}: {detail}"
+            rec.end_time = time.perf_counter() - t0
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            try:
+                obj = json.loads(data)
+            except json.JSONDecodeError:
+                continue
+            _on_event(rec, obj, time.perf_counter() - t0)
+        rec.end_time = time.perf_counter() - t0
+
+
+async def _send_one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, req: WorkloadRequest,
+                    text: str | None, rec: RequestRecord, t0: float) -> None:
+    headers = {"X-Tenant": req.tenant} if req.tenant != "default" else {}
+    path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
+    rec.send_time = time.perf_counter() - t0
+    try:
+        await _stream(client, path, _body(cfg, model, req, text), headers, rec, t0)
+    except asyncio.CancelledError:
+        rec.error = "cancelled: still running when the drain timeout ended the run"
+        raise
+    except httpx.HTTPError as e:
+        rec.error = f"{type(e).__name__}: {e}"
+
+
+def _new_record(i: int, req: WorkloadRequest) -> RequestRecord:
+    return RequestRecord(index=i, tenant=req.tenant, priority=req.priority, deadline=req.deadline,
+                         prompt_tokens=req.prompt_tokens, output_tokens_asked=req.output_tokens,
+                         scheduled_time=req.arrival_time)
+
+
+async def _drain(tasks: list[asyncio.Task], timeout: float) -> None:
+    """Wait for in-flight requests; cancel what is still running after `timeout` seconds."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _open_loop(send, reqs: tuple[WorkloadRequest, ...], cfg: BenchConfig, t0: float) -> None:
+    sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
+
+    async def one(i: int) -> None:
+        if sem is None:
+            await send(i)
+            return
+        async with sem:  # the wait here shows up as send_time - scheduled_time
+            await send(i)
+
+    tasks = []
+    for i, req in enumerate(reqs):
+        at = req.arrival_time or 0.0
+        if cfg.duration is not None and at > cfg.duration:
+            break
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await _drain(tasks, cfg.drain_timeout)
+
+
+async def _closed_loop(send, n: int, cfg: BenchConfig, t0: float) -> None:
+    next_index = iter(range(n))
+
+    async def user() -> None:
+        for i in next_index:  # shared iterator: each index is taken by exactly one user
+            if cfg.duration is not None and time.perf_counter() - t0 > cfg.duration:
+                return
+            await send(i)
+
+    users = [asyncio.create_task(user()) for _ in range(cfg.concurrency or 1)]
+    if cfg.duration is None:
+        await asyncio.gather(*users)
+    else:
+        _, pending = await asyncio.wait(users, timeout=cfg.duration)
+        await _drain(list(pending), cfg.drain_timeout)
+
+
+def _count_outputs(records: list[RequestRecord], builder: PromptBuilder) -> None:
+    """Output tokens for requests without usage: re-tokenize the text, else count chunks."""
+    for rec in records:
+        if rec.output_count_source in ("usage", "timings"):
+            continue
+        n = builder.count_tokens(rec.text) if rec.text else None
+        if n is not None:
+            rec.output_tokens, rec.output_count_source = n, "tokenize"
+        else:
+            rec.output_tokens, rec.output_count_source = len(rec.token_times), "chunks"
+
+
+async def run_benchmark_async(cfg: BenchConfig) -> BenchResult:
+    """Run one benchmark; prompts are made (and outputs counted) off the event loop."""
+    cfg.validate()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # never throttle the load
+    timeout = httpx.Timeout(cfg.request_timeout, connect=30.0)
+    async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=_headers(cfg.api_key),
+                                 limits=limits, timeout=timeout) as client:
+        model = cfg.model or await _resolve_model(client)
+        workload = prepare_workload(cfg)
+        tokenizer = await asyncio.to_thread(_make_tokenizer, cfg, model)
+        builder = PromptBuilder(tokenizer, cfg.seed)
+        texts = await asyncio.to_thread(builder.build_all, workload)
+        records = [_new_record(i, r) for i, r in enumerate(workload.requests)]
+        bar = tqdm(total=len(records), disable=not cfg.progress, desc=cfg.label or "bench", unit="req")
+        t0, started_at = time.perf_counter(), time.time()
+
+        async def send(i: int) -> None:
+            await _send_one(client, cfg, model, workload.requests[i], texts[i], records[i], t0)
+            bar.update(1)
+
+        if cfg.arrival == "none":
+            await _closed_loop(send, len(records), cfg, t0)
+        else:
+            await _open_loop(send, workload.requests, cfg, t0)
+        bar.close()
+    sent = [r for r in records if r.send_time is not None]
+    await asyncio.to_thread(_count_outputs, sent, builder)
+    if isinstance(tokenizer, ServerTokenizer):
+        tokenizer.close()
+    meta = _meta(cfg, model, workload, builder, len(sent), len(records))
+    result = BenchResult(sent, report.summarize(sent, cfg.slos, meta), started_at)
+    if cfg.out_dir:
+        result.files = write_outputs(result, cfg.out_dir)
+    return result
+
+
+def run_benchmark(cfg: BenchConfig) -> BenchResult:
+    """Synchronous entry point (the CLI, and the lead's in-process end-to-end test)."""
+    return asyncio.run(run_benchmark_async(cfg))
+
+
+def _meta(cfg: BenchConfig, model: str, w: Workload, builder: PromptBuilder, sent: int, prepared: int) -> dict:
+    notes = [*w.notes, f"prompts: {builder.method}"]
+    if builder.inexact:
+        notes.append(f"{len(builder.inexact)} prompts could not be cut to their exact size (wanted, got): "
+                     f"{builder.inexact[:5]}")
+    if cfg.duration is not None and sent == prepared:
+        notes.append(f"all {prepared} prepared requests were sent before the {cfg.duration:g}s duration ended")
+    return {
+        "label": cfg.label, "base_url": cfg.base_url, "model": model, "endpoint": cfg.endpoint,
+        "workload": w.name, "arrival": cfg.arrival, "rate": cfg.rate, "burstiness": cfg.burstiness,
+        "concurrency": cfg.concurrency, "num_requests": cfg.num_requests, "duration": cfg.duration,
+        "seed": cfg.seed, "force_output_lengths": cfg.force_output_lengths, "notes": notes,
+    }
+
+
+def write_outputs(result: BenchResult, out_dir: str | Path) -> list[str]:
+    """summary.json (the report), requests.jsonl (every record) and latency_cdf.png."""
+    from cadence.bench.plots import plot_latency_cdfs  # matplotlib only when files are asked for
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = dict(result.summary, started_at=result.started_at)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with (out / "requests.jsonl").open("w") as f:
+        for rec in result.records:
+            f.write(json.dumps(rec.to_dict()) + "\n")
+    plot_latency_cdfs(result.records, out / "latency_cdf.png", result.summary["meta"].get("label") or "")
+    return [str(out / n) for n in ("summary.json", "requests.jsonl", "latency_cdf.png")]

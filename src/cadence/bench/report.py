@@ -1,0 +1,345 @@
+"""What a benchmark run measured: per-request records in, distributions and goodput out.
+
+Percentiles use linear interpolation between closest ranks, numpy's default ("linear"): for n
+sorted values x[0..n-1] and q in [0, 100], h = (n - 1) * q / 100 and the result is
+x[floor(h)] + (h - floor(h)) * (x[floor(h) + 1] - x[floor(h)]). Plain Python, so a test can check
+it by hand.
+
+Definitions (all in seconds, per request, measured by the client):
+- TTFT: first non-empty token chunk minus send time.
+- ITL: gaps between consecutive token chunks (pooled over all requests for the distribution).
+- TPOT: (last token chunk - first token chunk) / (output tokens - 1), requests with >= 2 tokens.
+- E2E: end of stream minus send time.
+- queue: what the server reports (x-queue-time header or usage.queue_time), when it does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+PERCENTILES = (50, 90, 95, 99)
+SLO_KEYS = ("ttft", "itl", "tpot", "e2e", "queue")
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it. Times are seconds since the start of the run."""
+
+    index: int
+    tenant: str = "default"
+    priority: int = 0
+    deadline: float | None = None
+    prompt_tokens: int = 0  # as planned by the workload
+    output_tokens_asked: int = 0
+    scheduled_time: float | None = None  # when the workload said to send (open loop)
+    send_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # every non-empty chunk
+    end_time: float | None = None
+    output_tokens: int = 0
+    output_count_source: str = "chunks"  # usage | timings | tokenize | chunks
+    server_prompt_tokens: int | None = None
+    status: int | None = None
+    error: str | None = None
+    retry_after: float | None = None
+    queue_time: float | None = None
+    finish_reason: str | None = None
+    text: str = ""  # generated text: kept for counting tokens, not written out
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.end_time is not None
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None or self.send_time is None:
+            return None
+        return self.first_token_time - self.send_time
+
+    @property
+    def e2e(self) -> float | None:
+        if not self.ok or self.send_time is None:
+            return None
+        return self.end_time - self.send_time
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.output_tokens < 2 or len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        del d["text"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RequestRecord:
+        return cls(**{k: v for k, v in d.items() if k != "text"})
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; ValueError on no values."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q: must be in [0, 100], got {q!r}")
+    xs = sorted(values)
+    h = (len(xs) - 1) * q / 100.0
+    lo = math.floor(h)
+    if lo + 1 >= len(xs):
+        return float(xs[-1])
+    return xs[lo] + (h - lo) * (xs[lo + 1] - xs[lo])
+
+
+def distribution(values: Iterable[float]) -> dict:
+    """count, mean, p50/p90/p95/p99, max; None for every statistic when there are no values."""
+    xs = [float(v) for v in values]
+    out: dict = {"count": len(xs), "mean": sum(xs) / len(xs) if xs else None}
+    for q in PERCENTILES:
+        out[f"p{q}"] = percentile(xs, q) if xs else None
+    out["max"] = max(xs) if xs else None
+    return out
+
+
+def jain_index(values: Sequence[float]) -> float:
+    """Jain's fairness index (sum x)^2 / (n * sum x^2): 1 when all equal, 1/n when one takes all.
+
+    All zeros count as perfectly fair (everyone equally starved). ValueError on no values or
+    negative values, where the index means nothing.
+    """
+    if not values:
+        raise ValueError("jain_index of no values")
+    if any(v < 0 for v in values):
+        raise ValueError("jain_index: values must be >= 0")
+    sq = sum(v * v for v in values)
+    if sq == 0:
+        return 1.0
+    return sum(values) ** 2 / (len(values) * sq)
+
+
+def parse_slos(specs: Iterable[str]) -> dict[str, float]:
+    """['ttft=0.5', 'e2e=10'] -> {'ttft': 0.5, 'e2e': 10.0}."""
+    out: dict[str, float] = {}
+    for spec in specs:
+        key, sep, val = spec.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in SLO_KEYS:
+            raise ValueError(f"--slo {spec!r}: expected KEY=SECONDS with KEY in {SLO_KEYS}")
+        try:
+            bound = float(val)
+        except ValueError:
+            raise ValueError(f"--slo {spec!r}: {val!r} is not a number") from None
+        if not (math.isfinite(bound) and bound > 0):
+            raise ValueError(f"--slo {spec!r}: the bound must be > 0 seconds")
+        out[key] = bound
+    return out
+
+
+def meets_slos(rec: RequestRecord, slos: dict[str, float]) -> bool:
+    """A request counts for goodput when it succeeded and met every SLO given.
+
+    ttft, tpot, e2e: the request's own value. itl: the request's longest gap between token chunks
+    (a stall the user watches). queue: the server-reported queue time; a request without one
+    fails a queue SLO, since it cannot be shown to meet it.
+    """
+    if not rec.ok:
+        return False
+    checks: dict[str, Callable[[], float | None]] = {
+        "ttft": lambda: rec.ttft,
+        "itl": lambda: max(rec.itls, default=0.0),
+        "tpot": lambda: rec.tpot if rec.tpot is not None else 0.0,
+        "e2e": lambda: rec.e2e,
+        "queue": lambda: rec.queue_time,
+    }
+    for key, bound in slos.items():
+        value = checks[key]()
+        if value is None or value > bound:
+            return False
+    return True
+
+
+def _span(records: Sequence[RequestRecord]) -> float:
+    sent = [r.send_time for r in records if r.send_time is not None]
+    ended = [r.end_time for r in records if r.end_time is not None]
+    if not sent or not ended:
+        return 0.0
+    return max(ended) - min(sent)
+
+
+def summarize_records(records: Sequence[RequestRecord], slos: dict[str, float], duration: float | None = None) -> dict:
+    """Counts, rates and distributions of one group of requests over `duration` seconds."""
+    span = duration if duration is not None else _span(records)
+    ok = [r for r in records if r.ok]
+    out_tok = sum(r.output_tokens for r in ok)
+    prompt_tok = sum(r.server_prompt_tokens or r.prompt_tokens for r in ok)
+    good = [r for r in ok if meets_slos(r, slos)]
+    per_s = (lambda x: x / span) if span > 0 else (lambda x: None)
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "errors": sum(1 for r in records if not r.ok),
+        "rate_limited": sum(1 for r in records if r.status == 429),
+        "short_outputs": sum(1 for r in ok if r.output_tokens < r.output_tokens_asked),
+        "duration_s": span,
+        "request_throughput": per_s(len(ok)),
+        "output_token_throughput": per_s(out_tok),
+        "total_token_throughput": per_s(out_tok + prompt_tok),
+        "output_tokens": out_tok,
+        "prompt_tokens": prompt_tok,
+        "goodput": per_s(len(good)) if slos else None,
+        "goodput_fraction": (len(good) / len(records) if records else None) if slos else None,
+        "ttft": distribution(r.ttft for r in ok if r.ttft is not None),
+        "itl": distribution(g for r in ok for g in r.itls),
+        "tpot": distribution(r.tpot for r in ok if r.tpot is not None),
+        "e2e": distribution(r.e2e for r in ok if r.e2e is not None),
+        "queue": distribution(r.queue_time for r in ok if r.queue_time is not None),
+    }
+
+
+def _groups(records: Sequence[RequestRecord], key: Callable[[RequestRecord], object]) -> dict[str, list[RequestRecord]]:
+    out: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        out.setdefault(str(key(r)), []).append(r)
+    return dict(sorted(out.items()))
+
+
+def _fairness(groups: dict[str, dict]) -> dict:
+    """Jain's index over groups of output tokens/s and of median TTFT (None with under 2 groups)."""
+    if len(groups) < 2:
+        return {"jain_output_throughput": None, "jain_ttft_p50": None}
+    thr = [g["output_token_throughput"] or 0.0 for g in groups.values()]
+    ttft = [g["ttft"]["p50"] for g in groups.values() if g["ttft"]["p50"] is not None]
+    return {"jain_output_throughput": jain_index(thr), "jain_ttft_p50": jain_index(ttft) if len(ttft) >= 2 else None}
+
+
+def summarize(records: Sequence[RequestRecord], slos: dict[str, float], meta: dict | None = None) -> dict:
+    """The whole report: overall, per tenant, per priority class, fairness, warnings."""
+    span = _span(records)
+    overall = summarize_records(records, slos, span)
+    # Per-group rates share the run's duration, so they add up to the overall rate.
+    tenants = {k: summarize_records(v, slos, span) for k, v in _groups(records, lambda r: r.tenant).items()}
+    prios = {k: summarize_records(v, slos, span) for k, v in _groups(records, lambda r: r.priority).items()}
+    return {
+        "meta": dict(meta or {}),
+        "slos": dict(slos),
+        "overall": overall,
+        "per_tenant": tenants,
+        "per_priority": prios,
+        "fairness": {"tenants": _fairness(tenants), "priorities": _fairness(prios)},
+        "errors": _error_counts(records),
+        "warnings": _warnings(records, overall),
+    }
+
+
+def _error_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            key = f"HTTP {r.status}" if r.status not in (None, 200) else (r.error or "incomplete").split(":")[0]
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _warnings(records: Sequence[RequestRecord], overall: dict) -> list[str]:
+    out = []
+    if overall["short_outputs"]:
+        out.append(f"{overall['short_outputs']} of {overall['completed']} completed requests produced fewer tokens "
+                   "than asked: the server does not honour ignore_eos/min_tokens; tokens/s count what it produced")
+    sources: dict[str, int] = {}
+    for r in records:
+        if r.ok:
+            sources[r.output_count_source] = sources.get(r.output_count_source, 0) + 1
+    if any(s != "usage" for s in sources):
+        how = ", ".join(f"{n} from {s}" for s, n in sorted(sources.items()))
+        out.append(f"output token counts: {how} (usage is the server's own count; tokenize re-counts the "
+                   "text; chunks assumes one token per streamed chunk)")
+    if overall["rate_limited"]:
+        out.append(f"{overall['rate_limited']} requests were refused with HTTP 429")
+    return out
+
+
+def format_table(summary: dict) -> str:
+    """The report for people: one block of distributions, then groups and warnings."""
+    o = summary["overall"]
+    lines = [f"requests {o['requests']}  completed {o['completed']}  errors {o['errors']}  "
+             f"429s {o['rate_limited']}  duration {o['duration_s']:.2f}s"]
+
+    def rate(v: float | None, unit: str) -> str:
+        return "n/a" if v is None else f"{v:.3f} {unit}"
+
+    lines.append(f"throughput {rate(o['request_throughput'], 'req/s')}  output {rate(o['output_token_throughput'], 'tok/s')}  "
+                 f"total {rate(o['total_token_throughput'], 'tok/s')}")
+    if summary["slos"]:
+        slo = " ".join(f"{k}<={v:g}s" for k, v in summary["slos"].items())
+        lines.append(f"goodput {rate(o['goodput'], 'req/s')} ({(o['goodput_fraction'] or 0) * 100:.1f}% of requests meet {slo})")
+    lines.append(f"{'metric (ms)':<12}" + "".join(f"{h:>10}" for h in ("count", "mean", "p50", "p90", "p95", "p99", "max")))
+    for name in ("ttft", "itl", "tpot", "e2e", "queue"):
+        d = o[name]
+        if not d["count"]:
+            continue
+        cells = [f"{d['count']:>10}"] + [f"{d[k] * 1000:>10.1f}" for k in ("mean", "p50", "p90", "p95", "p99", "max")]
+        lines.append(f"{name:<12}" + "".join(cells))
+    for title, groups, fair in (("tenant", summary["per_tenant"], summary["fairness"]["tenants"]),
+                                ("priority", summary["per_priority"], summary["fairness"]["priorities"])):
+        if len(groups) < 2:
+            continue
+        lines.append(f"{title:<12}{'done':>8}{'err':>6}{'tok/s':>10}{'ttft p50':>10}{'ttft p95':>10}{'e2e p95':>10}")
+        for k, g in groups.items():
+            cells = [_ms(g["ttft"]["p50"]), _ms(g["ttft"]["p95"]), _ms(g["e2e"]["p95"])]
+            lines.append(f"{k:<12}{g['completed']:>8}{g['errors']:>6}{g['output_token_throughput'] or 0:>10.2f}" + "".join(cells))
+        lines.append(f"  Jain's index: output tok/s {_num(fair['jain_output_throughput'])}, "
+                     f"ttft p50 {_num(fair['jain_ttft_p50'])}")
+    lines += [f"warning: {w}" for w in summary["warnings"]]
+    lines += [f"note: {n}" for n in summary["meta"].get("notes", [])]
+    return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return f"{'n/a':>10}" if v is None else f"{v * 1000:>10.1f}"
+
+
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+COMPARE_ROWS = (
+    ("request_throughput", "req/s"), ("output_token_throughput", "tok/s"), ("total_token_throughput", "tok/s"),
+    ("goodput", "req/s"), ("ttft.p50", "s"), ("ttft.p95", "s"), ("ttft.p99", "s"), ("itl.p50", "s"),
+    ("itl.p95", "s"), ("tpot.p50", "s"), ("tpot.p95", "s"), ("e2e.p50", "s"), ("e2e.p95", "s"),
+    ("queue.p95", "s"), ("errors", ""), ("rate_limited", ""),
+)
+
+
+def _lookup(overall: dict, path: str) -> float | None:
+    v: object = overall
+    for part in path.split("."):
+        v = v.get(part) if isinstance(v, dict) else None
+    return v if isinstance(v, (int, float)) else None
+
+
+def compare(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -> str:
+    """Side-by-side: each metric in A and B and the ratio B/A (n/a where either is missing)."""
+    oa, ob = a["overall"], b["overall"]
+    lines = [f"{'metric':<34}{label_a:>14}{label_b:>14}{'B/A':>9}"]
+    for path, unit in COMPARE_ROWS:
+        va, vb = _lookup(oa, path), _lookup(ob, path)
+        if va is None and vb is None:
+            continue
+        ratio = f"{vb / va:.3f}" if va and vb is not None else "n/a"
+        name = f"{path} ({unit})" if unit else path
+        lines.append(f"{name:<34}{_fmt(va):>14}{_fmt(vb):>14}{ratio:>9}")
+    return "\n".join(lines)
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -1,0 +1,161 @@
+"""Report arithmetic against hand-computed cases: percentiles, goodput, throughput, fairness."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cadence.bench.plots import plot_latency_cdfs, plot_sweep
+from cadence.bench.report import (
+    RequestRecord,
+    compare,
+    distribution,
+    format_table,
+    jain_index,
+    meets_slos,
+    parse_slos,
+    percentile,
+    summarize,
+    summarize_records,
+)
+
+
+def rec(i: int, send: float, tokens: list[float], end: float | None = None, status: int = 200, **kw) -> RequestRecord:
+    """A completed request whose token chunks arrived at `tokens` (absolute seconds)."""
+    return RequestRecord(index=i, send_time=send, first_token_time=tokens[0] if tokens else None,
+                         token_times=list(tokens), end_time=end if end is not None else (tokens[-1] if tokens else send),
+                         output_tokens=len(tokens), output_tokens_asked=len(tokens), status=status,
+                         prompt_tokens=kw.pop("prompt_tokens", 10), **kw)
+
+
+def test_percentile_by_hand() -> None:
+    xs = [4.0, 1.0, 3.0, 2.0]  # sorted: 1 2 3 4
+    assert percentile(xs, 0) == 1.0
+    assert percentile(xs, 50) == pytest.approx(2.5)  # h = 1.5
+    assert percentile(xs, 90) == pytest.approx(3.7)  # h = 2.7 -> 3 + 0.7 * (4 - 3)
+    assert percentile(xs, 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+
+
+def test_percentile_matches_numpy_linear() -> None:
+    rng = random.Random(0)
+    for n in (2, 3, 10, 101):
+        xs = [rng.expovariate(1.0) for _ in range(n)]
+        for q in (50, 90, 95, 99):
+            assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
+
+
+def test_percentile_bad_input() -> None:
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_distribution() -> None:
+    d = distribution([1.0, 2.0, 3.0, 4.0])
+    assert d["count"] == 4 and d["mean"] == 2.5 and d["max"] == 4.0 and d["p50"] == pytest.approx(2.5)
+    assert distribution([]) == {"count": 0, "mean": None, "p50": None, "p90": None, "p95": None, "p99": None, "max": None}
+
+
+def test_jain_index() -> None:
+    assert jain_index([1.0, 1.0, 1.0, 1.0]) == pytest.approx(1.0)
+    assert jain_index([1.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)
+    assert jain_index([1.0, 2.0]) == pytest.approx(9 / 10)  # (1+2)^2 / (2 * (1+4))
+    assert jain_index([0.0, 0.0]) == 1.0
+    with pytest.raises(ValueError):
+        jain_index([])
+    with pytest.raises(ValueError):
+        jain_index([1.0, -1.0])
+
+
+def test_parse_slos() -> None:
+    assert parse_slos(["ttft=0.5", "itl=0.1", "E2E=10"]) == {"ttft": 0.5, "itl": 0.1, "e2e": 10.0}
+    for bad in ("ttft", "speed=1", "ttft=fast", "ttft=0", "ttft=-1"):
+        with pytest.raises(ValueError):
+            parse_slos([bad])
+
+
+def test_record_derived_latencies() -> None:
+    r = rec(0, send=1.0, tokens=[1.2, 1.25, 1.45], end=1.5)
+    assert r.ttft == pytest.approx(0.2)
+    assert r.itls == pytest.approx([0.05, 0.2])
+    assert r.tpot == pytest.approx((1.45 - 1.2) / 2)
+    assert r.e2e == pytest.approx(0.5)
+    assert RequestRecord.from_dict(r.to_dict()).token_times == r.token_times
+
+
+def _four() -> list[RequestRecord]:
+    return [
+        rec(0, 0.0, [0.3, 0.35, 0.40], end=1.0, tenant="a"),  # meets ttft, itl, e2e
+        rec(1, 0.5, [1.1, 1.15], end=1.2, tenant="a"),  # ttft 0.6 misses ttft=0.5
+        rec(2, 1.0, [1.2, 1.4, 1.45], end=2.0, tenant="b"),  # a 0.2 s gap misses itl=0.1
+        rec(3, 1.5, [], end=1.6, status=429, tenant="b", error="HTTP 429: full", retry_after=1.0),
+    ]
+
+
+def test_goodput_counts_requests_meeting_every_slo() -> None:
+    slos = {"ttft": 0.5, "itl": 0.1, "e2e": 10.0}
+    records = _four()
+    assert [meets_slos(r, slos) for r in records] == [True, False, False, False]
+    s = summarize_records(records, slos)
+    assert s["duration_s"] == pytest.approx(2.0)  # first send 0.0, last end 2.0
+    assert s["goodput"] == pytest.approx(1 / 2.0)
+    assert s["goodput_fraction"] == pytest.approx(1 / 4)
+    assert meets_slos(records[1], {"e2e": 1.0}) and not meets_slos(records[1], {"e2e": 0.6})
+    assert not meets_slos(records[0], {"queue": 1.0})  # no queue time reported: cannot be shown
+
+
+def test_throughput_and_counts() -> None:
+    s = summarize_records(_four(), {})
+    assert (s["requests"], s["completed"], s["errors"], s["rate_limited"]) == (4, 3, 1, 1)
+    assert s["request_throughput"] == pytest.approx(3 / 2.0)
+    assert s["output_tokens"] == 8 and s["output_token_throughput"] == pytest.approx(8 / 2.0)
+    assert s["total_token_throughput"] == pytest.approx((8 + 30) / 2.0)
+    assert s["goodput"] is None
+    assert s["ttft"]["count"] == 3 and s["ttft"]["max"] == pytest.approx(0.6)
+    assert s["itl"]["count"] == 5  # gaps pooled over requests: 2 + 1 + 2
+    assert s["itl"]["max"] == pytest.approx(0.2)
+
+
+def test_short_outputs_are_counted() -> None:
+    r = rec(0, 0.0, [0.1, 0.2], end=0.3)
+    r.output_tokens_asked = 5
+    assert summarize_records([r], {})["short_outputs"] == 1
+
+
+def test_per_tenant_and_fairness() -> None:
+    s = summarize(_four(), {"ttft": 0.5})
+    a, b = s["per_tenant"]["a"], s["per_tenant"]["b"]
+    assert (a["completed"], b["completed"], b["rate_limited"]) == (2, 1, 1)
+    # Both groups share the run's 2 s: a produced 5 tokens, b 3.
+    assert a["output_token_throughput"] == pytest.approx(2.5) and b["output_token_throughput"] == pytest.approx(1.5)
+    assert s["fairness"]["tenants"]["jain_output_throughput"] == pytest.approx((2.5 + 1.5) ** 2 / (2 * (2.5**2 + 1.5**2)))
+    assert s["fairness"]["priorities"]["jain_output_throughput"] is None  # one class only
+    assert s["errors"] == {"HTTP 429": 1}
+    assert any("429" in w for w in s["warnings"])
+    table = format_table(s)
+    assert "ttft" in table and "Jain's index" in table and "goodput" in table
+
+
+def test_compare_prints_ratios() -> None:
+    a = summarize(_four(), {})
+    b = summarize([rec(0, 0.0, [0.15, 0.2], end=1.0)], {})
+    text = compare(a, b, "base", "new")
+    row = next(line for line in text.splitlines() if line.startswith("request_throughput"))
+    # A: 3 completed / 2 s = 1.5 req/s; B: 1 / 1 s = 1.0 req/s -> B/A 0.667
+    assert row.split()[-3:] == ["1.5", "1", "0.667"]
+    ttft = next(line for line in text.splitlines() if line.startswith("ttft.p50"))
+    assert ttft.split()[-1] == f"{0.15 / 0.3:.3f}"
+
+
+def test_plots_write_png(tmp_path: Path) -> None:
+    records = _four()
+    p = plot_latency_cdfs(records, tmp_path / "cdf.png", "t")
+    assert p.read_bytes()[:4] == b"\x89PNG"
+    points = [(1.0, summarize(records, {"ttft": 0.5})), (2.0, summarize(records[:2], {"ttft": 0.5}))]
+    assert plot_sweep(points, tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
