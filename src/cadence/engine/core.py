@@ -1,0 +1,144 @@
+"""The engine core: a synchronous loop of schedule, execute, update.
+
+It owns the scheduler and the KV cache manager, sizes the cache from the executor's bytes per
+block, and turns each step into `RequestDelta`s for the streams. It reads time only through a
+`Clock`, so the simulator runs the same loop on virtual time. No torch, no asyncio: the async
+engine runs this in a background thread and calls `add_request` / `abort_requests` between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from cadence.clock import Clock, RealClock
+from cadence.config import EngineConfig
+from cadence.executor.base import Executor
+from cadence.kv.manager import KVCacheManager
+from cadence.metrics.stats import IterationStats, SchedulerStats
+from cadence.request import Request, RequestStatus
+from cadence.sched.output import ModelOutput, RequestDelta
+from cadence.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+_NO_OUTPUT = ModelOutput()
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        *,
+        clock: Clock | None = None,
+        max_model_len: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        check_integrity: bool = False,
+    ) -> None:
+        config.validate()
+        if max_model_len < 1:
+            raise ValueError("max_model_len: must be >= 1")
+        self.config = config
+        self.executor = executor
+        self.clock: Clock = clock if clock is not None else RealClock()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.check_integrity = check_integrity
+        self._max_model_len = max_model_len
+
+        cache = config.cache
+        num_blocks = self._size_kv_cache()
+        executor.initialize_kv_cache(num_blocks, cache.block_size)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, cache, self.kv, max_model_len)
+        self.last_stats = IterationStats()
+        self.scheduler_stats = self.scheduler.stats()
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d, prefix caching %s)",
+            num_blocks,
+            cache.block_size,
+            num_blocks * cache.block_size,
+            max_model_len,
+            "on" if cache.enable_prefix_caching else "off",
+        )
+
+    def _size_kv_cache(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = self.executor.kv_bytes_per_block(cache.block_size)
+        if per_block <= 0:
+            raise ValueError(f"executor reports {per_block} KV bytes per block")
+        num_blocks = cache.kv_cache_memory // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: {cache.kv_cache_memory} bytes hold no block of {per_block} bytes; raise it"
+            )
+        return num_blocks
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises AdmissionError (the server maps its kind to an HTTP status)."""
+        now = self.clock.now()
+        if request.arrival_time == 0.0:
+            request.arrival_time = now
+        if not request.eos_token_ids:
+            request.eos_token_ids = self.eos_token_ids
+        self.scheduler.add_request(request, now)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestDelta]:
+        """Abort requests (a client went away); frees their blocks at once. Unknown ids are ignored."""
+        return self.scheduler.abort(tuple(request_ids), self.clock.now())
+
+    def finish_requests(
+        self,
+        request_ids: Iterable[str],
+        status: RequestStatus = RequestStatus.FINISHED_STOPPED,
+        *,
+        stop_reason: str | int | None = None,
+    ) -> list[RequestDelta]:
+        """End requests for a reason found outside the engine, e.g. a stop string in the detokenized text."""
+        return self.scheduler.finish_requests(tuple(request_ids), status, self.clock.now(), stop_reason=stop_reason)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestDelta]:
+        """One iteration: schedule, execute, update. Returns what happened to each request."""
+        sched = self.scheduler
+        out = sched.schedule(self.clock.now())
+        step_time = 0.0
+        if out.is_empty:
+            deltas = sched.update(out, _NO_OUTPUT, self.clock.now())
+        else:
+            start = self.clock.now()
+            try:
+                result = self.executor.execute(out)
+            except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
+                logger.exception("step %d failed; finishing its %d requests with an error", out.step, len(out.scheduled))
+                deltas = sched.fail_step(out, f"engine step failed: {type(e).__name__}: {e}", self.clock.now())
+            else:
+                now = self.clock.now()
+                step_time = now - start
+                deltas = sched.update(out, result, now)
+        if out.preempted_ids:
+            logger.debug("step %d preempted %s", out.step, ", ".join(out.preempted_ids))
+        self.last_stats = sched.last_iteration_stats
+        self.last_stats.step_time = step_time
+        self.scheduler_stats = sched.stats()
+        if self.check_integrity:
+            sched.check_integrity()
+        return deltas
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+

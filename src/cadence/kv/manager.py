@@ -1,0 +1,217 @@
+"""KV cache manager: per-request block tables over a `BlockPool`, with automatic prefix caching.
+
+Contract with the scheduler:
+
+- `get_computed_blocks(request)` finds the longest cached prefix of a request not yet holding
+  blocks. It never covers the request's last known token (its logits are needed), and it
+  changes nothing: the hit is only taken by the `allocate_slots` that follows.
+- `allocate_slots(request, n, computed_blocks=...)` makes room for `n` more tokens after
+  `request.num_computed_tokens` (plus the computed blocks, at admission). It returns the newly
+  allocated blocks, or None with nothing changed when the pool is short.
+- `cache_computed_blocks(request)` is called once a step has written KV: every block that is
+  now full is hashed and made findable. Caching after execution (not at allocation) means a
+  hit never points at a block whose KV has not been written yet.
+- `free(request)` drops the request's table; its full blocks stay findable until reused.
+
+This module logs nothing; the engine logs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cadence.kv.block_pool import Block, BlockPool
+from cadence.kv.hashing import BlockHash, hash_full_blocks
+from cadence.request import Request
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """A run of blocks handed across the manager's boundary, by id."""
+
+    block_ids: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache at admission, and how many were found."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+_EMPTY = KVBlocks()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError("block_size: must be >= 1")
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._tables: dict[str, list[Block]] = {}
+        self._table_ids: dict[str, tuple[int, ...]] = {}  # rebuilt only when a table grows
+        self._hashes: dict[str, list[BlockHash]] = {}  # full-block hash chain per request
+        self._num_cached: dict[str, int] = {}  # leading blocks of the table already hashed
+        self._queries = 0
+        self._hits = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-free blocks count as free)."""
+        return self.pool.usage
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        table = self._table_ids.get(request_id)
+        if table is None:
+            table = tuple(b.block_id for b in self._tables.get(request_id, ()))
+            self._table_ids[request_id] = table
+        return table
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def pop_prefix_stats(self) -> PrefixCacheStats:
+        """Counts since the previous call (the scheduler folds them into each step's stats)."""
+        out = PrefixCacheStats(self._queries, self._hits)
+        self._queries = self._hits = 0
+        return out
+
+    # ------------------------------------------------------------ prefix cache
+    def get_computed_blocks(self, request: Request) -> tuple[KVBlocks, int]:
+        """The cached blocks matching the request's prefix, and the tokens they cover."""
+        if not self.enable_prefix_caching or request.request_id in self._tables:
+            return _EMPTY, 0
+        hashes = self._request_hashes(request)
+        # Cap at (num_tokens - 1) rounded down: the last token must be computed for its logits.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        found: list[int] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            found.append(block.block_id)
+        return KVBlocks(tuple(found)), len(found) * self.block_size
+
+    def _request_hashes(self, request: Request) -> list[BlockHash]:
+        rid = request.request_id
+        known = self._hashes.get(rid, [])
+        if len(known) < request.num_tokens // self.block_size:
+            known = hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt, known)
+            self._hashes[rid] = known
+        return known
+
+    # -------------------------------------------------------------- allocation
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: KVBlocks = _EMPTY
+    ) -> KVBlocks | None:
+        """Room for `num_new_tokens` after the computed ones; None (nothing changed) if short."""
+        if num_new_tokens < 0:
+            raise ValueError("num_new_tokens: must be >= 0")
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if table is not None and computed_blocks is _EMPTY:
+            # Fast path, once per running request per step: the table already has room.
+            if -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(table):
+                return _EMPTY
+        elif computed_blocks and table:
+            raise ValueError("computed_blocks: only a request without blocks can take a prefix hit")
+        hit = [self.pool.blocks[i] for i in computed_blocks.block_ids]
+        held = len(table) if table else 0
+        num_computed = request.num_computed_tokens + len(hit) * self.block_size
+        num_new_blocks = max(0, self.num_blocks_needed(num_computed + num_new_tokens) - held - len(hit))
+        # Hit blocks sitting in the free queue leave it, so they compete with new ones for room.
+        num_reclaimed = sum(1 for b in hit if b.ref_cnt == 0)
+        if num_new_blocks + num_reclaimed > self.pool.num_free_blocks:
+            return None
+        if table is None:
+            table = self._tables[rid] = []
+            self._num_cached[rid] = 0
+            if self.enable_prefix_caching:
+                self._queries += request.num_tokens
+                self._hits += len(hit) * self.block_size
+        if hit:
+            self.pool.touch(hit)
+            table.extend(hit)
+            self._num_cached[rid] = len(hit)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        assert new_blocks is not None, "free count checked above"
+        if new_blocks or hit:
+            table.extend(new_blocks)
+            self._table_ids.pop(rid, None)
+        return KVBlocks(tuple(b.block_id for b in new_blocks)) if new_blocks else _EMPTY
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Hash and publish every block that `request.num_computed_tokens` has filled."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        start = self._num_cached.get(rid)
+        # Called per request per step: most steps fill no block, so test that first.
+        if start is None or request.num_computed_tokens // self.block_size <= start:
+            return
+        table = self._tables[rid]
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        hashes = self._hashes.get(rid, [])
+        if len(hashes) < num_full:
+            tokens = request.all_token_ids[: num_full * self.block_size]
+            hashes = hash_full_blocks(tokens, self.block_size, request.cache_salt, hashes)
+            self._hashes[rid] = hashes
+        for i in range(start, num_full):
+            # A duplicate (the same prefix computed twice at once) stays unhashed: harmless.
+            self.pool.cache(table[i], hashes[i])
+        self._num_cached[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first. Safe to call for a request holding none."""
+        rid = request.request_id
+        table = self._tables.pop(rid, None)
+        self._table_ids.pop(rid, None)
+        self._num_cached.pop(rid, None)
+        self._hashes.pop(rid, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    # ---------------------------------------------------------------- checking
+    def check_integrity(self, running_requests: list[Request] | tuple[Request, ...] = ()) -> None:
+        """Raise AssertionError unless the pool is consistent and refcounts equal table membership.
+
+        `running_requests` are the requests that should hold tables; each must hold one that
+        covers its computed tokens, and no other request may hold blocks.
+        """
+        self.pool.check_integrity()
+        expected = [0] * self.pool.num_blocks
+        for rid, table in self._tables.items():
+            for block in table:
+                expected[block.block_id] += 1
+            if len({b.block_id for b in table}) != len(table):
+                raise AssertionError(f"{rid}: a block appears twice in one table")
+        for block in self.pool.blocks:
+            if block.ref_cnt != expected[block.block_id]:
+                raise AssertionError(f"{block}: refcount {block.ref_cnt} != {expected[block.block_id]} tables")
+        running_ids = {r.request_id for r in running_requests}
+        if running_ids != set(self._tables):
+            raise AssertionError(
+                f"tables held by {sorted(set(self._tables) - running_ids)}, "
+                f"missing for {sorted(running_ids - set(self._tables))}"
+            )
+        for req in running_requests:
+            if len(self._tables[req.request_id]) * self.block_size < req.num_computed_tokens:
+                raise AssertionError(f"{req.request_id}: table too short for its computed tokens")

@@ -1,0 +1,417 @@
+"""The scheduler: decides, each step, which requests advance and by how many tokens.
+
+Pure Python: time comes in as `now`, work goes out as a frozen `SchedulerOutput`, results come
+back as a `ModelOutput`. One step is `schedule(now)`, the executor, then `update(...)`:
+
+1. Running requests first: a decode gets one token, a request mid-prefill its next chunk. When
+   the KV cache has no block for one, a victim (the preemption policy's choice, possibly the
+   request itself) is preempted by recompute and returns to the head of the waiting queue.
+2. Then waiting requests in the queue policy's order while the token budget, `max_num_seqs` and
+   blocks last; the prefix cache is consulted on admission.
+
+`num_computed_tokens` advances in `update`, once the executor has written the KV, so a step
+planned in `schedule` can be undone (a victim preempted later in the same plan) by forgetting it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass, field
+
+from cadence.config import CacheConfig, SchedulerConfig
+from cadence.errors import AdmissionError, ErrorKind
+from cadence.kv.manager import KVCacheManager
+from cadence.metrics.stats import IterationStats, SchedulerStats
+from cadence.request import Request, RequestStatus
+from cadence.sched.admission import AdmissionControl
+from cadence.sched.output import ModelOutput, RequestDelta, SchedulerOutput, TokenLogprobs
+from cadence.sched.preempt import make_preemption_policy
+from cadence.sched.queue import make_queue
+from cadence.sched.records import final_delta, finished_stats, scheduled_request, token_delta
+
+_RUNNING = RequestStatus.RUNNING
+
+
+@dataclass
+class _Plan:
+    """One step being planned: tokens per request (in scheduling order) and what is left."""
+
+    budget: int
+    tokens: dict[str, tuple[Request, int]] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        config.validate()
+        if max_model_len < 1:
+            raise ValueError("max_model_len: must be >= 1")
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting = make_queue(config)
+        self.preemption = make_preemption_policy(config)
+        self.admission = AdmissionControl(config, max_model_len, kv.capacity_tokens)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.last_iteration_stats = IterationStats()
+        self._static = config.scheduler == "static"
+        self._salt_with_tenant = cache.tenant_isolation
+        self._tenant_running: Counter[str] = Counter()
+        self._deadlines: list[tuple[float, str]] = []
+        self._finished_ids: list[str] = []  # not yet reported to the executor
+        self._preempted_ids: list[str] = []  # likewise
+        self._pending_deltas: list[RequestDelta] = []  # finishes decided inside schedule()
+        self._last_token_time: dict[str, float] = {}
+        self._stats = IterationStats()
+        self._step = 0
+        self._now = 0.0
+
+    # ------------------------------------------------------------------ admission
+    def add_request(self, request: Request, now: float) -> None:
+        """Queue a request, or raise AdmissionError (too long, queue full, deadline passed)."""
+        try:
+            if request.request_id in self.requests:
+                raise AdmissionError(ErrorKind.INVALID_REQUEST, f"request id {request.request_id!r} is already in use")
+            self.admission.check(request, self.waiting, now)
+        except AdmissionError as e:
+            self._stats.rejections[e.kind.value] = self._stats.rejections.get(e.kind.value, 0) + 1
+            raise
+        if self._salt_with_tenant and request.cache_salt is None:
+            request.cache_salt = request.tenant
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self, now: float) -> SchedulerOutput:
+        self._step += 1
+        self._now = now
+        self._stats.step, self._stats.now = self._step, now
+        self._expire_deadlines(now)
+        # Static batching: admit only into an empty batch, then hold it until all members finish.
+        may_admit = not self._static or not self.running
+        plan = _Plan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if may_admit:
+            self._schedule_waiting(plan)
+        prefix = self.kv.pop_prefix_stats()
+        self._stats.prefix_cache_queries += prefix.queries
+        self._stats.prefix_cache_hits += prefix.hits
+        return self._build_output(plan)
+
+    def _chunk(self, req: Request, num_computed: int, budget: int) -> int:
+        """Tokens to schedule for `req` this step given the budget; 0 means it waits."""
+        cfg = self.config
+        remaining = req.num_tokens - num_computed
+        assert remaining >= 1, f"{req.request_id}: nothing left to compute"
+        n = min(remaining, budget)
+        if cfg.enable_chunked_prefill:
+            if cfg.long_prefill_token_threshold:
+                n = min(n, cfg.long_prefill_token_threshold)
+        elif n < remaining and remaining <= cfg.max_num_batched_tokens:
+            return 0  # unchunked: wait for a step with room (longer ones, after a preemption, must chunk)
+        return n
+
+    def _schedule_running(self, plan: _Plan) -> None:
+        allocate = self.kv.allocate_slots
+        tokens = plan.tokens
+        for req in list(self.running):
+            if plan.budget <= 0:
+                break
+            if req.status is not _RUNNING:
+                continue  # preempted earlier in this loop
+            # The common case, a decode, skips the chunk arithmetic (this loop runs per request per step).
+            remaining = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
+            n = 1 if remaining == 1 else self._chunk(req, req.num_computed_tokens, plan.budget)
+            if n == 0:
+                continue
+            while allocate(req, n) is None:
+                victim = self.preemption.choose_victim(self.running)
+                self._preempt(victim, plan)
+                if victim is req:
+                    break
+            else:
+                tokens[req.request_id] = (req, n)
+                plan.budget -= n
+
+    def _schedule_waiting(self, plan: _Plan) -> None:
+        cap = self.config.tenant_max_running
+        eligible = (lambda r: self._tenant_running[r.tenant] < cap) if cap is not None else None
+        while self.waiting and (plan.budget > 0 or self._static):
+            req = self.waiting.peek(eligible)
+            if req is None:
+                return
+            seat_victim = None
+            if len(self.running) >= self.config.max_num_seqs:
+                seat_victim = self.preemption.victim_for(req, self.running)
+                if seat_victim is None:
+                    return
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            n = self._admission_chunk(req, num_cached, plan)
+            if n == 0 and not self._static:
+                return
+            if seat_victim is not None:
+                self._preempt(seat_victim, plan)
+            # Static batches reserve the whole prompt now, so members never wait for blocks mid-prefill.
+            reserve = req.num_tokens - num_cached if self._static else n
+            while self.kv.allocate_slots(req, reserve, computed) is None:
+                victim = self.preemption.victim_for(req, self.running)
+                if victim is None:
+                    return
+                self._preempt(victim, plan)
+            self._admit(req, num_cached, n, plan)
+
+    def _admission_chunk(self, req: Request, num_cached: int, plan: _Plan) -> int:
+        n = self._chunk(req, num_cached, plan.budget) if plan.budget > 0 else 0
+        if 0 < n < req.num_tokens - num_cached and self._num_partial(plan) >= self.config.max_num_partial_prefills:
+            return 0  # would start one more partial prefill than allowed
+        return n
+
+    def _num_partial(self, plan: _Plan) -> int:
+        """Running requests that will still be mid-prefill after this step."""
+        planned = {rid: n for rid, (_, n) in plan.tokens.items()}
+        return sum(1 for r in self.running if r.num_computed_tokens + planned.get(r.request_id, 0) < r.num_tokens)
+
+    def _admit(self, req: Request, num_cached: int, n: int, plan: _Plan) -> None:
+        self.waiting.remove(req)
+        req.status = _RUNNING
+        req.num_computed_tokens = num_cached
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self._now
+            req.num_cached_tokens = num_cached
+        self.running.append(req)
+        self._tenant_running[req.tenant] += 1
+        if n:
+            plan.tokens[req.request_id] = (req, n)
+            plan.budget -= n
+
+    def _preempt(self, victim: Request, plan: _Plan) -> None:
+        """Recompute preemption: free the blocks, forget progress, back to the queue's head."""
+        self._leave_running(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        undone = plan.tokens.pop(victim.request_id, None)  # undo its share of this plan
+        if undone is not None:
+            plan.budget += undone[1]
+        plan.preempted.append(victim.request_id)
+        self._stats.num_preemptions += 1
+        self.waiting.push_front(victim)
+
+    def _leave_running(self, req: Request) -> None:
+        self.running.remove(req)
+        self._tenant_running[req.tenant] -= 1
+        if not self._tenant_running[req.tenant]:
+            del self._tenant_running[req.tenant]
+        self.kv.free(req)
+
+    def _build_output(self, plan: _Plan) -> SchedulerOutput:
+        table = self.kv.block_table
+        scheduled = []
+        num_prefill = 0
+        for rid, (req, n) in plan.tokens.items():
+            scheduled.append(scheduled_request(req, n, table(rid)))
+            # A decode is one token at an output position; prompt chunks and recompute are prefill.
+            if n != 1 or req.num_computed_tokens < len(req.prompt_token_ids):
+                num_prefill += n
+        self._preempted_ids.extend(plan.preempted)
+        num_tokens = self.config.max_num_batched_tokens - plan.budget
+        out = SchedulerOutput(
+            step=self._step,
+            scheduled=tuple(scheduled),
+            preempted_ids=tuple(self._preempted_ids),
+            finished_ids=tuple(self._finished_ids),
+            num_batched_tokens=num_tokens,
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_tokens - num_prefill,
+        )
+        if scheduled:  # an empty output is never executed: keep the ids for the next one
+            self._preempted_ids.clear()
+            self._finished_ids.clear()
+        return out
+
+    # ------------------------------------------------------------------ results
+    def update(self, out: SchedulerOutput, model_output: ModelOutput, now: float) -> list[RequestDelta]:
+        """Apply a step's results: advance progress, append sampled tokens, stop what is done."""
+        deltas, self._pending_deltas = self._pending_deltas, []
+        stats = self._stats
+        sampled, logprobs = model_output.sampled_token_ids, model_output.logprobs
+        requests, account, cache = self.requests, self.waiting.account, self.kv.cache_computed_blocks
+        for sr in out.scheduled:
+            rid = sr.request_id
+            req = requests.get(rid)
+            if req is None or req.status is not _RUNNING:
+                continue  # ended between schedule and update
+            start, n = sr.start_pos, len(sr.token_ids)
+            assert req.num_computed_tokens == start, f"{rid}: progress out of step"
+            req.num_computed_tokens = start + n
+            cache(req)
+            prompt_tokens = 0 if n == 1 and start >= len(req.prompt_token_ids) else n  # decode: 0
+            stats.num_prompt_tokens += prompt_tokens
+            if not sr.sample:
+                account(req, prompt_tokens, 0)
+                continue
+            token = sampled.get(rid)
+            if token is None:
+                self._finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
+                deltas.append(final_delta(req))
+                continue
+            account(req, prompt_tokens, 1)
+            deltas.append(self._append_token(req, token, logprobs.get(rid), now))
+        self._close_stats()
+        return deltas
+
+    def fail_step(self, out: SchedulerOutput, error: str, now: float) -> list[RequestDelta]:
+        """The executor raised: every request of the step ends with FINISHED_ERROR."""
+        deltas, self._pending_deltas = self._pending_deltas, []
+        for sr in out.scheduled:
+            req = self.requests.get(sr.request_id)
+            if req is not None and req.status is _RUNNING:
+                self._finish(req, RequestStatus.FINISHED_ERROR, now, error=error)
+                deltas.append(final_delta(req))
+        self._close_stats()
+        return deltas
+
+    def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> RequestDelta:
+        outputs = req.output_token_ids
+        outputs.append(token)
+        rid = req.request_id
+        stats = self._stats
+        stats.num_generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+            stats.first_token_latencies.append((req.tenant, now - req.arrival_time))
+        else:
+            stats.token_latencies.append((req.tenant, now - self._last_token_time[rid]))
+        self._last_token_time[rid] = now
+        lps = (logprobs,) if logprobs is not None else ()
+        sp = req.sampling_params
+        num_prompt = len(req.prompt_token_ids)
+        # Most tokens end nothing: decide that with a few cheap tests before the full check.
+        may_stop = (
+            len(outputs) >= sp.max_tokens
+            or num_prompt + len(outputs) >= self.max_model_len
+            or token in req.eos_token_ids
+            or token in sp.stop_token_ids
+        )
+        status, stop_reason = self._stop_status(req, token) if may_stop else (None, None)
+        if status is None:
+            return token_delta(req, token, lps)
+        self._finish(req, status, now, stop_reason=stop_reason)
+        return final_delta(req, (token,), lps)
+
+    def _stop_status(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in sp.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    # ------------------------------------------------------------------ ending requests
+    def abort(self, request_ids: list[str] | tuple[str, ...], now: float) -> list[RequestDelta]:
+        """Abort waiting or running requests; unknown or finished ids are ignored."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED, now)
+
+    def finish_requests(
+        self,
+        request_ids: list[str] | tuple[str, ...],
+        status: RequestStatus,
+        now: float,
+        *,
+        stop_reason: str | int | None = None,
+    ) -> list[RequestDelta]:
+        """End requests for a reason found outside (a stop string, an abort). One final delta each."""
+        if not status.is_finished:
+            raise ValueError(f"status: {status.name} is not a finished status")
+        deltas = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, status, now, stop_reason=stop_reason)
+                deltas.append(final_delta(req))
+        return deltas
+
+    def force_preempt(self, request_id: str) -> bool:
+        """Preempt a running request now, as if the cache had run short (tests; freeing memory)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not _RUNNING:
+            return False
+        plan = _Plan(budget=0)
+        self._preempt(req, plan)
+        self._preempted_ids.extend(plan.preempted)
+        return True
+
+    def _expire_deadlines(self, now: float) -> None:
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, rid = heapq.heappop(heap)
+            req = self.requests.get(rid)
+            if req is None or req.deadline != deadline:
+                continue
+            where = "running" if req.status is _RUNNING else "waiting"
+            msg = f"deadline {deadline:.3f} passed at {now:.3f} while {where} ({req.num_output_tokens} tokens out)"
+            self._finish(req, RequestStatus.FINISHED_DEADLINE, now, error=msg)
+            self._pending_deltas.append(final_delta(req))
+
+    def _finish(
+        self, req: Request, status: RequestStatus, now: float, *, stop_reason: str | int | None = None,
+        error: str | None = None,
+    ) -> None:
+        """End a waiting or running request: free its blocks, record why and when."""
+        assert status.is_finished and not req.is_finished
+        if req.status is _RUNNING:
+            self._leave_running(req)
+        else:
+            self.waiting.remove(req)
+            self.kv.free(req)  # holds no blocks, but may hold a hash memo
+        req.status = status
+        req.finished_time = now
+        req.stop_reason = stop_reason
+        req.error = error
+        del self.requests[req.request_id]
+        self._last_token_time.pop(req.request_id, None)
+        self._finished_ids.append(req.request_id)
+        self.admission.drain.record(now)
+        self._stats.finished.append(finished_stats(req))
+
+    def _close_stats(self) -> None:
+        self.last_iteration_stats = self._stats
+        self._stats = IterationStats()
+
+    # ------------------------------------------------------------------ state
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage,
+            num_live_tokens=sum(r.num_computed_tokens for r in self.running),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_blocks,
+        )
+
+    def check_integrity(self) -> None:
+        """KV refcounts match the running requests' tables; bookkeeping agrees with itself."""
+        self.kv.check_integrity(self.running)
+        assert all(r.status is _RUNNING for r in self.running)
+        assert len(self.running) + len(self.waiting) == len(self.requests)
+        assert sum(self._tenant_running.values()) == len(self.running)
+
