@@ -1,0 +1,220 @@
+"""Chat templates: render a model's Jinja template in a sandbox and say which text came from messages.
+
+Templates come from model files and, through the API, from users: they run in jinja2's immutable
+sandbox, where touching an unsafe attribute (`''.__class__`) raises instead of printing nothing, and
+output is capped. The tokenizer must turn the template's own markers (`<|im_start|>`) into control
+tokens but never the same text typed by a user, so `render_chat` also returns where each message's
+content lies in the rendered text. It renders twice: once with unique placeholders for the contents
+(to find their spans) and once with the real contents (the truth). When the two agree after
+substitution, the spans are exact; when a template rewrites contents (trims or splits them), the
+contents are located by search instead and any that cannot be found are reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.exceptions import SecurityError
+from jinja2.runtime import Undefined
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+MAX_RENDER_CHARS = 16 << 20  # a template that writes more than this is broken or hostile
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    text: str
+    content_spans: tuple[tuple[int, int], ...]  # [start, end) of message contents in `text`
+    unlocated: tuple[str, ...] = ()  # contents a rewriting template changed beyond finding
+
+
+# Format strings with a six-digit width or precision ('{:>99999999}', '%99999999d') allocate at will.
+_BIG_NUMBER = re.compile(r"\d{6,}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_format(fmt: Any) -> None:
+    if isinstance(fmt, str) and _BIG_NUMBER.search(fmt):
+        raise SecurityError("format strings with widths or precisions of six digits or more are refused")
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, plus: unsafe attribute access fails loudly instead of rendering '', and
+    the operators and format calls that can allocate without bound ('a' * 10**10) are checked first."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Undefined:
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and _is_int(left) and _is_int(right) and left.bit_length() * right > 1 << 16:
+            raise SecurityError("integer powers beyond 65536 bits are refused")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and _is_int(n) and len(seq) * n > MAX_RENDER_CHARS:
+                    raise SecurityError(f"a repetition longer than {MAX_RENDER_CHARS} items is refused")
+        if operator == "%":
+            _check_format(left)
+        return super().call_binop(context, operator, left, right)
+
+    def wrap_str_format(self, value: Any) -> Any:
+        _check_format(getattr(value, "__self__", None))
+        return super().wrap_str_format(value)
+
+
+def _format(value: Any, *args: Any, **kwargs: Any) -> str:
+    """Jinja's `format` filter (printf-style), with the same width check as the `%` operator."""
+    _check_format(value)
+    return str(value) % (kwargs or args)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    # Templates expect non-ASCII kept as is (Jinja's own tojson escapes it and HTML-quotes '<').
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> _Sandbox:
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], autoescape=False)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    env.filters["format"] = _format
+    return env
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(source: str) -> Any:
+    try:
+        return _environment().from_string(source)
+    except TemplateError as e:
+        line = getattr(e, "lineno", None)
+        raise ValueError(f"chat_template: cannot compile{f' (line {line})' if line else ''}: {e}") from None
+
+
+def validate_template(source: str) -> None:
+    """Raise ValueError unless `source` compiles as a chat template."""
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError("chat_template: must be a non-empty string")
+    _compile(source)
+
+
+def _content_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content[{j}]: only {{'type': 'text', 'text': str}} parts are supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"messages[{i}].content: must be a string or a list of text parts")
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages as plain dicts with string contents (text parts joined by newlines); ValueError otherwise."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+        raise ValueError("messages: must be a non-empty list of {'role', 'content'} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}]: must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role: must be a non-empty string")
+        if "content" not in m:
+            raise ValueError(f"messages[{i}].content: missing")
+        out.append({**m, "role": role, "content": _content_text(i, m["content"])})
+    return out
+
+
+def _run(template: Any, variables: dict[str, Any]) -> str:
+    chunks: list[str] = []
+    size = 0
+    try:
+        for chunk in template.generate(**variables):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_RENDER_CHARS:
+                raise ValueError(f"chat template: output exceeds {MAX_RENDER_CHARS} characters")
+    except TemplateError as e:
+        raise ValueError(f"chat template: {e}") from None
+    except (TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RecursionError) as e:
+        raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from None
+    return "".join(chunks)
+
+
+def render_chat(
+    source: str, messages: Any, add_generation_prompt: bool, variables: Mapping[str, Any] | None = None
+) -> RenderedChat:
+    """Render `messages` with the template `source`; see the module docstring for the two passes."""
+    msgs = validate_messages(messages)
+    template = _compile(source)
+    extra = dict(variables or {})
+    contents = [m["content"] for m in msgs]
+    nonce = secrets.token_hex(8)
+    marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(msgs))]
+    shaped = _run(template, {**extra, "messages": [dict(m, content=k) for m, k in zip(msgs, marks, strict=True)],
+                             "add_generation_prompt": add_generation_prompt})
+    real = _run(template, {**extra, "messages": msgs, "add_generation_prompt": add_generation_prompt})
+    text, spans = _substitute(shaped, nonce, contents)
+    if text == real:
+        return RenderedChat(text, tuple(spans))
+    return _locate(real, contents)
+
+
+def _substitute(shaped: str, nonce: str, contents: list[str]) -> tuple[str, list[tuple[int, int]]]:
+    out: list[str] = []
+    spans: list[tuple[int, int]] = []
+    length = pos = 0
+    for m in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", shaped):
+        head = shaped[pos : m.start()]
+        out.append(head)
+        length += len(head)
+        content = contents[int(m.group(1))]
+        out.append(content)
+        if content:
+            spans.append((length, length + len(content)))
+        length += len(content)
+        pos = m.end()
+    out.append(shaped[pos:])
+    return "".join(out), spans
+
+
+def _locate(text: str, contents: list[str]) -> RenderedChat:
+    """Find each content (or its stripped form) in order; a template that rewrote it may hide it."""
+    spans: list[tuple[int, int]] = []
+    unlocated: list[str] = []
+    pos = 0
+    for content in contents:
+        for candidate in (content, content.strip()):
+            at = text.find(candidate, pos) if candidate else -1
+            if at >= 0:
+                spans.append((at, at + len(candidate)))
+                pos = at + len(candidate)
+                break
+        else:
+            if content.strip():
+                unlocated.append(content)
+    return RenderedChat(text, tuple(spans), tuple(unlocated))
