@@ -119,6 +119,31 @@ class EngineConfig:
         return out
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP front end; not an engine option (the offline `LLM` has no server)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    api_key_tenants: tuple[tuple[str, str], ...] = ()  # (key, tenant): requests with that key belong to it
+    max_body_bytes: int = 1 << 20  # larger bodies get 413
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    allow_request_chat_template: bool = False  # a chat_template sent in a request is refused unless set
+    slo_ttft: float | None = None  # seconds; goodput counts requests meeting every SLO given
+    slo_itl: float | None = None
+    max_tenant_labels: int = 32  # Prometheus labels per tenant beyond this fold into "other"
+    tenant_max_requests: int | None = None  # in-flight requests per tenant; beyond it 429 (None: no cap)
+    log_level: str = "info"
+
+    def validate(self) -> ServerConfig:
+        _require(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
+        _require(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
+        _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
+        _require(self.tenant_max_requests is None or self.tenant_max_requests >= 1, "tenant_max_requests", "must be >= 1")
+        return self
+
+
 _SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 _FIELD_TO_SECTION: dict[str, str] = {f.name: sec for sec, cls in _SECTIONS.items() for f in fields(cls)}
 

@@ -1,0 +1,142 @@
+"""Assemble an engine from a config: checkpoint, tokenizer, model runner, engine core.
+
+This is the one place that knows every part; the parts know only their neighbours' contracts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cadence.clock import Clock
+from cadence.config import EngineConfig
+from cadence.engine.core import EngineCore
+from cadence.executor.model_runner import ModelRunner
+from cadence.model.arch import ModelArchConfig
+from cadence.model.loader import default_model_path, load_checkpoint
+from cadence.model.tokenizer import Tokenizer
+
+log = logging.getLogger("cadence")
+
+# Never plan for more context than this by default: the KV budget and attention cost grow with it.
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class Engine:
+    core: EngineCore
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but no CUDA device is present")
+    return torch.device(name)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True on CPUs with native bf16 dot products (AVX512-BF16 or AMX), where bf16 matmuls are ~4x fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def tiny_arch(vocab_size: int) -> ModelArchConfig:
+    """A small random Llama for fast tests: real tokenizer, random weights, same code paths."""
+    return ModelArchConfig(
+        architecture="llama",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        name="cadence-tiny-random",
+    )
+
+
+def random_weights(arch: ModelArchConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Seeded random weights in Hugging Face naming for `arch`."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, hd = arch.hidden_size, arch.intermediate_size, arch.head_dim
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.08).to(dtype)
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(arch.vocab_size, h)}
+    for n in range(arch.num_layers):
+        p = f"model.layers.{n}."
+        w[p + "self_attn.q_proj.weight"] = rnd(arch.num_heads * hd, h)
+        w[p + "self_attn.k_proj.weight"] = rnd(arch.num_kv_heads * hd, h)
+        w[p + "self_attn.v_proj.weight"] = rnd(arch.num_kv_heads * hd, h)
+        w[p + "self_attn.o_proj.weight"] = rnd(h, arch.num_heads * hd)
+        w[p + "mlp.gate_proj.weight"] = rnd(i, h)
+        w[p + "mlp.up_proj.weight"] = rnd(i, h)
+        w[p + "mlp.down_proj.weight"] = rnd(h, i)
+        w[p + "input_layernorm.weight"] = torch.ones(h, dtype=dtype)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
+    w["model.norm.weight"] = torch.ones(h, dtype=dtype)
+    if not arch.tie_word_embeddings:
+        w["lm_head.weight"] = rnd(arch.vocab_size, h)
+    return w
+
+
+def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | None = None) -> Engine:
+    """Load the model named by `config` (the default model when None) and wire an EngineCore to it.
+
+    `tiny=True` keeps the real tokenizer of the model but uses a small random-weight Llama: every
+    code path of a real engine, at test speed.
+    """
+    config.validate()
+    path = Path(config.model.model) if config.model.model else default_model_path()
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    if config.model.num_threads:
+        torch.set_num_threads(config.model.num_threads)
+    tokenizer = Tokenizer.from_model_path(path)
+    if tiny:
+        arch = tiny_arch(tokenizer.vocab_size)
+        weights = random_weights(arch, seed=config.model.seed)
+    else:
+        ckpt = load_checkpoint(path, dtype)
+        arch, weights = ckpt.arch, ckpt.weights
+    runner = ModelRunner(arch, weights, dtype=dtype, device=device)
+    max_len = config.model.max_model_len or min(arch.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if max_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {max_len} exceeds the model's context length ({arch.max_position_embeddings})"
+        )
+    core = EngineCore(config, runner, clock=clock, max_model_len=max_len, eos_token_ids=tokenizer.eos_token_ids)
+    name = config.model.served_model_name or (arch.name if tiny else _model_name(path))
+    log.info("model %s (%s) on %s in %s, max_model_len %d", name, path.name, device, dtype, max_len)
+    return Engine(core, tokenizer, name, max_len, arch.vocab_size, config, device, dtype)
+
+
+def _model_name(path: Path) -> str:
+    stem = path.stem if path.is_file() else path.name
+    return stem.split(".")[0] if path.suffix == ".gguf" else stem

@@ -1,0 +1,106 @@
+"""Turn the engine core's token deltas into text deltas: incremental detokenization and stop strings.
+
+Lives outside the core (the core knows token ids only), on whichever side consumes the stream: the
+offline `LLM` calls it in its loop, the `AsyncEngine` in its engine thread. A stop string found here
+ends the request in the core too: `process` returns those ids for `core.finish_requests`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from cadence.model.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from cadence.request import FinishReason, SamplingParams
+from cadence.sched.output import RequestDelta, RequestMetrics, TokenLogprobs
+
+
+@dataclass
+class StreamDelta:
+    """New text and tokens of one request after one step; the last one carries finish reason and metrics."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _State:
+    params: SamplingParams
+    num_prompt_tokens: int
+    detok: IncrementalDetokenizer
+    stops: StopChecker | None
+    num_output_tokens: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _State] = {}
+
+    def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        stops = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self._states[request_id] = _State(params, len(prompt_token_ids), detok, stops)
+
+    def remove(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def process(self, deltas: Iterable[RequestDelta]) -> tuple[list[StreamDelta], list[str]]:
+        """Detokenize each delta; returns the stream deltas and the ids stopped by a stop string."""
+        out: list[StreamDelta] = []
+        stopped: list[str] = []
+        for d in deltas:
+            st = self._states.get(d.request_id)
+            if st is None:  # already ended here (stop string), the core's own final delta is moot
+                continue
+            sd = self._one(st, d)
+            if sd.finish_reason == FinishReason.STOP.value and d.finish_reason is None:
+                stopped.append(d.request_id)
+            if sd.finished:
+                del self._states[d.request_id]
+            out.append(sd)
+        return out, stopped
+
+    def _one(self, st: _State, d: RequestDelta) -> StreamDelta:
+        st.num_output_tokens += len(d.new_token_ids)
+        ending = d.finish_reason is not None
+        text = st.detok.add(d.new_token_ids)
+        if ending:
+            text += st.detok.flush()  # bytes held back for an unfinished character can no longer complete
+        finish = d.finish_reason.value if d.finish_reason else None
+        stop_reason = d.stop_reason
+        if st.stops is not None:
+            text, matched = st.stops.add(text)
+            if matched is not None:
+                finish, stop_reason = FinishReason.STOP.value, matched
+            elif ending:
+                text += st.stops.flush()  # held back as a possible stop string; the request ended first
+        return StreamDelta(
+            request_id=d.request_id,
+            text=text,
+            token_ids=list(d.new_token_ids),
+            logprobs=list(d.new_logprobs) if st.params.logprobs is not None else None,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=st.num_prompt_tokens,
+            num_cached_tokens=d.num_cached_tokens,
+            num_output_tokens=st.num_output_tokens,
+            metrics=d.metrics,
+            error=d.error,
+        )

@@ -1,0 +1,147 @@
+"""The real executor: runs the model over one step's flat batch and samples.
+
+It knows the model, the paged KV tensors and the sampler; it knows nothing of HTTP, asyncio or the
+scheduler's internals, only the frozen `SchedulerOutput` of each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cadence.model.arch import ModelArchConfig
+from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan
+from cadence.model.llama import LlamaModel
+from cadence.model.sampler import Sampler
+from cadence.sched.output import ModelOutput, ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """One step's model inputs; `order` is the flat-batch order of the scheduled requests."""
+
+    order: tuple[ScheduledRequest, ...]
+    input_ids: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] last row of each request that samples
+    sampling: tuple[ScheduledRequest, ...]  # the S requests, in logits row order
+
+
+class ModelRunner:
+    """`Executor` over a Llama-family model and a paged KV cache.
+
+    The cache is one tensor per K and V for all layers (see `PagedKVCache`), sized by the engine
+    through `kv_bytes_per_block` and `initialize_kv_cache`.
+    """
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype: {dtype} is not supported (float32, bfloat16, float16)")
+        self.arch = arch
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.model = LlamaModel(arch, weights, dtype=dtype, device=self.device)
+        self.sampler = Sampler(self.device, seed)
+        self.kv_cache: PagedKVCache | None = None
+
+    # -- Executor protocol ------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return PagedKVCache.bytes_per_block(
+            num_layers=self.arch.num_layers,
+            block_size=block_size,
+            num_kv_heads=self.arch.num_kv_heads,
+            head_dim=self.arch.head_dim,
+            dtype=self.dtype,
+        )
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.kv_cache = PagedKVCache.allocate(
+            num_layers=self.arch.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=self.arch.num_kv_heads,
+            head_dim=self.arch.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        if scheduler_output.is_empty:
+            return ModelOutput()
+        batch = self.prepare(scheduler_output.scheduled)
+        with torch.inference_mode():
+            logits = self._run(batch)
+            if not batch.sampling:
+                return ModelOutput()
+            # The only host sync of the step: reading the sampled tokens back.
+            sampled = self.sampler(logits, batch.sampling)
+        ids = [r.request_id for r in batch.sampling]
+        return ModelOutput(
+            sampled_token_ids=dict(zip(ids, sampled.token_ids, strict=True)),
+            logprobs={ids[i]: lp for i, lp in sampled.logprobs.items()},
+        )
+
+    # -- Also used by tests and benchmarks --------------------------------------------------------
+
+    def compute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Run the step (writing the KV cache) and return the float32 logits [V] of each sampling request."""
+        batch = self.prepare(scheduler_output.scheduled)
+        with torch.inference_mode():
+            logits = self._run(batch)
+        return {r.request_id: logits[i] for i, r in enumerate(batch.sampling)}
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> FlatBatch:
+        """Lay the step out as one flat batch: multi-token chunks first, then all decode tokens,
+        so the decode rows are one contiguous slice that attention handles in one batched call."""
+        if self.kv_cache is None:
+            raise RuntimeError("initialize_kv_cache must be called before execute")
+        if not scheduled:
+            raise ValueError("a step needs at least one scheduled request")
+        self._validate(scheduled)
+        order = tuple(sorted(scheduled, key=lambda r: r.num_tokens == 1))  # stable: keeps given order
+        ids: list[int] = []
+        last_rows: list[int] = []
+        for r in order:
+            ids.extend(r.token_ids)
+            if r.sample:
+                last_rows.append(len(ids) - 1)
+        spans = [SeqSpan(r.start_pos, r.num_tokens, r.block_table) for r in order]
+        meta = AttentionMetadata.build(spans, self.kv_cache.block_size, self.device, self.arch.num_kv_heads)
+        return FlatBatch(
+            order=order,
+            input_ids=torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True),
+            meta=meta,
+            logits_indices=torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True),
+            sampling=tuple(r for r in order if r.sample),
+        )
+
+    def _run(self, batch: FlatBatch) -> torch.Tensor:
+        assert self.kv_cache is not None
+        return self.model(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
+
+    def _validate(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """Bad indices would corrupt other requests' cache or crash inside a kernel: check up front."""
+        assert self.kv_cache is not None
+        num_blocks = self.kv_cache.num_blocks
+        max_pos = self.model.cos.shape[0]
+        vocab = self.arch.vocab_size
+        for r in scheduled:
+            if not r.token_ids:
+                raise ValueError(f"request {r.request_id}: no tokens scheduled")
+            if r.end_pos > max_pos:
+                raise ValueError(f"request {r.request_id}: position {r.end_pos - 1} beyond the RoPE table ({max_pos})")
+            if min(r.token_ids) < 0 or max(r.token_ids) >= vocab:
+                raise ValueError(f"request {r.request_id}: token id outside the vocabulary [0, {vocab})")
+            if r.block_table and (min(r.block_table) < 0 or max(r.block_table) >= num_blocks):
+                raise ValueError(f"request {r.request_id}: block id outside [0, {num_blocks})")

@@ -1,0 +1,256 @@
+"""Paged KV cache storage and attention over it.
+
+The cache holds K and V for every layer in fixed-size blocks. A token at position `pos` of a
+request lives in slot `block_table[pos // block_size] * block_size + pos % block_size`; a request's
+context is read back by gathering the slots of positions `0 .. end_pos - 1`.
+
+Layout, per layer: `[2, num_kv_heads, num_blocks, block_size, head_dim]` (K/V outermost, then the
+head, then the block). Contexts are read back a whole block at a time: gathering a request's blocks
+along the block axis yields, for each head, its context as one contiguous [L, head_dim] matrix, so
+attention runs as a strided-batch matmul with no transposing copy, and each gathered row is a whole
+block (block_size * head_dim values) rather than one token. Positions past a request's length in its
+last block are masked. (A slot-major layout needs a [L, heads, D] -> [heads, L, D] copy per layer,
+and per-token gathers move 16x more, smaller rows: both cost more than the attention itself.)
+
+Everything that depends only on the step's shape (slot mapping, gather indices, masks) is built once
+per step in `AttentionMetadata.build` and reused by every layer, so the per-layer work is tensor ops
+only: one `index_copy_` to write the new K/V, one `scaled_dot_product_attention` per multi-token
+chunk, and one batched attention for all single-token (decode) rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Decode contexts up to this many K elements (e.g. one stream of 1000 tokens with 3 KV heads of 64)
+# are attended in float32 even for bfloat16 models: measured faster on CPU below this size.
+_SMALL_CONTEXT = 1 << 18
+
+
+@dataclass
+class PagedKVCache:
+    """K and V of all layers: `[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]`."""
+
+    kv: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> PagedKVCache:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1 (got {num_blocks}, {block_size})")
+        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+        # Zeros, not empty: padded decode rows read slot 0 (masked out), and garbage there could be
+        # NaN/inf, which survives a -inf mask as NaN after softmax's 0 * nan.
+        return cls(torch.zeros(shape, dtype=dtype, device=device))
+
+    @staticmethod
+    def bytes_per_block(
+        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.shape[4]
+
+    def layer(self, i: int) -> torch.Tensor:
+        """Layer i: `[2, num_kv_heads, num_blocks, block_size, head_dim]`."""
+        return self.kv[i]
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One request's share of the flat batch: `num_tokens` tokens fed from `start_pos`."""
+
+    start_pos: int
+    num_tokens: int
+    block_table: Sequence[int]
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """A multi-token chunk: rows `row_start .. row_end` of the flat batch."""
+
+    row_start: int
+    row_end: int
+    start_pos: int
+    ctx_blocks: torch.Tensor | None  # [nb] blocks holding the whole context; None when start_pos == 0
+    mask: torch.Tensor | None  # [num_tokens, nb * block_size] bool, True = may attend; None when start_pos == 0
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """All single-token rows, contiguous at the end of the flat batch: rows `row_start ..`."""
+
+    row_start: int
+    num_blocks: int  # nb: blocks gathered per request (the longest context's)
+    blocks: torch.Tensor  # [B * nb] block ids, request-major; padding points at block 0 (masked)
+    mask: torch.Tensor | None  # [KVH * B, 1, nb * block_size] float32 additive; None: nothing to mask
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] position of each token of the flat batch
+    slot_mapping: torch.Tensor  # [T] cache slot each new K/V is written to
+    prefills: tuple[PrefillChunk, ...]
+    decode: DecodeBatch | None
+
+    @classmethod
+    def build(
+        cls, seqs: Sequence[SeqSpan], block_size: int, device: torch.device, num_kv_heads: int
+    ) -> AttentionMetadata:
+        """Index tensors for one step. Multi-token spans must come before single-token ones."""
+        if not seqs:
+            raise ValueError("a step needs at least one sequence")
+        tables = _padded_block_tables(seqs, block_size)  # [R, max_blocks] on CPU
+        positions = torch.cat([torch.arange(s.start_pos, s.end_pos) for s in seqs])
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs])
+        )
+        slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+        prefills: list[PrefillChunk] = []
+        row = 0
+        first_decode = len(seqs)
+        for i, s in enumerate(seqs):
+            if s.num_tokens == 1:
+                first_decode = i
+                break
+            prefills.append(_prefill_chunk(s, row, tables[i], block_size, device))
+            row += s.num_tokens
+        decode_seqs = seqs[first_decode:]
+        assert all(s.num_tokens == 1 for s in decode_seqs), "single-token spans must come last"
+        decode = None
+        if decode_seqs:
+            decode = _decode_batch(decode_seqs, row, tables[first_decode:], block_size, device, num_kv_heads)
+        return cls(
+            positions=positions.to(device, non_blocking=True),
+            slot_mapping=slot_mapping.to(device, non_blocking=True),
+            prefills=tuple(prefills),
+            decode=decode,
+        )
+
+
+def _padded_block_tables(seqs: Sequence[SeqSpan], block_size: int) -> torch.Tensor:
+    """[R, max_blocks] block ids; a table too short for its span is a caller error."""
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.zeros(len(seqs), max(width, 1), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s.num_tokens < 1 or s.start_pos < 0:
+            raise ValueError(f"sequence {i}: needs num_tokens >= 1 and start_pos >= 0")
+        if len(s.block_table) * block_size < s.end_pos:
+            raise ValueError(
+                f"sequence {i}: block table of {len(s.block_table)} blocks cannot hold {s.end_pos} tokens"
+            )
+        if s.block_table:
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    return tables
+
+
+def _prefill_chunk(
+    s: SeqSpan, row: int, table: torch.Tensor, block_size: int, device: torch.device
+) -> PrefillChunk:
+    if s.start_pos == 0:
+        # The chunk is the whole context: attend to its own fresh K/V, plain causal, no gather.
+        return PrefillChunk(row, row + s.num_tokens, 0, None, None)
+    nb = -(-s.end_pos // block_size)
+    # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i (bottom-right causal);
+    # that also hides the unused tail of the last block.
+    q_pos = torch.arange(s.start_pos, s.end_pos)[:, None]
+    mask = torch.arange(nb * block_size)[None, :] <= q_pos
+    return PrefillChunk(
+        row, row + s.num_tokens, s.start_pos, table[:nb].to(device, non_blocking=True), mask.to(device, non_blocking=True)
+    )
+
+
+def _decode_batch(
+    seqs: Sequence[SeqSpan], row: int, tables: torch.Tensor, block_size: int, device: torch.device, kvh: int
+) -> DecodeBatch:
+    lens = torch.tensor([s.end_pos for s in seqs])
+    nb = -(-int(lens.max()) // block_size)
+    blocks = tables[:, :nb]  # [B, nb]; shorter tables are zero-padded: block 0, masked below
+    valid = torch.arange(nb * block_size)[None, :] < lens[:, None]  # [B, nb * block_size]
+    mask = None
+    if not bool(valid.all()):
+        mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+        mask = mask.repeat(kvh, 1)[:, None, :].to(device, non_blocking=True)  # [KVH * B, 1, L], head-major
+    return DecodeBatch(row, nb, blocks.flatten().to(device, non_blocking=True), mask)
+
+
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend every query to its request's context.
+
+    q: [T, H, D]; kv: [T, 2, KVH, D] (K already rotated); cache: [2, KVH, num_blocks, block_size, D]
+    (one layer). Returns [T, H, D].
+    """
+    cache.flatten(2, 3).index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
+    parts = [_prefill_attention(q, kv, cache, p) for p in meta.prefills]
+    if meta.decode is not None:
+        parts.append(_decode_attention(q[meta.decode.row_start :], cache, meta.decode))
+    # One part (a lone prefill, or decodes only) is the common case: no concatenation copy.
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[2, KVH, num_blocks, bs, D] -> [2, KVH, len(blocks) * bs, D]: contexts, contiguous per head."""
+    return cache.index_select(2, blocks).flatten(2, 3)
+
+
+def _prefill_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, p: PrefillChunk) -> torch.Tensor:
+    """Causal attention of one multi-token chunk. Returns [n, H, D]."""
+    qc = q[p.row_start : p.row_end].transpose(0, 1)[None]  # [1, H, n, D]
+    if p.ctx_blocks is None:
+        # The chunk is the whole context: attend to its own fresh K/V, plain causal, no gather.
+        ctx = kv[p.row_start : p.row_end].permute(1, 2, 0, 3)  # [2, KVH, n, D]
+        o = F.scaled_dot_product_attention(qc, ctx[0][None], ctx[1][None], is_causal=True, enable_gqa=True)
+    else:
+        ctx = _gather_blocks(cache, p.ctx_blocks)  # [2, KVH, nb * bs, D]
+        o = F.scaled_dot_product_attention(qc, ctx[0][None], ctx[1][None], attn_mask=p.mask, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def _decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
+    """One query per request, all requests at once, as two strided-batch matmuls. q: [B, H, D] -> [B, H, D].
+
+    The G = H / KVH query heads sharing a KV head become G query rows of that head's matmul, so K/V
+    are never repeated. Scores and softmax are float32 whatever the model dtype.
+    """
+    b, h, dim = q.shape
+    kvh = cache.shape[1]
+    ctx = _gather_blocks(cache, d.blocks)  # [2, KVH, B * L, D], L = nb * block_size
+    k = ctx[0].view(kvh * b, -1, dim)  # [KVH*B, L, D], batch index = head * B + request
+    v = ctx[1].view(kvh * b, -1, dim)
+    # Head j*G + g uses KV head j (grouped-query attention): [B, H, D] -> [KVH*B, G, D].
+    qg = q.view(b, kvh, h // kvh, dim).transpose(0, 1).reshape(kvh * b, h // kvh, dim)
+    if k.numel() <= _SMALL_CONTEXT:
+        # Small contexts (a few streams): reduced-precision batched matmuls carry a fixed overhead
+        # that float32 ones do not, and converting a small context costs less than that.
+        qg, k, v = qg.float(), k.float(), v.float()
+    scores = torch.bmm(qg, k.transpose(1, 2)).float().mul_(dim**-0.5)  # [KVH*B, G, L]
+    if d.mask is not None:
+        scores.add_(d.mask)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    o = torch.bmm(probs, v).to(q.dtype)  # [KVH*B, G, D]
+    return o.view(kvh, b, h // kvh, dim).transpose(0, 1).reshape(b, h, dim)

@@ -1,0 +1,218 @@
+"""Batched sampling: one float32 logits row per request that samples this step.
+
+Order of operations per row (as vLLM does it): logit_bias and min_tokens -> repetition, presence and
+frequency penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> random draw.
+Logprobs are reported from the model's raw distribution (log_softmax of the unprocessed logits), so
+they say what the model believed, not what the filters left.
+
+Penalty semantics (OpenAI / vLLM): the repetition penalty covers prompt and output tokens (a
+positive logit is divided by it, a negative one multiplied); presence and frequency penalties cover
+output tokens only (logit -= presence * [count > 0] + frequency * count).
+
+Random draws invert the CDF: one uniform number per row, located in the row's cumulative sum. A
+seeded request takes its number from a generator seeded by (seed, num_output_tokens), so its
+samples depend on nothing else in the batch and no state is carried between steps.
+
+Cost matters (the sampler runs every step over [S, vocab] floats): no full-vocabulary sort unless a
+row needs it; top-k and top-p look at the `topk` candidates only, falling back to a sort for a row
+whose nucleus is wider than the candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cadence.request import MAX_LOGPROBS, SamplingParams
+from cadence.sched.output import ScheduledRequest, TokenLogprobs
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pairs over the seed space
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: dict[int, TokenLogprobs]  # row index -> logprobs, only for rows that asked
+
+
+def _is_plain_greedy(r: ScheduledRequest) -> bool:
+    p = r.sampling_params
+    return (
+        p.greedy
+        and not p.needs_history
+        and not p.logit_bias
+        and p.logprobs is None
+        and not _blocks_stop_tokens(r)
+    )
+
+
+def _blocks_stop_tokens(r: ScheduledRequest) -> bool:
+    return r.num_output_tokens < r.sampling_params.min_tokens and bool(
+        r.eos_token_ids or r.sampling_params.stop_token_ids
+    )
+
+
+class Sampler:
+    """Picks one token per logits row. `generator` feeds the unseeded requests (engine-level seed)."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> SamplerOutput:
+        """logits: [S, V] float32, row i belongs to reqs[i]."""
+        if logits.dim() != 2 or logits.shape[0] != len(reqs):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(reqs)} requests")
+        if logits.dtype != torch.float32:
+            raise ValueError("logits must be float32")
+        if all(_is_plain_greedy(r) for r in reqs):
+            # Fast path: the common serving case, one argmax and one host transfer for the batch.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), {})
+        raw = logits
+        logits = self._processed(logits.clone(), reqs)
+        token_ids = self._pick(logits, reqs)
+        return SamplerOutput(token_ids.tolist(), self._logprobs(raw, token_ids, reqs))
+
+    # -- logits processing --------------------------------------------------------------------
+
+    def _processed(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        for i, r in enumerate(reqs):
+            p = r.sampling_params
+            row = logits[i]
+            if p.logit_bias:
+                toks, bias = _bias_tensors(p, vocab, logits.device)
+                row.index_add_(0, toks, bias)
+            if _blocks_stop_tokens(r):
+                blocked = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
+                row[blocked] = float("-inf")
+            if p.needs_history:
+                apply_penalties(row, r)
+        return logits
+
+    def _pick(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> torch.Tensor:
+        out = logits.argmax(dim=-1)
+        flags = [r.sampling_params.greedy for r in reqs]
+        if all(flags):
+            return out
+        greedy = torch.tensor(flags, device=logits.device)
+        temps = torch.tensor(
+            [r.sampling_params.temperature or 1.0 for r in reqs], dtype=torch.float32, device=logits.device
+        )
+        probs = torch.softmax(filter_logits(logits.div_(temps[:, None]), reqs), dim=-1)
+        cdf = probs.cumsum_(dim=-1)  # [S, V], in place: probs are not needed any more
+        u = self._uniforms(reqs) * cdf[:, -1:]  # scaled by the total, which rounding leaves near 1
+        # right=True: the first index whose cdf exceeds u. A filtered token (p = 0) never exceeds
+        # the cdf of the token before it, so it can never be drawn, even for u = 0.
+        drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
+        return torch.where(greedy, out, drawn)
+
+    def _uniforms(self, reqs: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """[S, 1] uniforms in [0, 1): seeded rows from their own (seed, step) generator."""
+        u = torch.rand(len(reqs), 1, device=self.device, generator=self.generator)
+        for i, r in enumerate(reqs):
+            seed = r.sampling_params.seed
+            if seed is not None:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(step_seed(seed, r.num_output_tokens))
+                u[i] = torch.rand(1, device=self.device, generator=g)
+        return u
+
+    def _logprobs(
+        self, raw: torch.Tensor, token_ids: torch.Tensor, reqs: Sequence[ScheduledRequest]
+    ) -> dict[int, TokenLogprobs]:
+        rows = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        if not rows:
+            return {}
+        lp = torch.log_softmax(raw[rows], dim=-1)  # [R, V]
+        n_top = max(min(reqs[i].sampling_params.logprobs or 0, MAX_LOGPROBS) for i in rows)
+        top_v, top_i = lp.topk(n_top, dim=-1) if n_top else (lp[:, :0], lp[:, :0].long())
+        chosen = lp.gather(1, token_ids[rows][:, None])[:, 0]
+        top_v, top_i, chosen_l = top_v.tolist(), top_i.tolist(), chosen.tolist()
+        toks = token_ids[rows].tolist()
+        out: dict[int, TokenLogprobs] = {}
+        for j, i in enumerate(rows):
+            n = min(reqs[i].sampling_params.logprobs or 0, MAX_LOGPROBS)
+            top = tuple(zip(top_i[j][:n], top_v[j][:n], strict=True))
+            out[i] = TokenLogprobs(token_id=toks[j], logprob=chosen_l[j], top=top)
+        return out
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A 63-bit seed for (request seed, output index): stateless, so a request replays identically."""
+    return ((seed * _MIX) ^ (step + 1) * 0xBF58476D1CE4E5B9) % (2**63)
+
+
+def _bias_tensors(p: SamplingParams, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [(t, b) for t, b in p.logit_bias if t < vocab]
+    toks = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device)
+    bias = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device)
+    return toks, bias
+
+
+def apply_penalties(row: torch.Tensor, r: ScheduledRequest) -> None:
+    """Repetition (prompt + outputs), presence and frequency (outputs) penalties, in place on [V]."""
+    p = r.sampling_params
+    if r.history is None:
+        raise ValueError(f"request {r.request_id}: penalties need ScheduledRequest.history")
+    vocab = row.shape[0]
+    hist = torch.tensor([t for t in r.history if 0 <= t < vocab], dtype=torch.long, device=row.device)
+    if p.repetition_penalty != 1.0 and hist.numel():
+        seen = torch.unique(hist)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if p.presence_penalty or p.frequency_penalty:
+        n_out = min(r.num_output_tokens, len(r.history))
+        outputs = r.history[len(r.history) - n_out :] if n_out else ()
+        out_t = torch.tensor([t for t in outputs if 0 <= t < vocab], dtype=torch.long, device=row.device)
+        counts = torch.bincount(out_t, minlength=vocab).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+_CANDIDATES = 256  # tokens examined for top-p before falling back to a full sort of the row
+
+
+def filter_logits(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> torch.Tensor:
+    """top-k, then top-p (over the top-k renormalised), then min-p; removed tokens get -inf. [S, V]"""
+    vocab = logits.shape[1]
+    params = [r.sampling_params for r in reqs]
+    dev = logits.device
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in ks) or any(p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, ks, [p.top_p for p in params])
+    if any(p.min_p > 0 for p in params):
+        mins = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < mins[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, ks: list[int], top_ps: list[float], width: int = 0) -> torch.Tensor:
+    vocab = logits.shape[1]
+    dev = logits.device
+    # Candidates: enough for every top-k, and _CANDIDATES for top-p rows. A row whose nucleus does
+    # not fit in them (a very flat distribution) is redone with all tokens as candidates.
+    if not width:
+        width = min(vocab, max([k for k in ks if k < vocab] + [_CANDIDATES if min(top_ps) < 1.0 else 0]))
+    vals, idx = logits.topk(width, dim=-1)  # [S, W], descending
+    k_t = torch.tensor(ks, device=dev)
+    p_t = torch.tensor(top_ps, dtype=torch.float32, device=dev)
+    rank = torch.arange(width, device=dev)[None, :]
+    # Normaliser: over the top-k when the row has one (vLLM renormalises after top-k), else over
+    # the whole vocabulary, so the candidates' probabilities are exact either way.
+    lse_all = torch.logsumexp(logits, dim=-1, keepdim=True)
+    lse_k = torch.logsumexp(vals.masked_fill(rank >= k_t[:, None], float("-inf")), dim=-1, keepdim=True)
+    lse = torch.where(k_t[:, None] < vocab, lse_k, lse_all)
+    probs = (vals - lse).exp().masked_fill(rank >= k_t[:, None], 0.0)
+    mass_before = probs.cumsum(dim=-1) - probs  # the top token always stays: its mass_before is 0
+    drop = (rank >= k_t[:, None]) | (mass_before >= p_t[:, None])
+    out = torch.full_like(logits, float("-inf")).scatter_(1, idx, vals.masked_fill(drop, float("-inf")))
+    # A top-p row (without a top-k inside the candidates) whose candidates hold less than top_p.
+    short = (mass_before[:, -1] + probs[:, -1] < p_t) & (k_t > width) & (p_t < 1.0)
+    short = torch.nonzero(short).flatten().tolist()
+    if short and width < vocab:
+        out[short] = _top_k_top_p(logits[short], [vocab] * len(short), [top_ps[i] for i in short], width=vocab)
+    return out
