@@ -85,6 +85,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--allow-request-chat-template", action="store_true")
     s.add_argument("--slo-ttft", type=float, default=None, help="seconds; counted in the goodput metric")
     s.add_argument("--slo-itl", type=float, default=None, help="seconds; counted in the goodput metric")
+    s.add_argument("--tenant-max-requests", type=int, default=None,
+                   help="in-flight requests per tenant; beyond it that tenant gets 429 while others are served")
     s.add_argument("--max-tenant-labels", type=int, default=ServerConfig.max_tenant_labels)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--tiny", action="store_true", help="a tiny random-weight model with the real tokenizer (testing)")
@@ -110,7 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_keys=keys, api_key_tenants=tuple(pairs),
         max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
         allow_request_chat_template=args.allow_request_chat_template, slo_ttft=args.slo_ttft,
-        slo_itl=args.slo_itl, max_tenant_labels=args.max_tenant_labels, log_level=args.log_level,
+        slo_itl=args.slo_itl, tenant_max_requests=args.tenant_max_requests, max_tenant_labels=args.max_tenant_labels, log_level=args.log_level,
     ).validate()
     return run_server(engine_cfg, server_cfg, tiny=args.tiny)
 

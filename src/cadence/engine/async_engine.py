@@ -1,0 +1,388 @@
+"""The asyncio face of the engine: an `EngineCore` loop in one background thread, streams on the loop.
+
+    engine thread                                  asyncio side
+    ------------------------------------------     ---------------------------------------------
+    take inbox (adds, aborts) between steps   <--  submit(): admission answered through a future
+    core.step() -> OutputProcessor.process()
+    finish stop-string hits in the core
+    stats hook (Prometheus)
+    loop.call_soon_threadsafe(deliver, batch) -->  one asyncio.Queue per request -> RequestStream
+
+One thread is enough: torch releases the GIL inside its kernels, and the core is not thread-safe, so
+only this thread ever touches it (and the output processor). Requests come in through a locked inbox
+applied between steps, so an abort takes effect within one step. A request with `n > 1` (or several
+prompts) fans out into one engine request per choice, admitted all-or-nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from cadence.clock import Clock, RealClock
+from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
+from cadence.engine.output_processor import OutputProcessor, StreamDelta
+from cadence.errors import AdmissionError, CadenceError, ErrorKind
+from cadence.metrics.stats import IterationStats, SchedulerStats
+from cadence.request import Request, RequestStatus, SamplingParams
+
+if TYPE_CHECKING:
+    from cadence.engine.builder import Engine
+
+log = logging.getLogger("cadence.engine")
+
+StatsHook = Callable[[IterationStats | None, SchedulerStats | None], None]
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # after this many failed steps in a row the loop is declared dead
+_IDLE_WAIT_S = 0.5  # how long an idle engine thread sleeps before looking at its flags again
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, stats_hook: StatsHook | None = None, start: bool = True) -> None:
+        self.engine = engine
+        self.core = engine.core
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.clock: Clock = getattr(self.core, "clock", None) or RealClock()
+        self.stats_hooks: list[StatsHook] = [stats_hook] if stats_hook else []
+        self.drain_rate = DrainRate(self.clock)
+        self._proc = OutputProcessor(engine.tokenizer)
+        self._inbox: list[AddItem | AbortItem] = []
+        self._wake = threading.Condition()
+        self._groups: dict[str, Group] = {}  # engine thread only
+        self._owner: dict[str, Group] = {}  # sub-request id -> group; engine thread only
+        self._in_flight = 0  # groups admitted and not yet finished (read from the loop side)
+        self._stop = False
+        self._draining = False
+        self._dead: str | None = None
+        self._thread = threading.Thread(target=self._run, name="cadence-engine", daemon=True)
+        if start:
+            self._thread.start()
+
+    # -- state --------------------------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        """Liveness: the loop thread is running and has not died of an unrecoverable error."""
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def is_ready(self) -> bool:
+        return self.is_healthy and not self._draining
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self._dead is None and not self._thread.is_alive():
+            return "the engine thread has stopped"
+        return self._dead
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    # -- the asyncio side ---------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        tenant: str = "default",
+        deadline: float | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        """Stream one request's deltas. Refusals (AdmissionError) raise before the first yield."""
+        stream = await self.submit(
+            [prompt_token_ids],
+            params,
+            request_id=request_id,
+            priority=priority,
+            tenant=tenant,
+            deadline=deadline,
+            cache_salt=cache_salt,
+        )
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            await stream.aclose()
+
+    async def submit(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        priority: int = 0,
+        tenant: str = "default",
+        deadline: float | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Admit `len(prompts) * params.n` engine requests all-or-nothing; raise the refusal if any is refused.
+
+        `deadline` is seconds from now. Choice k = prompt_index * n + i; seeded choices use seed + i.
+        """
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        now = self.clock.now()
+        requests = self._fan_out(prompts, params, request_id, now, priority, tenant, deadline, cache_salt)
+        group = Group(request_id, [r.request_id for r in requests], loop, asyncio.Queue())
+        future: asyncio.Future = loop.create_future()
+        self._post(AddItem(group, requests, future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the client left while we waited for admission
+            raise
+        return RequestStream(group, self.abort)
+
+    def abort(self, request_id: str, error: CadenceError | None = None) -> None:
+        """End a request (all its choices) between steps; its blocks are freed. Unknown ids are ignored."""
+        self._post(AbortItem(request_id, error))
+
+    def _check_open(self) -> None:
+        if not self.is_healthy:
+            raise CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {self.dead_reason}")
+        if self._draining:
+            raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
+
+    def _fan_out(
+        self, prompts, params, request_id, now, priority, tenant, deadline, cache_salt
+    ) -> list[Request]:
+        n = params.n
+        total = len(prompts) * n
+        requests = []
+        for j, toks in enumerate(prompts):
+            for i in range(n):
+                seed = None if params.seed is None else (params.seed + i) % (1 << 63)
+                sub = replace(params, n=1, seed=seed) if n > 1 else params
+                rid = request_id if total == 1 else f"{request_id}-{j * n + i}"
+                requests.append(
+                    Request(
+                        rid,
+                        list(toks),
+                        sub,
+                        arrival_time=now,
+                        priority=priority,
+                        tenant=tenant,
+                        deadline=None if deadline is None else now + deadline,
+                        cache_salt=cache_salt,
+                    )
+                )
+        return requests
+
+    def _post(self, item: AddItem | AbortItem) -> None:
+        with self._wake:
+            self._inbox.append(item)
+            self._wake.notify()
+
+    def _deliver(self, batch: list[tuple[asyncio.Queue, Any]]) -> None:
+        for queue, item in batch:
+            queue.put_nowait(item)
+
+    @staticmethod
+    def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+        if future.done():  # cancelled meanwhile: the client left while waiting for admission
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    # -- draining and shutdown ----------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (503); in-flight ones go on."""
+        self._draining = True
+
+    def abort_all(self, error: CadenceError) -> None:
+        """End every request in flight; each stream gets `error` as its terminal event."""
+        self._post(AbortItem("*", error))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread (after aborting whatever is left) and wait for it."""
+        self._draining = True
+        self.abort_all(CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down"))
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- the engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            with self._wake:
+                if not self._inbox and not self._stop and not self.core.has_unfinished_requests():
+                    self._wake.wait(_IDLE_WAIT_S)
+                inbox, self._inbox = self._inbox, []
+                stop = self._stop
+            self._apply(inbox)
+            if stop:
+                return
+            if not self.core.has_unfinished_requests():
+                continue
+            try:
+                self._step()
+                failures = 0
+            except Exception as exc:  # the core could not step: fail what is in flight, maybe die
+                failures += 1
+                log.exception("engine step failed (%d in a row)", failures)
+                error = CadenceError(ErrorKind.INTERNAL, f"engine step failed: {type(exc).__name__}: {exc}")
+                self._apply([AbortItem("*", error)])  # _apply logs, never raises
+                if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                    self._die(f"{failures} consecutive step failures, last: {type(exc).__name__}: {exc}")
+                    return
+
+    def _step(self) -> None:
+        deltas = self.core.step()
+        try:
+            out, stopped = self._proc.process(deltas)
+        except Exception as exc:  # detokenization failed: fail this step's requests, keep the loop
+            log.exception("output processing failed")
+            ids = list({d.request_id for d in deltas})
+            self._finish_in_core(ids, RequestStatus.FINISHED_ERROR)
+            self._send_errors(ids, CadenceError(ErrorKind.INTERNAL, f"output processing failed: {exc}"))
+            return
+        if stopped:
+            self._finish_in_core(stopped, RequestStatus.FINISHED_STOPPED)
+        it = self._run_hooks()
+        self._dispatch(out)
+        if it is not None and it.num_prompt_tokens == 0 and it.num_generation_tokens == 0 and not out:
+            # Requests exist but none could run (all blocked): yield the CPU rather than spin.
+            with self._wake:
+                if not self._inbox:
+                    self._wake.wait(0.002)
+
+    def _run_hooks(self) -> IterationStats | None:
+        it = None
+        try:
+            it, st = self.core.last_stats, self.core.scheduler_stats
+            self.drain_rate.record(len(it.finished) if it is not None else 0, st)
+            for hook in self.stats_hooks:
+                hook(it, st)
+        except Exception:  # metrics must never take the engine down
+            log.exception("stats hook failed")
+        return it
+
+    def _dispatch(self, deltas: list[StreamDelta]) -> None:
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for d in deltas:
+            group = self._owner.get(d.request_id)
+            if group is None:
+                continue  # aborted: nobody listens
+            per_loop.setdefault(group.loop, []).append((group.queue, d))
+            if d.finished:
+                self._close_sub(group, d.request_id)
+        for loop, batch in per_loop.items():
+            self._call(loop, self._deliver, batch)
+
+    def _close_sub(self, group: Group, sub_id: str) -> None:
+        self._owner.pop(sub_id, None)
+        group.open_ids.discard(sub_id)
+        if not group.open_ids and self._groups.pop(group.request_id, None) is not None:
+            self._in_flight -= 1
+
+    def _apply(self, inbox: list[AddItem | AbortItem]) -> None:
+        for item in inbox:
+            try:
+                if isinstance(item, AddItem):
+                    self._admit(item)
+                else:
+                    self._abort(item)
+            except Exception:
+                log.exception("applying %s failed", type(item).__name__)
+
+    def _admit(self, add: AddItem) -> None:
+        group, added = add.group, []
+        try:
+            self._check_open()
+            if group.request_id in self._groups:
+                raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {group.request_id!r} is in use")
+            for req in add.requests:
+                self.core.add_request(req)
+                added.append(req)
+        except Exception as exc:
+            if added:
+                self.core.abort_requests([r.request_id for r in added])
+            self._call(group.loop, self._resolve, add.future, self._admission_error(exc))
+            return
+        for req in add.requests:
+            self._proc.add_request(req.request_id, req.sampling_params, req.prompt_token_ids)
+            self._owner[req.request_id] = group
+        group.open_ids = set(group.sub_ids)
+        self._groups[group.request_id] = group
+        self._in_flight += 1
+        self._call(group.loop, self._resolve, add.future, None)
+
+    def _admission_error(self, exc: Exception) -> CadenceError:
+        busy = (ErrorKind.QUEUE_FULL, ErrorKind.TENANT_QUOTA)
+        if isinstance(exc, AdmissionError) and exc.kind in busy and exc.retry_after is None:
+            exc.retry_after = self.drain_rate.retry_after()
+        if isinstance(exc, CadenceError):
+            return exc
+        if isinstance(exc, ValueError):
+            return CadenceError(ErrorKind.INVALID_REQUEST, str(exc))
+        log.exception("admission failed", exc_info=exc)
+        return CadenceError(ErrorKind.INTERNAL, f"admission failed: {type(exc).__name__}")
+
+    def _abort(self, item: AbortItem) -> None:
+        groups = (
+            list(self._groups.values()) if item.request_id == "*" else [self._groups.get(item.request_id)]
+        )
+        for group in groups:
+            if group is None:
+                continue
+            ids = sorted(group.open_ids)
+            for rid in ids:
+                self._proc.remove(rid)
+                self._owner.pop(rid, None)
+            group.open_ids.clear()
+            self._groups.pop(group.request_id, None)
+            self._in_flight -= 1
+            try:
+                self.core.abort_requests(ids)
+            finally:
+                # Whoever still reads this stream must not wait forever.
+                error = item.error or CadenceError(ErrorKind.UNAVAILABLE, "request aborted")
+                self._call(group.loop, self._deliver, [(group.queue, error)])
+
+    def _finish_in_core(self, ids: list[str], status: RequestStatus) -> None:
+        try:
+            self.core.finish_requests(ids, status)
+        except Exception:
+            log.exception("finishing %d requests in the core failed", len(ids))
+
+    def _send_errors(self, sub_ids: list[str], error: CadenceError) -> None:
+        for group in {id(g): g for g in (self._owner.get(r) for r in sub_ids) if g is not None}.values():
+            self._abort(AbortItem(group.request_id, error))
+
+    def _die(self, reason: str) -> None:
+        self._dead = reason
+        log.error("engine loop stopped: %s", reason)
+        with self._wake:
+            pending, self._inbox = self._inbox, []
+        for item in pending:
+            if isinstance(item, AddItem):
+                err = CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {reason}")
+                self._call(item.group.loop, self._resolve, item.future, err)
+
+    @staticmethod
+    def _call(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is left to tell
+            loop.call_soon_threadsafe(fn, *args)

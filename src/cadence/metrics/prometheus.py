@@ -1,0 +1,263 @@
+"""Prometheus exporter: turns the engine's per-step `IterationStats` and `SchedulerStats` into metrics.
+
+Names follow `cadence:<what>_<unit>` (docs/metrics.md lists each one). Each exporter owns its own
+`CollectorRegistry`, so several apps (tests) in one process never collide. The engine thread calls
+`record_step`; the HTTP side calls `record_rejection` and `render`. prometheus_client is thread-safe,
+and the tenant-label table has its own lock.
+
+Tenant labels are bounded: the first `max_tenant_labels` tenants seen keep their name, later ones
+are counted as "other", so a client inventing tenants cannot grow the series without limit.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from cadence.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+# The `_created` series (a timestamp per counter) double the output and no dashboard reads them.
+disable_created_metrics()
+
+OTHER_TENANT = "other"
+SUCCESS_REASONS = frozenset({"stop", "length"})
+
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+)
+LATENCY_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
+
+
+class TenantLabels:
+    """Maps tenant names to a bounded set of label values."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = max(0, limit)
+        self._known: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._known:
+            return tenant
+        with self._lock:
+            if tenant in self._known:
+                return tenant
+            if len(self._known) < self._limit and tenant != OTHER_TENANT:
+                self._known.add(tenant)
+                return tenant
+        return OTHER_TENANT
+
+
+def meets_slo(f: FinishedRequestStats, slo_ttft: float | None, slo_itl: float | None) -> bool:
+    """A successfully finished request within every SLO given (inter-token: its mean gap after the first)."""
+    if f.finish_reason not in SUCCESS_REASONS:
+        return False
+    ttft = f.metrics.ttft
+    if slo_ttft is not None and (ttft is None or ttft > slo_ttft):
+        return False
+    if slo_itl is not None and f.num_output_tokens > 1:
+        e2e = f.metrics.e2e_latency
+        if ttft is None or e2e is None:
+            return False
+        if (e2e - ttft) / (f.num_output_tokens - 1) > slo_itl:
+            return False
+    return True
+
+
+class PrometheusExporter:
+    def __init__(
+        self,
+        *,
+        slo_ttft: float | None = None,
+        slo_itl: float | None = None,
+        max_tenant_labels: int = 32,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.slo_ttft = slo_ttft
+        self.slo_itl = slo_itl
+        self.tenant = TenantLabels(max_tenant_labels)
+        self._define()
+
+    def _define(self) -> None:
+        r = self.registry
+        t = ("tenant",)
+        self.ttft = Histogram(
+            "cadence:time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
+            t,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "cadence:inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request.",
+            t,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "cadence:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            t,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "cadence:request_queue_time_seconds",
+            "Time from arrival to first scheduling.",
+            t,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge("cadence:running_requests", "Requests holding KV blocks (running).", registry=r)
+        self.waiting = Gauge("cadence:waiting_requests", "Requests in the waiting queue.", registry=r)
+        self.kv_usage = Gauge(
+            "cadence:kv_cache_usage_ratio", "Fraction of KV blocks in use (0 to 1).", registry=r
+        )
+        self.live_tokens = Gauge(
+            "cadence:live_tokens", "Tokens whose KV is held by running requests.", registry=r
+        )
+        self.prompt_tokens = Counter("cadence:prompt_tokens", "Prompt tokens computed (prefill).", registry=r)
+        self.generation_tokens = Counter("cadence:generation_tokens", "Output tokens sampled.", registry=r)
+        self.preemptions = Counter(
+            "cadence:preempted_requests",
+            "Preemptions: a running request's KV freed, recomputed later.",
+            registry=r,
+        )
+        self.cache_queries = Counter(
+            "cadence:prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.cache_hits = Counter(
+            "cadence:prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", registry=r
+        )
+        self.rejected = Counter(
+            "cadence:rejected_requests",
+            "Requests refused before any work, by reason.",
+            ("reason",),
+            registry=r,
+        )
+        self.finished = Counter(
+            "cadence:finished_requests", "Requests ended, by finish reason.", ("reason", "tenant"), registry=r
+        )
+        self.goodput = Counter(
+            "cadence:goodput_requests", "Finished requests that met every configured SLO.", t, registry=r
+        )
+
+    # -- feeding ------------------------------------------------------------------------------------
+
+    def record_step(self, it: IterationStats | None, st: SchedulerStats | None) -> None:
+        """One engine step's counters and the gauges after it. Called from the engine thread."""
+        if st is not None:
+            self.record_scheduler(st)
+        if it is None:
+            return
+        _inc(self.prompt_tokens, it.num_prompt_tokens)
+        _inc(self.generation_tokens, it.num_generation_tokens)
+        _inc(self.preemptions, it.num_preemptions)
+        _inc(self.cache_queries, it.prefix_cache_queries)
+        _inc(self.cache_hits, it.prefix_cache_hits)
+        for tenant, seconds in it.first_token_latencies:
+            self.ttft.labels(self.tenant(tenant)).observe(seconds)
+        for tenant, seconds in it.token_latencies:
+            self.itl.labels(self.tenant(tenant)).observe(seconds)
+        for f in it.finished:
+            self.record_finished(f)
+        for reason, count in it.rejections.items():
+            _inc(self.rejected.labels(reason), count)
+
+    def record_scheduler(self, st: SchedulerStats) -> None:
+        self.running.set(st.num_running)
+        self.waiting.set(st.num_waiting)
+        self.kv_usage.set(st.kv_usage)
+        self.live_tokens.set(st.num_live_tokens)
+
+    def record_finished(self, f: FinishedRequestStats) -> None:
+        tenant = self.tenant(f.tenant)
+        self.finished.labels(f.finish_reason, tenant).inc()
+        m = f.metrics
+        if m.e2e_latency is not None:
+            self.e2e.labels(tenant).observe(m.e2e_latency)
+        if m.queue_time is not None:
+            self.queue_time.labels(tenant).observe(m.queue_time)
+        if meets_slo(f, self.slo_ttft, self.slo_itl):
+            self.goodput.labels(tenant).inc()
+
+    def record_rejection(self, reason: str, count: int = 1) -> None:
+        """A refusal the engine core never saw (the server's own: draining, invalid input, ...)."""
+        _inc(self.rejected.labels(reason), count)
+
+    # -- reading ------------------------------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _inc(counter: Counter, amount: float) -> None:
+    if amount > 0:  # prometheus_client refuses negative increments; zero is a no-op anyway
+        counter.inc(amount)

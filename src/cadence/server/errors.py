@@ -1,0 +1,172 @@
+"""One table from error kinds to HTTP status and OpenAI error type/code, and the handlers that use it.
+
+Every error the server answers has OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
+whatever raised it: the engine (`CadenceError` with an `ErrorKind`), request validation (pydantic),
+the HTTP layer (`APIError` with an `HTTPKind`), routing (404/405), or a bug (500, the server lives on).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cadence.errors import CadenceError, ErrorKind
+
+log = logging.getLogger("cadence.server")
+
+
+class HTTPKind(str, enum.Enum):
+    """Errors that exist only at the HTTP layer (the engine never raises them)."""
+
+    UNAUTHORIZED = "unauthorized"
+    BODY_TOO_LARGE = "body_too_large"
+    ROUTE_NOT_FOUND = "route_not_found"
+    MODEL_NOT_FOUND = "model_not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    UNSUPPORTED_MEDIA = "unsupported_media_type"
+
+
+@dataclass(frozen=True)
+class ErrorSpec:
+    status: int
+    type: str
+    code: str
+
+
+ERROR_TABLE: dict[ErrorKind | HTTPKind, ErrorSpec] = {
+    ErrorKind.INVALID_REQUEST: ErrorSpec(400, "invalid_request_error", "invalid_request"),
+    ErrorKind.NOT_FOUND: ErrorSpec(404, "invalid_request_error", "not_found"),
+    ErrorKind.QUEUE_FULL: ErrorSpec(429, "rate_limit_error", "queue_full"),
+    ErrorKind.TENANT_QUOTA: ErrorSpec(429, "rate_limit_error", "tenant_quota_exceeded"),
+    ErrorKind.DEADLINE: ErrorSpec(408, "timeout_error", "deadline_exceeded"),
+    ErrorKind.UNAVAILABLE: ErrorSpec(503, "service_unavailable_error", "unavailable"),
+    ErrorKind.INTERNAL: ErrorSpec(500, "server_error", "internal_error"),
+    HTTPKind.UNAUTHORIZED: ErrorSpec(401, "authentication_error", "invalid_api_key"),
+    HTTPKind.BODY_TOO_LARGE: ErrorSpec(413, "invalid_request_error", "request_too_large"),
+    HTTPKind.ROUTE_NOT_FOUND: ErrorSpec(404, "invalid_request_error", "not_found"),
+    HTTPKind.MODEL_NOT_FOUND: ErrorSpec(404, "invalid_request_error", "model_not_found"),
+    HTTPKind.METHOD_NOT_ALLOWED: ErrorSpec(405, "invalid_request_error", "method_not_allowed"),
+    HTTPKind.UNSUPPORTED_MEDIA: ErrorSpec(415, "invalid_request_error", "unsupported_media_type"),
+}
+
+
+class APIError(Exception):
+    """An HTTP-layer error; raised in handlers and middleware, answered through the table."""
+
+    def __init__(
+        self,
+        kind: ErrorKind | HTTPKind,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+
+def error_payload(kind: ErrorKind | HTTPKind, message: str, param: str | None = None) -> dict[str, Any]:
+    spec = ERROR_TABLE[kind]
+    return {"error": {"message": message, "type": spec.type, "param": param, "code": spec.code}}
+
+
+def error_response(
+    kind: ErrorKind | HTTPKind, message: str, *, param: str | None = None, retry_after: float | None = None
+) -> JSONResponse:
+    headers = {}
+    if retry_after is not None:
+        # Whole seconds, at least 1: clients (the openai package among them) read it as an integer.
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+    return JSONResponse(
+        error_payload(kind, message, param), status_code=ERROR_TABLE[kind].status, headers=headers
+    )
+
+
+def error_bytes(kind: ErrorKind | HTTPKind, message: str) -> bytes:
+    """The same body as a raw JSON byte string (for the ASGI middleware, which has no FastAPI response)."""
+    return json.dumps(error_payload(kind, message)).encode()
+
+
+def from_exception(exc: BaseException) -> JSONResponse:
+    """Any exception as an OpenAI-shaped error response."""
+    if isinstance(exc, (APIError, CadenceError)):
+        return error_response(exc.kind, exc.message, param=exc.param, retry_after=exc.retry_after)
+    if isinstance(exc, (ValidationError, RequestValidationError)):
+        message, param = describe_validation(exc.errors())
+        return error_response(ErrorKind.INVALID_REQUEST, message, param=param)
+    if isinstance(exc, ValueError):  # SamplingParams and the tokenizer speak "field: why"
+        message = str(exc)
+        return error_response(ErrorKind.INVALID_REQUEST, message, param=param_of(message))
+    log.exception("unhandled error", exc_info=exc)
+    return error_response(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+# -- validation errors ------------------------------------------------------------------------------
+
+# Pydantic puts union members and validator names in `loc` ('str', 'list[int]', 'function-after[...]');
+# they mean nothing to a client, so the parameter path keeps field names and list indexes only.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|constrained-\w+)$|[\[\]\-]")
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+
+
+def describe_validation(errors: list[dict[str, Any]] | Any) -> tuple[str, str | None]:
+    """(message, param) for a list of pydantic errors: the first error names the parameter."""
+    errors = list(errors)
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    path = [str(p) for p in loc if isinstance(p, int) or not _TYPE_TAG.search(str(p))]
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":
+        return f"invalid JSON body: {first.get('ctx', {}).get('error', msg)}", None
+    param = ".".join(path) or param_of(msg)
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    where = f"{param}: " if param and not msg.startswith(f"{param}:") else ""
+    return f"{where}{msg}{more}", param
+
+
+def param_of(message: str) -> str | None:
+    m = _FIELD_PREFIX.match(message)
+    return m.group(1) if m else None
+
+
+# -- handlers -------------------------------------------------------------------------------------
+
+
+async def _handle(request: Request, exc: Exception) -> JSONResponse:
+    return from_exception(exc)
+
+
+async def _handle_http(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        return error_response(HTTPKind.ROUTE_NOT_FOUND, f"no route {request.method} {request.url.path}")
+    if exc.status_code == 405:
+        return error_response(
+            HTTPKind.METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.url.path}"
+        )
+    kind = ErrorKind.INTERNAL if exc.status_code >= 500 else ErrorKind.INVALID_REQUEST
+    resp = error_response(kind, str(exc.detail))
+    resp.status_code = exc.status_code
+    return resp
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    for exc_type in (APIError, CadenceError, ValidationError, RequestValidationError, ValueError, Exception):
+        app.add_exception_handler(exc_type, _handle)
+    app.add_exception_handler(StarletteHTTPException, _handle_http)

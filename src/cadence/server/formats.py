@@ -1,0 +1,234 @@
+"""Response bodies and SSE events in OpenAI's shapes, built as plain dicts (the hot path of streaming).
+
+`protocol.py` holds the same shapes as pydantic models for the OpenAPI schema; the tests check real
+responses against them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from cadence.engine.output_processor import StreamDelta
+from cadence.sched.output import TokenLogprobs
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event: `data: {json}\\n\\n` (compact JSON, never a raw newline inside)."""
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class TokenStrings:
+    """Token id -> its text, for logprobs; cached because the same ids recur constantly."""
+
+    def __init__(self, tokenizer: Any, limit: int = 65536) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+        self._limit = limit
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._cache) < self._limit:
+                self._cache[token_id] = s
+        return s
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far (all of it when not streaming; offsets when streaming)."""
+
+    text: list[str] = field(default_factory=list)
+    num_chars: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class UsageTracker:
+    """Prompt tokens count once per prompt (not once per choice), as OpenAI counts them."""
+
+    n: int
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+    def add(self, index: int, delta: StreamDelta) -> None:
+        p = index // self.n
+        self.prompt_tokens[p] = max(self.prompt_tokens.get(p, 0), delta.num_prompt_tokens)
+        self.cached_tokens[p] = max(self.cached_tokens.get(p, 0), delta.num_cached_tokens)
+        self.completion_tokens += len(delta.token_ids)
+
+    def as_dict(self) -> dict[str, Any]:
+        prompt = sum(self.prompt_tokens.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }
+
+
+class Formatter:
+    """Builds one API's chunks and final body; subclasses: completions and chat completions."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        num_choices: int,
+        tokens: TokenStrings,
+        want_logprobs: bool,
+    ) -> None:
+        self.request_id = request_id
+        self.want_logprobs = want_logprobs
+        self.model = model
+        self.created = created
+        self.choices = [ChoiceState() for _ in range(num_choices)]
+        self.tokens = tokens
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def accumulate(self, index: int, d: StreamDelta) -> None:
+        st = self.choices[index]
+        st.text.append(d.text)
+        if d.logprobs:
+            st.logprobs.extend(d.logprobs)
+        if d.finished:
+            st.finish_reason, st.stop_reason = d.finish_reason, d.stop_reason
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, index: int, d: StreamDelta) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object_name, [])
+        body["usage"] = usage
+        return body
+
+    def response(self, usage: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionFormatter(Formatter):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def _logprobs(self, st: ChoiceState, lps: list[TokenLogprobs]) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for lp in lps:
+            s = self.tokens(lp.token_id)
+            tokens.append(s)
+            offsets.append(st.num_chars)
+            st.num_chars += len(s)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self.tokens(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def chunk(self, index: int, d: StreamDelta) -> dict[str, Any] | None:
+        if not d.text and not d.finished and not d.logprobs:
+            return None  # nothing a client could see (bytes of a character, or a possible stop string)
+        lp = self._logprobs(self.choices[index], d.logprobs) if d.logprobs is not None else None
+        choice = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+        if d.finished:
+            choice["stop_reason"] = d.stop_reason
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def response(self, usage: dict[str, Any]) -> dict[str, Any]:
+        choices = []
+        for i, st in enumerate(self.choices):
+            lp = self._logprobs(ChoiceState(), st.logprobs) if self.want_logprobs else None
+            choices.append(
+                {
+                    "index": i,
+                    "text": "".join(st.text),
+                    "logprobs": lp,
+                    "finish_reason": st.finish_reason,
+                    "stop_reason": st.stop_reason,
+                }
+            )
+        body = self._envelope(self.object_name, choices)
+        body["usage"] = usage
+        return body
+
+
+class ChatFormatter(Formatter):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
+        content = []
+        for lp in lps:
+            s = self.tokens(lp.token_id)
+            top = [self._entry(t, v) for t, v in lp.top]
+            content.append({**self._entry(lp.token_id, lp.logprob, s), "top_logprobs": top})
+        return {"content": content}
+
+    def _entry(self, token_id: int, logprob: float, s: str | None = None) -> dict[str, Any]:
+        s = self.tokens(token_id) if s is None else s
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        # OpenAI opens every choice with the role before any content.
+        return [
+            self._envelope(
+                self.chunk_object_name,
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+            for i in range(len(self.choices))
+        ]
+
+    def chunk(self, index: int, d: StreamDelta) -> dict[str, Any] | None:
+        if not d.text and not d.finished and not d.logprobs:
+            return None
+        lp = self._logprobs(d.logprobs) if d.logprobs is not None else None
+        delta = {"content": d.text} if d.text else {}
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        if d.finished:
+            choice["stop_reason"] = d.stop_reason
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def response(self, usage: dict[str, Any]) -> dict[str, Any]:
+        choices = []
+        for i, st in enumerate(self.choices):
+            lp = self._logprobs(st.logprobs) if self.want_logprobs else None
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "".join(st.text)},
+                    "logprobs": lp,
+                    "finish_reason": st.finish_reason,
+                    "stop_reason": st.stop_reason,
+                }
+            )
+        body = self._envelope(self.object_name, choices)
+        body["usage"] = usage
+        return body

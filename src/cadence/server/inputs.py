@@ -1,0 +1,216 @@
+"""From a validated request body to engine inputs: token ids, SamplingParams, tenant, cache salt.
+
+These checks need the model (its vocabulary, context length, chat template), so they run here
+rather than in protocol.py; each failure is a 400 naming the parameter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from cadence.config import ServerConfig
+from cadence.engine.async_engine import AsyncEngine
+from cadence.errors import ErrorKind
+from cadence.request import SamplingParams
+from cadence.server.errors import APIError, HTTPKind, param_of
+from cadence.server.protocol import SamplingFields
+
+TENANT_HEADER = "x-tenant"
+KEY_TENANT_SCOPE = "cadence.key_tenant"  # set by the API-key middleware when the key maps to a tenant
+_TENANT_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,64}$")
+_ENCODE_IN_THREAD_CHARS = 8192  # longer prompts are tokenized off the event loop
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated request, ready for the engine."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    tenant: str
+    priority: int
+    deadline: float | None
+    cache_salt: str | None
+    stream: bool
+    include_usage: bool
+
+
+class InputBuilder:
+    """Checks a request against the served model and builds the `Job` the engine runs."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        cache_cfg = getattr(getattr(engine.engine, "config", None), "cache", None)
+        self.isolate_tenants = bool(config.api_key_tenants) or bool(
+            getattr(cache_cfg, "tenant_isolation", False)
+        )
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.engine.model_name:
+            raise APIError(
+                HTTPKind.MODEL_NOT_FOUND,
+                f"the model {name!r} does not exist; this server serves {self.engine.model_name!r}",
+                param="model",
+            )
+
+    async def prompt_ids(
+        self, prompt: str | list[int], param: str, *, allow_empty: bool = False
+    ) -> list[int]:
+        if not isinstance(prompt, str):
+            return self.check_ids(prompt, param)
+        encode = self.engine.tokenizer.encode
+        ids = (
+            await asyncio.to_thread(encode, prompt)
+            if len(prompt) > _ENCODE_IN_THREAD_CHARS
+            else encode(prompt)
+        )
+        if not ids and not allow_empty:
+            raise APIError(
+                ErrorKind.INVALID_REQUEST, f"{param}: the prompt encodes to no tokens", param=param
+            )
+        return list(ids)
+
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        vocab = self.engine.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise APIError(
+                ErrorKind.INVALID_REQUEST,
+                f"{param}: token id {bad} is outside the vocabulary (size {vocab})",
+                param=param,
+            )
+        return list(ids)
+
+    def chat_ids(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, template: str | None
+    ) -> list[int]:
+        if template is not None and not self.config.allow_request_chat_template:
+            raise APIError(
+                ErrorKind.INVALID_REQUEST,
+                "chat_template: this server does not accept a chat template in the request "
+                "(its operator can allow it with --allow-request-chat-template)",
+                param="chat_template",
+            )
+        try:
+            return list(
+                self.engine.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, chat_template=template
+                )
+            )
+        except ValueError as e:
+            # The tokenizer speaks "field: why" (messages[0].content: ..., chat_template: ...).
+            message = str(e)
+            param = (param_of(message) or "messages").split("[")[0]
+            raise APIError(ErrorKind.INVALID_REQUEST, message, param=param) from None
+        except Exception as e:  # a template (from the request) that does not render
+            if template is None:
+                raise
+            raise APIError(
+                ErrorKind.INVALID_REQUEST, f"chat_template: {type(e).__name__}: {e}", param="chat_template"
+            ) from None
+
+    def job(
+        self,
+        prefix: str,
+        body: SamplingFields,
+        raw: Request,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_param: str,
+    ) -> Job:
+        params = self._params(body, prompts, max_tokens, logprobs, prompt_param)
+        tenant, salt = self._tenant(raw, body.user)
+        return Job(
+            f"{prefix}-{uuid.uuid4().hex}",
+            prompts,
+            params,
+            tenant,
+            body.priority,
+            body.deadline,
+            salt,
+            body.stream,
+            body.include_usage,
+        )
+
+    def _params(
+        self,
+        body: SamplingFields,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_param: str,
+    ) -> SamplingParams:
+        longest, limit = max(len(p) for p in prompts), self.engine.max_model_len
+        if longest >= limit:
+            raise APIError(
+                ErrorKind.INVALID_REQUEST,
+                f"{prompt_param}: the prompt has {longest} tokens but this model's context is {limit} "
+                f"tokens (max_model_len), leaving no room to generate",
+                param=prompt_param,
+            )
+        if max_tokens is None:
+            max_tokens = limit - longest
+        elif longest + max_tokens > limit:
+            raise APIError(
+                ErrorKind.INVALID_REQUEST,
+                f"max_tokens: the prompt has {longest} tokens and max_tokens is {max_tokens}, "
+                f"{longest + max_tokens} in all, over this model's context of {limit} tokens",
+                param="max_tokens",
+            )
+        bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+        self.check_ids(list(bias), "logit_bias")
+        self.check_ids(body.stop_token_ids or [], "stop_token_ids")
+        options = {
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "min_p": body.min_p,
+            "seed": body.seed,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "repetition_penalty": body.repetition_penalty,
+        }
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                n=body.n,
+                stop=tuple(body.stop_list()),
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                ignore_eos=body.ignore_eos,
+                min_tokens=body.min_tokens,
+                logprobs=logprobs,
+                logit_bias=tuple(bias.items()),
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
+                **{k: v for k, v in options.items() if v is not None},
+            )
+        except ValueError as e:
+            field_name = str(e).split(":", 1)[0]
+            raise APIError(ErrorKind.INVALID_REQUEST, str(e), param=field_name) from None
+
+    def _tenant(self, raw: Request, user: str | None) -> tuple[str, str | None]:
+        """(tenant, prefix-cache salt). A key's tenant wins; else X-Tenant; else `user`; else "default"."""
+        key_tenant = raw.scope.get(KEY_TENANT_SCOPE)
+        if key_tenant:
+            tenant, verified = key_tenant, True
+        else:
+            header = raw.headers.get(TENANT_HEADER)
+            if header is not None and not _TENANT_RE.match(header):
+                raise APIError(
+                    ErrorKind.INVALID_REQUEST,
+                    "X-Tenant: must be 1 to 64 characters from A-Z a-z 0-9 . _ : @ -",
+                    param="X-Tenant",
+                )
+            tenant, verified = header or user or "default", False
+        if not self.isolate_tenants:
+            return tenant, None
+        # A tenant only claimed (header or user) never shares cached blocks with a key-verified one.
+        return tenant, ("key:" if verified else "claimed:") + tenant

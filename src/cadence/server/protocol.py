@@ -1,0 +1,329 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic v2).
+
+Requests are strict: a known field of the wrong type is refused (no "1" for 1, no `true` for 1),
+numbers must be finite, every size has a cap; unknown fields are ignored, as OpenAI does. Bounds
+mirror `SamplingParams` so that what passes here also passes there; checks that need the model
+(vocabulary, context length) happen in serving.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cadence.request import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+
+# Caps beyond SamplingParams': they bound the work and memory one request can ask for.
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+MAX_CHOICES = 128  # prompts x n
+MAX_TOKENS_CAP = 1 << 20  # an "absurd" max_tokens is refused before the context check
+MAX_MESSAGES = 1024
+MAX_CHAT_TEMPLATE_CHARS = 65536
+MAX_USER_CHARS = 256
+MAX_DEADLINE_S = 86400.0
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = (1 << 31) - 1  # larger ids cannot be in any vocabulary; the vocab check comes later
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN)]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class SamplingFields(StrictModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(default=None, max_length=256)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=1 << 20)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=1 << 63)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    stop: StopStr | list[StopStr] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_CAP)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Scheduling inputs (cadence extensions): higher priority is served first under the priority
+    # policy; deadline is seconds from arrival after which the request is dropped if not done.
+    priority: int = Field(default=0, ge=-(1 << 31), lt=1 << 31)
+    deadline: float | None = Field(default=None, gt=0.0, le=MAX_DEADLINE_S)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_count(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        for key in v:
+            if not key.isascii() or not key.isdigit() or len(key) > 10:
+                raise ValueError(
+                    f"keys must be token ids (non-negative integers as strings), got {key[:32]!r}"
+                )
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
+
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)
+        ]
+    )
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_CAP)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of == n is supported")
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"n: prompts x n must be at most {MAX_CHOICES}")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (a flat list of ints is one prompt)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(max_length=256)] | None = None
+    name: str | None = Field(default=None, max_length=256)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools: not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(StrictModel):
+    model: str | None = Field(default=None, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages must be given")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = Field(default=None, max_length=256)
+    tokens: list[TokenId] = Field(max_length=1 << 20)
+
+
+# -- responses (documentation in the OpenAPI schema, and a shape the tests check bodies against) --
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class Usage(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(ResponseModel):
+    role: Literal["assistant"]
+    content: str | None = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(ResponseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "cadence"
+    max_model_len: int
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorBody

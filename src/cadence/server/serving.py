@@ -1,0 +1,276 @@
+"""Completions and chat completions: check against the model, submit to the engine, answer JSON or SSE.
+
+The first result is awaited before any header is sent (as llama.cpp's server does), so a refusal or
+a failure before the first token is a real HTTP error with a real status. After the first token an
+error can only be an SSE error event, followed by `data: [DONE]`. A client that goes away, while
+queued or running, streaming or not, has its request aborted within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cadence.config import ServerConfig
+from cadence.engine.async_engine import AsyncEngine, RequestStream
+from cadence.engine.output_processor import StreamDelta
+from cadence.errors import AdmissionError, CadenceError, ErrorKind
+from cadence.metrics.prometheus import PrometheusExporter
+from cadence.server.errors import error_payload
+from cadence.server.formats import (
+    DONE_EVENT,
+    ChatFormatter,
+    CompletionFormatter,
+    Formatter,
+    TokenStrings,
+    UsageTracker,
+    sse,
+)
+from cadence.server.inputs import InputBuilder, Job
+from cadence.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+log = logging.getLogger("cadence.server")
+
+
+class DisconnectWatcher:
+    """Calls `on_disconnect` when the client goes away (the ASGI `http.disconnect` message)."""
+
+    def __init__(self, raw: Request, on_disconnect: Callable[[], None]) -> None:
+        self._task = asyncio.ensure_future(self._watch(raw.receive, on_disconnect))
+
+    @staticmethod
+    async def _watch(receive: Callable[[], Any], on_disconnect: Callable[[], None]) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                on_disconnect()
+                return
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+class OpenAIServing:
+    def __init__(
+        self, engine: AsyncEngine, config: ServerConfig, exporter: PrometheusExporter | None = None
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.exporter = exporter
+        self.tokens = TokenStrings(engine.tokenizer)
+        self.active = 0  # generation requests whose response is not finished (drain waits for them)
+        self.tenant_in_flight: Counter[str] = Counter()
+        self.inputs = InputBuilder(engine, config)
+
+    # -- routes -------------------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        self.inputs.check_model(body.model)
+        prompts = [await self.inputs.prompt_ids(p, "prompt") for p in body.prompts()]
+        job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt")
+        fmt = CompletionFormatter(
+            job.request_id,
+            self.engine.model_name,
+            int(time.time()),
+            len(prompts) * body.n,
+            self.tokens,
+            body.logprobs is not None,
+        )
+        return await self._run(job, fmt, raw)
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self.inputs.check_model(body.model)
+        ids = self.inputs.chat_ids(body.message_dicts(), body.add_generation_prompt, body.chat_template)
+        job = self.inputs.job(
+            "chatcmpl", body, raw, [ids], body.requested_max_tokens(), body.num_logprobs(), "messages"
+        )
+        fmt = ChatFormatter(
+            job.request_id, self.engine.model_name, int(time.time()), body.n, self.tokens, body.logprobs
+        )
+        return await self._run(job, fmt, raw)
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self.inputs.check_model(body.model)
+        if body.messages is not None:
+            ids = self.inputs.chat_ids(
+                [{"role": m.role, "content": m.text()} for m in body.messages],
+                body.add_generation_prompt,
+                None,
+            )
+        else:
+            ids = await self.inputs.prompt_ids(body.prompt or "", "prompt", allow_empty=True)
+        out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+        if body.return_token_strs:
+            out["token_strs"] = [self.tokens(t) for t in ids]
+        return out
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self.inputs.check_model(body.model)
+        self.inputs.check_ids(body.tokens, "tokens")
+        return {"prompt": self.engine.tokenizer.decode(body.tokens)}
+
+    # -- running ------------------------------------------------------------------------------------
+
+    def _acquire(self, job: Job) -> None:
+        cap = self.config.tenant_max_requests
+        if cap is not None and self.tenant_in_flight[job.tenant] >= cap:
+            if self.exporter is not None:
+                self.exporter.record_rejection(ErrorKind.TENANT_QUOTA.value)
+            raise AdmissionError(
+                ErrorKind.TENANT_QUOTA,
+                f"tenant {job.tenant!r} has {cap} requests in flight, its cap; retry later",
+                retry_after=self.engine.drain_rate.retry_after(),
+            )
+        self.tenant_in_flight[job.tenant] += 1
+        self.active += 1
+
+    def _release(self, job: Job) -> None:
+        self.active -= 1
+        self.tenant_in_flight[job.tenant] -= 1
+        if self.tenant_in_flight[job.tenant] <= 0:
+            del self.tenant_in_flight[job.tenant]
+
+    async def _run(self, job: Job, fmt: Formatter, raw: Request) -> Response:
+        self._acquire(job)
+        handed_over = False
+        watcher = DisconnectWatcher(raw, lambda: self.engine.abort(job.request_id))
+        try:
+            stream = await self._submit(job)
+            try:
+                first = await self._first(stream)
+            except BaseException:
+                await stream.aclose()
+                raise
+            if job.stream:
+                watcher.stop()  # from here on Starlette notices the disconnect and cancels the stream
+                handed_over = True
+                done = self._finisher(job, stream)
+                return EngineStreamingResponse(
+                    self._sse(job, fmt, first, stream, done),
+                    done,
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            try:
+                return JSONResponse(await self._collect(job, fmt, first, stream))
+            finally:
+                await stream.aclose()
+        finally:
+            watcher.stop()
+            if not handed_over:
+                self._release(job)
+
+    async def _submit(self, job: Job) -> RequestStream:
+        try:
+            return await self.engine.submit(
+                job.prompts,
+                job.params,
+                request_id=job.request_id,
+                priority=job.priority,
+                tenant=job.tenant,
+                deadline=job.deadline,
+                cache_salt=job.cache_salt,
+            )
+        except CadenceError as e:
+            if self.exporter is not None and not isinstance(e, AdmissionError):
+                self.exporter.record_rejection(e.kind.value)  # the core counts its own refusals
+            raise
+
+    @staticmethod
+    async def _first(stream: RequestStream) -> StreamDelta:
+        first = await anext(stream)
+        if first.finished and not first.token_ids:
+            if first.finish_reason == "deadline":
+                raise CadenceError(ErrorKind.DEADLINE, "the request's deadline passed before it was served")
+            if first.finish_reason == "abort":
+                raise CadenceError(ErrorKind.UNAVAILABLE, "the request was aborted before it was served")
+        return first
+
+    async def _collect(
+        self, job: Job, fmt: Formatter, first: StreamDelta, stream: RequestStream
+    ) -> dict[str, Any]:
+        usage = UsageTracker(job.params.n)
+        d: StreamDelta | None = first
+        while d is not None:
+            i = stream.index_of(d.request_id)
+            usage.add(i, d)
+            fmt.accumulate(i, d)
+            d = await anext(stream, None)
+        return fmt.response(usage.as_dict())
+
+    def _finisher(self, job: Job, stream: RequestStream) -> Callable[[], Awaitable[None]]:
+        """Abort what is left and release the request's slot, once, whoever gets there first."""
+        done = False
+
+        async def finish() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                await stream.aclose()
+                self._release(job)
+
+        return finish
+
+    async def _sse(
+        self,
+        job: Job,
+        fmt: Formatter,
+        first: StreamDelta,
+        stream: RequestStream,
+        done: Callable[[], Awaitable[None]],
+    ) -> AsyncIterator[bytes]:
+        usage = UsageTracker(job.params.n)
+        try:
+            for chunk in fmt.start_chunks():
+                yield sse(_with_usage(chunk, job))
+            d: StreamDelta | None = first
+            while d is not None:
+                i = stream.index_of(d.request_id)
+                usage.add(i, d)
+                chunk = fmt.chunk(i, d)
+                if chunk is not None:
+                    yield sse(_with_usage(chunk, job))
+                d = await anext(stream, None)
+            if job.include_usage:
+                yield sse(fmt.usage_chunk(usage.as_dict()))
+        except CadenceError as e:
+            yield sse(error_payload(e.kind, e.message, e.param))
+        except Exception as e:
+            log.exception("stream %s failed", job.request_id)
+            yield sse(error_payload(ErrorKind.INTERNAL, f"internal error: {type(e).__name__}"))
+        finally:
+            await done()
+        yield DONE_EVENT
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always runs `done`, even when the client leaves before the body starts
+    (Starlette then cancels the body iterator before its first step, so its `finally` never runs)."""
+
+    def __init__(self, content: AsyncIterator[bytes], done: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._done = done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._done()
+
+
+def _with_usage(chunk: dict[str, Any], job: Job) -> dict[str, Any]:
+    if job.include_usage:
+        chunk["usage"] = None  # OpenAI sends a null usage on every chunk but the last
+    return chunk
