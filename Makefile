@@ -26,6 +26,7 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/cadence serve --host $(HOST) --port $(PORT) $(ARGS)
 
+test: export OMP_WAIT_POLICY ?= PASSIVE
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
