@@ -57,12 +57,16 @@ class UsageTracker:
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
+    queue_time: float | None = None  # longest wait in the engine's queue among the choices (seconds)
 
     def add(self, index: int, delta: StreamDelta) -> None:
         p = index // self.n
         self.prompt_tokens[p] = max(self.prompt_tokens.get(p, 0), delta.num_prompt_tokens)
         self.cached_tokens[p] = max(self.cached_tokens.get(p, 0), delta.num_cached_tokens)
         self.completion_tokens += len(delta.token_ids)
+        q = delta.metrics.queue_time if delta.metrics is not None else None
+        if q is not None:
+            self.queue_time = max(self.queue_time or 0.0, q)
 
     def as_dict(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens.values())
@@ -71,6 +75,8 @@ class UsageTracker:
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+            # A cadence extension (OpenAI clients ignore unknown usage fields): benchmarks read it.
+            "queue_time": self.queue_time,
         }
 
 
