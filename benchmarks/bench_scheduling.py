@@ -1,0 +1,266 @@
+"""Issue 3's scheduling benchmarks, measured side by side in one run on the offline engine.
+
+1. Continuous vs static batching at equal max_num_seqs on a mixed-length workload (all requests
+   at t=0): output tokens/s and p50/p95 end-to-end latency. Goal: continuous >= 2x static
+   throughput at no worse p95.
+2. Prefix caching on a shared-system-prompt workload: prefill tokens computed (sum of
+   IterationStats.num_prompt_tokens) and p50 TTFT, on vs off. Goal: >= 5x less prefill work.
+3. Chunked prefill on chat plus 10% long documents, arrivals spread over engine steps: p99
+   inter-token latency of the chat requests, chunked vs unchunked vs a chat-only run.
+   Goal: chunked within 1.5x of chat-only p99 ITL.
+4. Scheduler cost: see benchmarks/bench_scheduler_cost.py (not duplicated here).
+
+The engine core is stepped directly, so every token gets a wall-clock timestamp. Each
+configuration builds its own engine (options that differ need a new one) and is warmed up first.
+
+    .venv/bin/python benchmarks/bench_scheduling.py          # the default model, bfloat16
+    .venv/bin/python benchmarks/bench_scheduling.py --tiny   # a quick smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cadence import LLM
+from cadence.bench.report import percentile
+from cadence.request import Request, SamplingParams
+from cadence.workload import builtin_workload
+
+SEED = 0
+MIN_TOKEN_ID = 1000  # clear of the special tokens at the bottom of the vocabulary
+
+
+@dataclass
+class Job:
+    """One request to submit at engine step `at_step` (0: before the first step)."""
+
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    at_step: int = 0
+    tag: str = ""
+
+
+@dataclass
+class Trace:
+    """What one run measured: per-request submit/token times and the prefill work done."""
+
+    submit: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, list[float]] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    prefill_tokens: int = 0
+    cache_hits: int = 0
+    start: float = 0.0
+    end: float = 0.0
+
+    def ttfts(self, tag: str | None = None) -> list[float]:
+        return [ts[0] - self.submit[r] for r, ts in self.tokens.items() if ts and self._has(r, tag)]
+
+    def e2es(self, tag: str | None = None) -> list[float]:
+        return [ts[-1] - self.submit[r] for r, ts in self.tokens.items() if ts and self._has(r, tag)]
+
+    def itls(self, tag: str | None = None) -> list[float]:
+        return [b - a for r, ts in self.tokens.items() if self._has(r, tag) for a, b in zip(ts, ts[1:], strict=False)]
+
+    def output_tokens(self) -> int:
+        return sum(len(ts) for ts in self.tokens.values())
+
+    def _has(self, rid: str, tag: str | None) -> bool:
+        return tag is None or self.tags[rid] == tag
+
+
+# ---------------------------------------------------------------------------------------------
+# Driving the engine
+
+
+def make_llm(tiny: bool, **options: Any) -> LLM:
+    llm = LLM(tiny=tiny, dtype="bfloat16", **options)
+    warm = [Job(f"warm{i}", random_prompt(random.Random(i), 48, llm), 4) for i in range(2)]
+    run_jobs(llm, warm)
+    return llm
+
+
+def random_prompt(rng: random.Random, n: int, llm: LLM) -> list[int]:
+    return [rng.randrange(MIN_TOKEN_ID, llm.engine.vocab_size) for _ in range(n)]
+
+
+def run_jobs(llm: LLM, jobs: Sequence[Job]) -> Trace:
+    """Submit each job at its step, step the core until all finish, timestamp every token."""
+    core = llm.engine.core
+    pending = sorted(jobs, key=lambda j: j.at_step, reverse=True)
+    trace = Trace(start=time.perf_counter())
+    step = 0
+    while pending or core.has_unfinished_requests():
+        while pending and pending[-1].at_step <= step:
+            submit(core, pending.pop(), trace)
+        deltas = core.step()
+        now = time.perf_counter()
+        trace.prefill_tokens += core.last_stats.num_prompt_tokens
+        trace.cache_hits += core.last_stats.prefix_cache_hits
+        for d in deltas:
+            trace.tokens[d.request_id].extend(now for _ in d.new_token_ids)
+        step += 1
+    trace.end = time.perf_counter()
+    return trace
+
+
+def submit(core: Any, job: Job, trace: Trace) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=job.max_tokens, ignore_eos=True)
+    core.add_request(Request(job.rid, list(job.prompt), params))
+    trace.submit[job.rid] = time.perf_counter()
+    trace.tokens[job.rid] = []
+    trace.tags[job.rid] = job.tag
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads (fixed seeds)
+
+
+def chat_sizes(n: int, max_prompt: int) -> list[tuple[int, int]]:
+    """(prompt, output) token counts from the built-in chat mix, prompts capped."""
+    wl = builtin_workload("chat", n, seed=SEED)
+    return [(min(r.prompt_tokens, max_prompt), r.output_tokens) for r in wl.requests]
+
+
+def mixed_length_jobs(llm: LLM, n: int, scale: float) -> list[Job]:
+    """Short prompts; 85% of outputs 8..32 tokens, a 15% tail of 64..128 tokens."""
+    rng = random.Random(f"mixed:{SEED}")
+    jobs = []
+    for i, (p, _) in enumerate(chat_sizes(n, 128)):
+        out = rng.randint(64, 128) if rng.random() < 0.15 else rng.randint(8, 32)
+        jobs.append(Job(f"m{i}", random_prompt(rng, p, llm), max(2, int(out * scale))))
+    return jobs
+
+
+def shared_prefix_jobs(llm: LLM, n: int, system_tokens: int) -> list[Job]:
+    """One system prompt shared by all, a short question each, 8 output tokens; the first alone."""
+    rng = random.Random(f"prefix:{SEED}")
+    system = random_prompt(rng, system_tokens, llm)
+    return [Job(f"p{i}", system + random_prompt(rng, rng.randint(12, 40), llm), 8) for i in range(n)]
+
+
+def chunked_jobs(llm: LLM, n_chat: int, doc_tokens: int, with_docs: bool, gap: int) -> list[Job]:
+    """Chat requests arriving every `gap` steps; with_docs adds 10% long documents mid-stream."""
+    rng = random.Random(f"chunked:{SEED}")
+    jobs = [
+        Job(f"c{i}", random_prompt(rng, p, llm), min(max(o, 24), 64), at_step=i * gap, tag="chat")
+        for i, (p, o) in enumerate(chat_sizes(n_chat, 256))
+    ]
+    n_docs = max(1, n_chat // 9)  # 10% of all requests
+    docs = []
+    for k in range(n_docs):
+        at = (k + 1) * n_chat * gap // (n_docs + 1)
+        size = rng.randint(int(doc_tokens * 0.9), doc_tokens)
+        docs.append(Job(f"d{k}", random_prompt(rng, size, llm), 16, at_step=at, tag="doc"))
+    return jobs + docs if with_docs else jobs
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmarks
+
+
+Row = tuple[str, str, str, str, str]  # figure, value, ratio, goal, verdict
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def bench_batching(tiny: bool, n: int, scale: float) -> list[Row]:
+    traces = {}
+    for mode in ("continuous", "static"):
+        llm = make_llm(tiny, scheduler=mode, max_num_seqs=8, enable_prefix_caching=False)
+        traces[mode] = run_jobs(llm, mixed_length_jobs(llm, n, scale))
+        del llm
+    tput = {m: t.output_tokens() / (t.end - t.start) for m, t in traces.items()}
+    p50 = {m: percentile(t.e2es(), 50) for m, t in traces.items()}
+    p95 = {m: percentile(t.e2es(), 95) for m, t in traces.items()}
+    ratio = tput["continuous"] / tput["static"]
+    ok = ratio >= 2.0 and p95["continuous"] <= p95["static"]
+    return [
+        ("1 batching: output tok/s cont | static", f"{tput['continuous']:.1f} | {tput['static']:.1f}",
+         f"{ratio:.2f}x", ">= 2x", verdict(ok)),
+        ("  e2e p50 s cont | static", f"{p50['continuous']:.2f} | {p50['static']:.2f}",
+         f"{p50['static'] / p50['continuous']:.2f}x", "", ""),
+        ("  e2e p95 s cont | static", f"{p95['continuous']:.2f} | {p95['static']:.2f}",
+         f"{p95['static'] / p95['continuous']:.2f}x", "cont <= static", verdict(p95["continuous"] <= p95["static"])),
+    ]
+
+
+def run_prefix(llm: LLM, jobs: list[Job]) -> Trace:
+    """The first request alone (its prefix gets cached), then the rest at once."""
+    first = run_jobs(llm, jobs[:1])
+    rest = run_jobs(llm, jobs[1:])
+    rest.prefill_tokens += first.prefill_tokens
+    rest.cache_hits += first.cache_hits
+    return rest
+
+
+def bench_prefix(tiny: bool, n: int, system_tokens: int) -> list[Row]:
+    traces = {}
+    for on in (True, False):
+        llm = make_llm(tiny, enable_prefix_caching=on)
+        traces[on] = run_prefix(llm, shared_prefix_jobs(llm, n, system_tokens))
+        del llm
+    work = {k: t.prefill_tokens for k, t in traces.items()}
+    ttft = {k: percentile(t.ttfts(), 50) * 1000 for k, t in traces.items()}
+    ratio = work[False] / max(1, work[True])
+    return [
+        ("2 prefix cache: prefill tokens on | off", f"{work[True]} | {work[False]}",
+         f"{ratio:.2f}x", ">= 5x", verdict(ratio >= 5.0)),
+        ("  TTFT p50 ms on | off (first excluded)", f"{ttft[True]:.0f} | {ttft[False]:.0f}",
+         f"{ttft[False] / ttft[True]:.2f}x", "", ""),
+    ]
+
+
+def bench_chunked(tiny: bool, n_chat: int, doc_tokens: int, gap: int) -> list[Row]:
+    chunked = make_llm(tiny, max_num_seqs=16, max_num_batched_tokens=128, enable_prefix_caching=False)
+    chat_only = run_jobs(chunked, chunked_jobs(chunked, n_chat, doc_tokens, False, gap))
+    mixed_chunked = run_jobs(chunked, chunked_jobs(chunked, n_chat, doc_tokens, True, gap))
+    del chunked
+    whole = make_llm(tiny, max_num_seqs=16, max_num_batched_tokens=doc_tokens + 512,
+                     enable_chunked_prefill=False, enable_prefix_caching=False)
+    mixed_whole = run_jobs(whole, chunked_jobs(whole, n_chat, doc_tokens, True, gap))
+    del whole
+    p99 = {k: percentile(t.itls("chat"), 99) * 1000
+           for k, t in (("base", chat_only), ("chunked", mixed_chunked), ("whole", mixed_whole))}
+    r_chunked = p99["chunked"] / p99["base"]
+    r_whole = p99["whole"] / p99["base"]
+    return [
+        ("3 chunked: chat ITL p99 ms chat-only", f"{p99['base']:.1f}", "1.00x", "", ""),
+        ("  + 10% docs, chunked (128 tok/step)", f"{p99['chunked']:.1f}", f"{r_chunked:.2f}x",
+         "<= 1.5x chat-only", verdict(r_chunked <= 1.5)),
+        ("  + 10% docs, unchunked", f"{p99['whole']:.1f}", f"{r_whole:.2f}x", "(reference)", ""),
+    ]
+
+
+def print_table(rows: Sequence[Row]) -> None:
+    header: Row = ("figure", "value", "ratio", "goal", "")
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(5)]
+    for r in (header, *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="a small random-weight model: a quick smoke run")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    if args.tiny:
+        rows = [*bench_batching(True, 24, 0.5), *bench_prefix(True, 8, 400), *bench_chunked(True, 18, 800, 2)]
+    else:
+        rows = [*bench_batching(False, 48, 1.0), *bench_prefix(False, 24, 400),
+                *bench_chunked(False, 36, 1024, 3)]
+    model = "tiny random model" if args.tiny else "default model, bfloat16"
+    print(f"\ncadence scheduling benchmarks ({model}, seed {SEED}, {time.perf_counter() - t0:.0f} s)")
+    print_table(rows)
+    print("4 scheduler cost: run .venv/bin/python benchmarks/bench_scheduler_cost.py (goal: < 5% of a step)")
+
+
+if __name__ == "__main__":
+    main()
