@@ -1,0 +1,386 @@
+"""Step-cost model and the simulator's executors.
+
+A step's cost on a given machine is, to a good approximation, linear in a handful of shape
+features: tokens through the linear layers, sequences whose logits are computed, and the
+(query, key) pairs attention visits, split into prefill and decode because the two have very
+different arithmetic intensity. `cadence calibrate` measures real steps and fits the weights;
+`SimExecutor` then charges each simulated step its predicted cost on a virtual clock.
+
+numpy only (no torch): the simulator runs without a model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cadence.sched.output import ModelOutput, SchedulerOutput
+
+PROFILE_FORMAT = 1
+# Base quantities every feature set is linear in; the fitted model folds into one weight per base.
+BASES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context",
+         "decode_padded", "decode_over_16k", "decode_over_32k", "decode_over_64k", "prefill_attention")
+# Where the gathered decode context outgrows the CPU's caches, each key costs more: hinges at a few
+# candidate knees (keys read by the decode batch) let the fit find the bend on this machine.
+KNEES = {"decode_over_16k": 16384, "decode_over_32k": 32768, "decode_over_64k": 65536}
+
+
+def _cols(*names: str) -> dict[str, dict[str, float]]:
+    return {n: {n: 1.0} for n in names}
+
+
+# Candidate feature sets, as weights on the bases. The simplest ("tokens") ignores attention; the
+# others separate prefill from decode and charge attention by the keys it reads: summed over the
+# decode rows ("phases"), or padded to the longest row ("padded"), as a batched decode kernel over
+# a rectangular batch does; "padded+context" keeps both.
+FEATURE_SETS: dict[str, dict[str, dict[str, float]]] = {
+    "tokens": {"const": {"const": 1.0}, "num_tokens": {"prefill_tokens": 1.0, "decode_seqs": 1.0},
+               "num_seqs": {"prefill_seqs": 1.0, "decode_seqs": 1.0}},
+    "phases": _cols("const", "prefill_tokens", "decode_seqs", "sampled", "decode_context", "prefill_attention"),
+    "padded": _cols("const", "prefill_tokens", "decode_seqs", "sampled", "decode_padded", "prefill_attention"),
+    "padded+context": _cols("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context",
+                            "decode_padded", "prefill_attention"),
+    **{f"padded+knee{k.removeprefix('decode_over_')}": _cols(
+        "const", "prefill_tokens", "decode_seqs", "sampled", "decode_padded", k, "prefill_attention") for k in KNEES},
+}
+DEFAULT_SIM_TOKEN = 13  # the scripted output token: any id works, the simulator has no EOS
+
+
+@dataclass(frozen=True, slots=True)
+class StepFeatures:
+    """The shape of one step. A scheduled request with one token is a decode row (the runner lays
+    it out with the decodes, whatever its phase); more tokens make a prefill chunk."""
+
+    prefill_tokens: int = 0
+    prefill_seqs: int = 0
+    decode_seqs: int = 0
+    sampled: int = 0  # rows whose logits go through the LM head and the sampler
+    decode_context: int = 0  # keys attended by decode rows: sum of their context lengths
+    decode_padded: int = 0  # decode rows x the longest decode context: keys a padded batch reads
+    prefill_attention: int = 0  # (query, key) pairs of the chunks: n * start + n * (n + 1) / 2 each
+
+    @classmethod
+    def from_output(cls, out: SchedulerOutput) -> StepFeatures:
+        pt = ps = ds = sm = dc = dmax = pa = 0
+        for r in out.scheduled:
+            n = len(r.token_ids)
+            if n == 1:
+                ds += 1
+                ctx = r.start_pos + 1
+                dc += ctx
+                if ctx > dmax:
+                    dmax = ctx
+            else:
+                pt += n
+                ps += 1
+                pa += n * r.start_pos + n * (n + 1) // 2
+            if r.sample:
+                sm += 1
+        return cls(pt, ps, ds, sm, dc, ds * dmax, pa)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+    @property
+    def num_seqs(self) -> int:
+        return self.prefill_seqs + self.decode_seqs
+
+    def bases(self) -> tuple[float, ...]:
+        pad = self.decode_padded
+        return (1.0, self.prefill_tokens, self.prefill_seqs, self.decode_seqs, self.sampled, self.decode_context,
+                pad, max(0, pad - 16384), max(0, pad - 32768), max(0, pad - 65536), self.prefill_attention)
+
+    def to_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in _FIELDS}
+
+
+_FIELDS = ("prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context", "decode_padded",
+           "prefill_attention")
+
+
+def machine_info() -> dict[str, Any]:
+    """What the profile was measured on: enough to tell whether it applies to another machine."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    # The load average at calibration: timings taken on a busy machine are slower and noisier.
+    return {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "load_average_1m": load}
+
+
+def _design(feats: Sequence[StepFeatures], feature_set: str) -> np.ndarray:
+    """Rows of the chosen feature set's columns."""
+    spec = FEATURE_SETS[feature_set]
+    base = np.array([f.bases() for f in feats], dtype=np.float64)
+    mix = np.array([[spec[c].get(b, 0.0) for c in spec] for b in BASES])  # bases x columns
+    return base @ mix
+
+
+def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares on relative error (rows weighted by 1/y, since step times span two orders of
+    magnitude and MAPE is what we report), with no negative weight: more work never makes a step
+    cheaper, so a feature that comes out negative is dropped and the rest refitted."""
+    w = 1.0 / y
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        contrib = sol * x[:, active].mean(axis=0)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            return coef
+        del active[int(np.argmin(contrib))]
+    return coef
+
+
+def mape(pred: np.ndarray, y: np.ndarray) -> float:
+    return float(np.mean(np.abs(pred - y) / y))
+
+
+@dataclass
+class StepCostModel:
+    """Predicted seconds of one step: a non-negative linear model in one feature set."""
+
+    feature_set: str
+    coefficients: dict[str, float]
+    metadata: dict[str, Any] = field(default_factory=dict)  # model, dtype, device, machine, kv sizes
+    fit_report: dict[str, Any] = field(default_factory=dict)  # held-out error, candidates
+    min_cost: float = 1e-6  # a step is never free: keeps the virtual clock moving
+    # The engine's own time per step beyond the forward pass (scheduling, bookkeeping, detokenizing):
+    # {"per_step": s, "per_seq": s}, measured separately by calibration and added to every prediction.
+    overhead: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        spec = FEATURE_SETS.get(self.feature_set)
+        if spec is None:
+            raise ValueError(f"feature_set: expected one of {tuple(FEATURE_SETS)}, got {self.feature_set!r}")
+        unknown = set(self.coefficients) - set(spec)
+        if unknown:
+            raise ValueError(f"coefficients: {sorted(unknown)} are not features of {self.feature_set!r}")
+        # Fold the columns into one weight per base quantity: the hot path is then 7 multiplies.
+        w = [0.0] * len(BASES)
+        for col, coef in self.coefficients.items():
+            for base, k in spec[col].items():
+                w[BASES.index(base)] += coef * k
+        unknown = set(self.overhead) - {"per_step", "per_seq"}
+        if unknown:
+            raise ValueError(f"overhead: unknown terms {sorted(unknown)} (per_step, per_seq)")
+        w[0] += self.overhead.get("per_step", 0.0)
+        w[BASES.index("prefill_seqs")] += self.overhead.get("per_seq", 0.0)
+        w[BASES.index("decode_seqs")] += self.overhead.get("per_seq", 0.0)
+        self._w = tuple(w)
+
+    def predict(self, f: StepFeatures) -> float:
+        return max(self.min_cost, sum(a * b for a, b in zip(self._w, f.bases(), strict=True)))
+
+    def cost(self, out: SchedulerOutput) -> float:
+        return self.predict(StepFeatures.from_output(out))
+
+    def predict_many(self, feats: Sequence[StepFeatures]) -> np.ndarray:
+        base = np.array([f.bases() for f in feats], dtype=np.float64)
+        return np.maximum(base @ np.array(self._w), self.min_cost)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[StepFeatures, float]], *, holdout: float = 0.25, seed: int = 0,
+            feature_sets: Iterable[str] = tuple(FEATURE_SETS), metadata: dict[str, Any] | None = None) -> StepCostModel:
+        """Fit every candidate feature set on a training split, keep the one with the lowest
+        mean absolute percentage error on the held-out steps, then refit it on all steps."""
+        if len(samples) < 8:
+            raise ValueError(f"samples: need at least 8 measured steps to fit and validate, got {len(samples)}")
+        if any(not (math.isfinite(s) and s > 0) for _, s in samples):
+            raise ValueError("samples: step times must be finite and > 0 seconds")
+        idx = list(range(len(samples)))
+        random.Random(seed).shuffle(idx)
+        n_test = max(2, round(len(idx) * holdout))
+        test, train = idx[:n_test], idx[n_test:]
+        feats = [f for f, _ in samples]
+        y = np.array([s for _, s in samples], dtype=np.float64)
+        candidates: dict[str, dict[str, float]] = {}
+        for fs in feature_sets:
+            x = _design(feats, fs)
+            coef = _fit_nonneg(x[train], y[train])
+            pred = np.maximum(x @ coef, 1e-6)
+            candidates[fs] = {"train_mape": mape(pred[train], y[train]), "heldout_mape": mape(pred[test], y[test])}
+        best = min(candidates, key=lambda k: candidates[k]["heldout_mape"])
+        x = _design(feats, best)
+        coef = _fit_nonneg(x, y)
+        cols = list(FEATURE_SETS[best])
+        report = {"chosen": best, "heldout_mape": candidates[best]["heldout_mape"],
+                  "train_mape": candidates[best]["train_mape"], "num_samples": len(samples),
+                  "num_heldout": n_test, "candidates": candidates,
+                  "all_mape_after_refit": mape(np.maximum(x @ coef, 1e-6), y)}
+        return cls(best, {c: float(v) for c, v in zip(cols, coef, strict=True)}, dict(metadata or {}), report)
+
+    # -- profile files --------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cadence_profile": PROFILE_FORMAT, **self.metadata,
+                "cost_model": {"feature_set": self.feature_set, "coefficients": self.coefficients,
+                               "overhead": self.overhead, "min_cost": self.min_cost, "unit": "seconds"},
+                "fit": self.fit_report}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepCostModel:
+        if d.get("cadence_profile") != PROFILE_FORMAT:
+            raise ValueError(f"not a cadence profile (format {PROFILE_FORMAT}): missing or wrong 'cadence_profile'")
+        cm = d["cost_model"]
+        meta = {k: v for k, v in d.items() if k not in ("cadence_profile", "cost_model", "fit")}
+        return cls(cm["feature_set"], {k: float(v) for k, v in cm["coefficients"].items()}, meta,
+                   dict(d.get("fit", {})), float(cm.get("min_cost", 1e-6)),
+                   {k: float(v) for k, v in cm.get("overhead", {}).items()})
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCostModel:
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e.msg})") from None
+        try:
+            return cls.from_dict(d)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: malformed profile ({e})") from None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token of the calibrated model (sizes the simulated cache like the real one)."""
+        return int(self.metadata.get("kv_bytes_per_token", 0)) or 1
+
+
+class SimExecutor:
+    """`Executor` for the simulator: a scripted token for every row that samples, and the step's
+    modelled cost added to the virtual clock (when given one), so the engine core reads the time
+    after the step just as it would after a real forward pass."""
+
+    def __init__(self, cost_model: StepCostModel, *, clock: Any | None = None,
+                 token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None) -> None:
+        self.cost_model = cost_model
+        self.clock = clock
+        self.token_id = token_id
+        self._kv_bytes_per_token = kv_bytes_per_token or cost_model.kv_bytes_per_token
+        self._w = cost_model._w
+        self._min_cost = cost_model.min_cost
+        self.num_blocks: int | None = None
+        self.block_size: int | None = None
+        self.last_step_cost = 0.0
+        self.total_cost = 0.0
+        self.num_steps = 0
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self._kv_bytes_per_token * block_size
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        # One pass over the batch computes both the features and the sampled tokens: this runs
+        # once per simulated step, so it is written flat rather than through StepFeatures.
+        pt = ps = ds = dc = dmax = pa = 0
+        tok = self.token_id
+        sampled: dict[str, int] = {}
+        for r in scheduler_output.scheduled:
+            n = len(r.token_ids)
+            if n == 1:
+                ds += 1
+                ctx = r.start_pos + 1
+                dc += ctx
+                if ctx > dmax:
+                    dmax = ctx
+            else:
+                pt += n
+                ps += 1
+                pa += n * r.start_pos + n * (n + 1) // 2
+            if r.sample:
+                sampled[r.request_id] = tok
+        if not scheduler_output.scheduled:
+            cost = 0.0
+        else:
+            w = self._w
+            pad = ds * dmax
+            cost = (w[0] + w[1] * pt + w[2] * ps + w[3] * ds + w[4] * len(sampled) + w[5] * dc + w[6] * pad
+                    + w[10] * pa)
+            if pad > 16384:  # the hinges (see KNEES)
+                cost += w[7] * (pad - 16384) + w[8] * max(0, pad - 32768) + w[9] * max(0, pad - 65536)
+            cost = max(cost, self._min_cost)
+        self.last_step_cost = cost
+        self.total_cost += cost
+        self.num_steps += 1
+        if self.clock is not None and cost:
+            self.clock.advance(cost)
+        return ModelOutput(sampled_token_ids=sampled)
+
+
+@dataclass(frozen=True)
+class RecordedStep:
+    """What one real step returned, how long it took, and (optionally) the clock reading after it."""
+
+    tokens: dict[str, int]
+    duration: float
+    end_time: float | None = None
+
+
+class ReplayDivergence(AssertionError):
+    """The replayed scheduler asked for a different step than the recorded run made."""
+
+
+class ReplayExecutor:
+    """`Executor` that hands back a recorded run's tokens and step times, step by step.
+
+    With a clock, each step moves it to the recorded end time (or on by the recorded duration
+    when no end time was kept), so the engine reads the times the recorded run read. It checks that each step samples the same requests as the recorded one, so a replay that
+    drifts fails at the first step that differs rather than producing plausible numbers.
+    """
+
+    def __init__(self, steps: Sequence[RecordedStep], *, kv_bytes_per_block: int = 1,
+                 clock: Any | None = None) -> None:
+        self.steps = list(steps)
+        self.clock = clock
+        self._kv_bytes_per_block = kv_bytes_per_block
+        self.index = 0
+        self.last_step_cost = 0.0
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self._kv_bytes_per_block
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        if self.index >= len(self.steps):
+            raise ReplayDivergence(f"replay ran past the {len(self.steps)} recorded steps")
+        rec = self.steps[self.index]
+        want = {r.request_id for r in scheduler_output.scheduled if r.sample}
+        if want != set(rec.tokens):
+            raise ReplayDivergence(f"step {self.index}: the replay samples {sorted(want)}, "
+                                   f"the recorded run sampled {sorted(rec.tokens)}")
+        self.index += 1
+        self.last_step_cost = rec.duration
+        if self.clock is not None:
+            if rec.end_time is not None:
+                self.clock.advance_to(rec.end_time)
+            else:
+                self.clock.advance(rec.duration)
+        return ModelOutput(sampled_token_ids=dict(rec.tokens))

@@ -1,0 +1,234 @@
+"""`cadence sim`, `cadence sim plan` and `cadence calibrate`.
+
+    cadence calibrate [--quick] [--out profile.json] [engine options]
+    cadence sim --workload chat --rate 2 --num-requests 500 [--replicas 2 --router least-loaded] [--out DIR]
+    cadence sim --trace shared/traces/azure_llm_2023_conv.csv --rate-scale 5 --repeat 5
+    cadence sim plan --trace shared/traces/azure_llm_2023_code.csv --rate-scale 10 --slo ttft_p95=1.0
+
+`sim` takes the workload and load options of `cadence bench` and the engine options of
+`cadence serve`, and prints the same report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from cadence.cli import add_engine_args, engine_config_from_args
+from cadence.sim.router import ROUTERS
+
+_TARGET_DEFAULTS = dict(base_url="(simulated)", endpoint="completions", api_key=None, tokenizer="none",
+                        request_timeout=600.0, no_exact_output=False, temperature=None, no_progress=True,
+                        drain_timeout=60.0, rates=None, concurrencies=None)
+
+
+def _add_sim_args(p: argparse.ArgumentParser) -> None:
+    from cadence.bench.cli import _add_load_args, _add_workload_args
+
+    add_engine_args(p)
+    _add_workload_args(p)  # after the engine options: the workload's --seed wins (the sim has no weights to seed)
+    _add_load_args(p)
+    g = p.add_argument_group("simulation")
+    g.add_argument("--profile", default=None, help="cost profile from `cadence calibrate` (default: the shipped one)")
+    g.add_argument("--rate-scale", type=float, default=1.0, help="replay trace timestamps this many times faster")
+    g.add_argument("--repeat", type=int, default=1, help="replay the workload N times back to back (more requests)")
+    g.add_argument("--replicas", type=int, default=1, help="engines behind the router (default 1)")
+    g.add_argument("--router", choices=ROUTERS, default="least-loaded", help="how requests are spread (default %(default)s)")
+    p.set_defaults(**_TARGET_DEFAULTS)
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `sim` (with the `plan` action) and `calibrate` on the top-level CLI."""
+    p = subparsers.add_parser("sim", help="simulate the engine on a workload (virtual time, no model)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              conflict_handler="resolve")
+    _add_sim_args(p)
+    r = p.add_argument_group("report")
+    r.add_argument("--slo", action="append", default=[], metavar="KEY=SECONDS", help="goodput objective, as in bench")
+    r.add_argument("--out", default=None, help="directory for summary.json, requests.jsonl and latency_cdf.png")
+    r.add_argument("--label", default=None)
+    p.set_defaults(func=run_sim)
+    sub = p.add_subparsers(dest="sim_action", metavar="{plan}")
+    q = sub.add_parser("plan", help="fewest replicas (and engine options) meeting latency SLOs",
+                       conflict_handler="resolve")
+    _add_sim_args(q)
+    q.add_argument("--slo", dest="objectives", action="append", default=[], metavar="METRIC_pQ=SECONDS",
+                   help="objective, repeatable: e.g. ttft_p95=1.0, itl_p95=0.2")
+    q.add_argument("--grid", action="append", default=[], metavar="OPTION=V1,V2",
+                   help="engine option values to try, repeatable: max_num_seqs=32,64,128")
+    q.add_argument("--max-replicas", type=int, default=64)
+    q.add_argument("--max-error-rate", type=float, default=0.0, help="fraction of servable requests allowed to fail")
+    q.add_argument("--label", default=None)
+    q.set_defaults(func=run_plan, slo=[])
+
+    c = subparsers.add_parser("calibrate", help="time real steps of the model and fit the simulator's cost profile")
+    c.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="GGUF file or Hugging Face directory")
+    add_engine_args(c)
+    c.add_argument("--quick", action="store_true", help="a smaller sweep (about 30 s)")
+    c.add_argument("--repeats", type=int, default=None, help="timed runs per shape (median; default 3, quick 2)")
+    c.add_argument("--out", default="cadence_profile.json", help="profile to write (default %(default)s)")
+    c.add_argument("--tiny", action="store_true", help="the tiny random-weight model (testing)")
+    c.add_argument("--no-serve", action="store_true",
+                   help="measure the engine's overhead in process instead of through `cadence serve` and a client")
+    c.set_defaults(func=run_calibrate)
+
+
+# -- shared ---------------------------------------------------------------------------------------
+
+
+def load_profile(path: str | None, args: argparse.Namespace):
+    from cadence.executor.cost_model import StepCostModel
+
+    # Every simulated replica would log its KV cache size; the report says what matters.
+    logging.getLogger("cadence.engine.core").setLevel(logging.WARNING)
+    from cadence.sim.calibrate import default_profile_path
+
+    model = StepCostModel.load(path or default_profile_path())
+    if path is None and getattr(args, "model", None):
+        raise ValueError("--model: the shipped profile is for the default model; run `cadence calibrate "
+                         f"{args.model} --out p.json` and pass --profile p.json")
+    return model
+
+
+def prepare_workload(args: argparse.Namespace):
+    """The workload exactly as `cadence bench` would send it, then --rate-scale and --repeat."""
+    from cadence.bench.cli import config_from_args
+    from cadence.sim.workloads import repeat_workload
+    from cadence.workload import assign_arrivals
+
+    if not (args.rate_scale > 0):
+        raise ValueError("--rate-scale: must be > 0")
+    args.time_scale = args.time_scale / args.rate_scale
+    cfg = config_from_args(args)  # bench's own parsing: same workloads, scaling and arrivals
+    # Unlike bench (first 200 unless --num-requests), a trace is replayed whole: capacity questions
+    # are about the whole forecast. Built-in workloads already hold bench's request count.
+    assert cfg.workload is not None
+    w = assign_arrivals(cfg.workload, cfg.arrival, cfg.rate, cfg.seed, cfg.burstiness)
+    if args.rate_scale != 1.0:
+        w = w.with_note(f"trace timestamps x{1 / args.rate_scale:g} (--rate-scale {args.rate_scale:g})")
+    if cfg.duration is not None:
+        w = replace(w, requests=tuple(r for r in w.requests if (r.arrival_time or 0.0) <= cfg.duration))
+    if args.repeat > 1:
+        w = repeat_workload(w, args.repeat)
+    return w, cfg
+
+
+def _sim_options(args: argparse.Namespace, cfg: Any):
+    from cadence.sim.simulator import SimOptions
+
+    closed = cfg.arrival == "none"
+    return SimOptions(replicas=args.replicas, router=args.router, max_model_len=args.max_model_len,
+                      seed=args.seed, concurrency=cfg.concurrency, closed_loop=closed)
+
+
+# -- sim ------------------------------------------------------------------------------------------
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    from cadence.bench import report
+    from cadence.bench.client import BenchResult, write_outputs
+    from cadence.sim.simulator import Simulator
+
+    model = load_profile(args.profile, args)
+    engine_cfg = engine_config_from_args(args)
+    workload, cfg = prepare_workload(args)
+    opts = _sim_options(args, cfg)
+    res = Simulator(engine_cfg, model, opts).run(workload)
+    meta = {"label": args.label, "simulated": True, "model": model.metadata.get("model"),
+            "workload": workload.name, "arrival": cfg.arrival, "rate": cfg.rate, "seed": args.seed,
+            "replicas": opts.replicas, "router": opts.router, "profile": _profile_line(model),
+            "notes": [*workload.notes, _sim_note(res, model)]}
+    summary = report.summarize(res.records, cfg.slos, meta)
+    print(report.format_table(summary))
+    print(_replica_table(res))
+    if args.out:
+        for f in write_outputs(BenchResult(res.records, summary, time.time()), args.out):
+            print(f"wrote {f}")
+    return 0 if summary["overall"]["completed"] else 1
+
+
+def _profile_line(model: Any) -> str:
+    m = model.metadata
+    cpu = (m.get("machine") or {}).get("cpu", "?")
+    return f"{m.get('model')} {m.get('dtype')} on {m.get('device')} ({cpu}), held-out error {model.fit_report.get('heldout_mape', float('nan')):.1%}"
+
+
+def _sim_note(res: Any, model: Any) -> str:
+    return (f"simulated in {res.wall_s:.1f}s ({res.steps} steps, {res.virtual_s:.1f} virtual s) with the cost profile "
+            f"of {_profile_line(model)}")
+
+
+def _replica_table(res: Any) -> str:
+    lines = [f"{'replica':<8}{'requests':>9}{'steps':>9}{'busy':>8}{'preempt':>9}{'prefix hit':>11}"]
+    for r in res.replicas:
+        util = r.busy_s / res.virtual_s if res.virtual_s else 0.0
+        hit = r.prefix_cache_hits / r.prefix_cache_queries if r.prefix_cache_queries else 0.0
+        lines.append(f"{r.index:<8}{r.requests:>9}{r.steps:>9}{util:>8.0%}{r.preemptions:>9}{hit:>11.0%}")
+    return "\n".join(lines)
+
+
+# -- plan -----------------------------------------------------------------------------------------
+
+
+def _parse_grid(specs: list[str]) -> dict[str, list[Any]]:
+    from cadence.config import engine_option_fields
+
+    kinds = {f.name: str(f.type) for _, f in engine_option_fields()}
+    grid: dict[str, list[Any]] = {}
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in kinds:
+            raise ValueError(f"--grid {spec!r}: expected OPTION=V1,V2 with OPTION an engine option")
+        cast = int if kinds[name].startswith("int") else float if kinds[name].startswith("float") else str
+        grid[name] = [cast(v) for v in values.split(",") if v.strip()]
+    return grid
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from cadence.sim.plan import Objective, format_plan, format_trial, plan
+
+    model = load_profile(args.profile, args)
+    engine_cfg = engine_config_from_args(args)
+    objectives = [Objective.parse(s) for s in args.objectives]
+    workload, cfg = prepare_workload(args)
+    print(f"planning for {len(workload)} requests of {workload.name}; " + "; ".join(workload.notes[-2:]), flush=True)
+    result = plan(workload, engine_cfg, model, objectives, grid=_parse_grid(args.grid), router=args.router,
+                  max_replicas=args.max_replicas, max_model_len=args.max_model_len, seed=args.seed,
+                  max_error_rate=args.max_error_rate,
+                  progress=lambda t: print("  tried " + format_trial(t, objectives), flush=True))
+    print(format_plan(result))
+    return 0 if result.best is not None else 1
+
+
+# -- calibrate ------------------------------------------------------------------------------------
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from cadence.sim.calibrate import calibrate
+
+    if args.model_path and args.model is None:
+        args.model = args.model_path
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > 0.5 * cores:
+        print(f"warning: the machine is busy (load average {load:.1f} on {cores} CPUs): timings will be slow and "
+              "noisy; calibrate on a quiet machine", flush=True)
+    model = calibrate(engine_config_from_args(args), tiny=args.tiny, quick=args.quick, repeats=args.repeats,
+                      served=not args.no_serve, serve_log=str(Path(args.out).with_suffix(".serve.log")))
+    path = model.save(Path(args.out))
+    fit = model.fit_report
+    print(f"feature set {fit['chosen']}: held-out error (MAPE) {fit['heldout_mape']:.1%} on {fit['num_heldout']} "
+          f"of {fit['num_samples']} steps; training {fit['train_mape']:.1%}")
+    for name, c in fit["candidates"].items():
+        print(f"  {name:<16} held-out {c['heldout_mape']:.1%}  training {c['train_mape']:.1%}")
+    ov = model.overhead
+    print(f"overhead ({model.metadata['overhead_source']}): {ov['per_step'] * 1e3:.2f} ms/step + "
+          f"{ov['per_seq'] * 1e3:.3f} ms per running request")
+    print(f"wrote {path}")
+    return 0
+

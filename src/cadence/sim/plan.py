@@ -1,0 +1,207 @@
+"""`cadence sim plan`: the fewest replicas (and which engine options) that meet latency SLOs.
+
+For each combination of the engine options on the grid, the replica count is searched by doubling
+until the SLOs hold, then by bisection between the last count that failed and the first that
+held (latency falls as replicas are added, so the boundary is where the two meet). The cheapest
+configuration is the one with the fewest replicas; ties go to the lower p95 TTFT.
+
+Requests the engine refuses outright (400: longer than max_model_len) cannot be helped by more
+replicas: they are reported, not counted against the SLOs. Any other failure (429 from a full
+queue, a passed deadline) fails the configuration unless `max_error_rate` allows it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from cadence.bench import report
+from cadence.config import EngineConfig
+from cadence.executor.cost_model import StepCostModel, StepFeatures
+from cadence.sim.simulator import SimOptions, Simulator
+from cadence.workload import Workload
+
+PLAN_METRICS = ("ttft", "itl", "tpot", "e2e", "queue")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """`metric`'s q-th percentile over the run must be at most `bound` seconds."""
+
+    metric: str
+    q: int
+    bound: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.metric}_p{self.q}"
+
+    @classmethod
+    def parse(cls, spec: str) -> Objective:
+        """'ttft_p95=1.0' -> Objective('ttft', 95, 1.0)."""
+        name, sep, value = spec.partition("=")
+        metric, _, pq = name.strip().lower().rpartition("_p")
+        try:
+            q, bound = int(pq), float(value)
+        except ValueError:
+            q, bound = -1, math.nan
+        if not sep or metric not in PLAN_METRICS or q not in report.PERCENTILES or not (bound > 0 and math.isfinite(bound)):
+            raise ValueError(f"--slo {spec!r}: expected METRIC_pQ=SECONDS, METRIC in {PLAN_METRICS}, "
+                             f"Q in {report.PERCENTILES}, e.g. ttft_p95=1.0")
+        return cls(metric, q, bound)
+
+    def value(self, summary: dict) -> float | None:
+        return summary["overall"][self.metric][f"p{self.q}"]
+
+
+@dataclass
+class Trial:
+    options: dict[str, Any]
+    replicas: int
+    values: dict[str, float | None]
+    refused: int  # 400s: never servable, whatever the fleet
+    failed: int  # every other unsuccessful request
+    requests: int
+    meets: bool
+    wall_s: float
+
+
+@dataclass
+class PlanResult:
+    objectives: list[Objective]
+    trials: list[Trial] = field(default_factory=list)
+    best: Trial | None = None
+    floor: dict[str, float] = field(default_factory=dict)  # unloaded prefill time percentiles
+    notes: list[str] = field(default_factory=list)
+
+
+def unloaded_ttft(workload: Workload, config: EngineConfig, model: StepCostModel) -> list[float]:
+    """Each request's time to first token on an idle engine: its prefill chunks back to back.
+    No fleet can beat it, so an SLO below its percentile is infeasible."""
+    budget = config.scheduler.max_num_batched_tokens
+    cap = config.scheduler.long_prefill_token_threshold or budget
+    chunk = min(budget, cap)
+    out = []
+    for r in workload.requests:
+        t, start = 0.0, 0
+        while start < r.prompt_tokens:
+            n = min(chunk, r.prompt_tokens - start)
+            last = start + n >= r.prompt_tokens
+            f = StepFeatures(prefill_tokens=n if n > 1 else 0, prefill_seqs=1 if n > 1 else 0,
+                             decode_seqs=1 if n == 1 else 0, sampled=1 if last else 0,
+                             decode_context=start + 1 if n == 1 else 0,
+                             prefill_attention=n * start + n * (n + 1) // 2 if n > 1 else 0)
+            t += model.predict(f)
+            start += n
+        out.append(t)
+    return out
+
+
+def evaluate(workload: Workload, config: EngineConfig, model: StepCostModel, replicas: int,
+             objectives: list[Objective], *, router: str, max_model_len: int | None, seed: int,
+             max_error_rate: float, options: dict[str, Any]) -> Trial:
+    sim = Simulator(config, model, SimOptions(replicas=replicas, router=router, max_model_len=max_model_len, seed=seed))
+    res = sim.run(workload)
+    servable = [r for r in res.records if r.status != 400]
+    summary = report.summarize(servable, {})
+    failed = sum(1 for r in servable if not r.ok)
+    values = {o.key: o.value(summary) for o in objectives}
+    meets = (failed <= max_error_rate * max(1, len(servable))
+             and all(v is not None and v <= o.bound for o, v in zip(objectives, values.values(), strict=True)))
+    return Trial(options, replicas, values, len(res.records) - len(servable), failed, len(res.records), meets, res.wall_s)
+
+
+def min_replicas(run, max_replicas: int) -> tuple[Trial | None, list[Trial]]:
+    """Smallest n in [1, max_replicas] with run(n).meets, by doubling then bisection."""
+    trials: list[Trial] = []
+    lo, hi, n = 0, None, 1  # lo: largest known failing count
+    while n <= max_replicas:
+        t = run(n)
+        trials.append(t)
+        if t.meets:
+            hi = t
+            break
+        lo = n
+        if n == max_replicas:
+            break
+        n = min(2 * n, max_replicas)
+    if hi is None:
+        return None, trials
+    while hi.replicas - lo > 1:
+        mid = (lo + hi.replicas) // 2
+        t = run(mid)
+        trials.append(t)
+        if t.meets:
+            hi = t
+        else:
+            lo = mid
+    return hi, trials
+
+
+def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objectives: list[Objective], *,
+         grid: dict[str, list[Any]] | None = None, router: str = "least-loaded", max_replicas: int = 64,
+         max_model_len: int | None = None, seed: int = 0, max_error_rate: float = 0.0,
+         progress: Any = None) -> PlanResult:
+    """Search the grid of engine options x replica counts; see the module docstring."""
+    if not objectives:
+        raise ValueError("--slo: give at least one objective, e.g. --slo ttft_p95=1.0")
+    result = PlanResult(list(objectives))
+    floor = unloaded_ttft(workload, config, model)
+    result.floor = {f"ttft_p{q}": report.percentile(floor, q) for q in report.PERCENTILES}
+    for o in objectives:
+        if o.metric == "ttft" and result.floor[o.key] > o.bound:
+            result.notes.append(f"{o.key} <= {o.bound:g}s is infeasible: even on an idle engine the prefill alone "
+                                f"gives {o.key} = {result.floor[o.key]:.3f}s; more replicas cannot help")
+            return result
+    names = sorted(grid or {})
+    combos = list(itertools.product(*(grid[k] for k in names))) if names else [()]
+    for combo in combos:
+        opts = dict(zip(names, combo, strict=True))
+        cfg = config.replace(**opts) if opts else config
+
+        def run(n: int, cfg: EngineConfig = cfg, opts: dict = opts) -> Trial:
+            t = evaluate(workload, cfg, model, n, objectives, router=router, max_model_len=max_model_len,
+                         seed=seed, max_error_rate=max_error_rate, options=opts)
+            if progress is not None:
+                progress(t)
+            return t
+
+        best, trials = min_replicas(run, max_replicas)
+        result.trials += trials
+        if best is not None and (result.best is None or _cheaper(best, result.best, objectives)):
+            result.best = best
+    if result.best is None:
+        result.notes.append(f"no configuration met the SLOs with up to {max_replicas} replicas")
+    return result
+
+
+def _cheaper(a: Trial, b: Trial, objectives: list[Objective]) -> bool:
+    first = objectives[0].key
+    return (a.replicas, a.values[first] or 0.0) < (b.replicas, b.values[first] or 0.0)
+
+
+def format_trial(t: Trial, objectives: list[Objective]) -> str:
+    opts = " ".join(f"{k}={v}" for k, v in t.options.items()) or "(engine options as given)"
+    vals = "".join(f"{'n/a' if t.values[o.key] is None else format(t.values[o.key], '.3f'):>12}" for o in objectives)
+    return f"{opts:<48}{t.replicas:>9}{vals}{t.failed:>8}{'yes' if t.meets else 'no':>6}{t.wall_s:>8.1f}"
+
+
+def format_plan(result: PlanResult) -> str:
+    objs = result.objectives
+    head = f"{'engine options':<48}{'replicas':>9}" + "".join(f"{o.key + ' s':>12}" for o in objs) + \
+        f"{'failed':>8}{'meets':>6}{'sim s':>8}"
+    lines = ["SLOs: " + ", ".join(f"{o.key} <= {o.bound:g}s" for o in objs),
+             "unloaded floor: " + ", ".join(f"{k} {v:.3f}s" for k, v in result.floor.items() if k.startswith("ttft")),
+             head] + [format_trial(t, objs) for t in result.trials]
+    if result.trials and result.trials[0].refused:
+        lines.append(f"note: {result.trials[0].refused} requests are refused by any fleet (longer than max_model_len); "
+                     "they are left out of the SLOs")
+    lines += [f"note: {n}" for n in result.notes]
+    if result.best is not None:
+        b = result.best
+        opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in b.options.items())
+        lines.append(f"cheapest: {b.replicas} replica{'s' if b.replicas > 1 else ''}{(' with ' + opts) if opts else ''} "
+                     "(" + ", ".join(f"{o.key} {b.values[o.key]:.3f}s" for o in objs) + ")")
+    return "\n".join(lines)

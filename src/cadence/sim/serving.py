@@ -1,0 +1,148 @@
+"""Calibration's last phase: what serving adds to a step, measured through `cadence serve`.
+
+A served step costs more than the forward pass timed alone: the engine thread also detokenizes,
+updates metrics and hands tokens to the HTTP side, whose thread formats and streams them while the
+next step runs, and a client on the same machine parses them. This phase starts `cadence serve`
+with the engine options being calibrated, streams closed-loop decode traffic at a few batch sizes,
+and compares the inter-token latency the client sees with what the fitted cost model predicts for
+those decode steps. The difference, fitted as a constant per step plus a cost per running request,
+becomes the profile's overhead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from cadence.config import EngineConfig
+from cadence.executor.cost_model import StepCostModel, StepFeatures
+
+PROMPT_TOKENS = 64
+OUTPUT_TOKENS = 48
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """Command-line flags that reproduce `config` (only what differs from the defaults)."""
+    default = EngineConfig().as_options()
+    flags: list[str] = []
+    for name, value in config.as_options().items():
+        if value == default[name] or value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif name == "tenant_weights":
+            flags += [flag, ",".join(f"{k}={w}" for k, w in value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(config: EngineConfig, port: int, log_path: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "cadence.cli", "serve", "--port", str(port), *engine_flags(config)]
+    log = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed with it
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"cadence serve exited during calibration; see {log_path}")
+        time.sleep(0.5)
+    _stop(proc)
+    raise RuntimeError("cadence serve did not become ready within 5 minutes")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _stream_one(client: httpx.Client, prompt: list[int]) -> list[float]:
+    """Arrival times of the token chunks of one streamed completion."""
+    body = {"prompt": prompt, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True, "min_tokens": OUTPUT_TOKENS,
+            "stream": True}
+    times = []
+    with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:]).get("choices"):
+                times.append(time.perf_counter())
+    return times
+
+
+def _closed_loop(url: str, users: int, rounds: int, vocab: int) -> list[float]:
+    """`users` clients, each streaming `rounds` requests back to back; all inter-token gaps."""
+    gaps: list[float] = []
+    lock = threading.Lock()
+
+    def user(seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(base_url=url, timeout=300) as client:
+            for _ in range(rounds):
+                t = _stream_one(client, [rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)])
+                with lock:
+                    gaps.extend(b - a for a, b in zip(t, t[1:], strict=False))
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return gaps
+
+
+def measure_serving_overhead(config: EngineConfig, model: StepCostModel, vocab: int, *,
+                             batches: tuple[int, ...] = (1, 4, 16), rounds: int = 2,
+                             log_path: str = "cadence_calibrate_serve.log") -> dict[str, Any]:
+    """Serve, stream decode traffic at each batch size, fit (median ITL - modelled step) = a + b * batch."""
+    port = _free_port()
+    proc = _start(config, port, log_path)
+    rows = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _closed_loop(url, 1, 1, vocab)  # warm-up
+        for n in batches:
+            gaps = _closed_loop(url, n, rounds, vocab)
+            ctx = PROMPT_TOKENS + OUTPUT_TOKENS // 2
+            f = StepFeatures(decode_seqs=n, sampled=n, decode_context=n * ctx, decode_padded=n * ctx)
+            rows.append({"batch": n, "median_itl_s": statistics.median(gaps), "modelled_step_s": model.predict(f)})
+    finally:
+        _stop(proc)
+    b = [r["batch"] for r in rows]
+    y = [r["median_itl_s"] - r["modelled_step_s"] for r in rows]
+    per_seq, per_step = _line(b, y)
+    return {"per_step": per_step, "per_seq": per_seq, "runs": rows, "how": "cadence serve, streaming client on "
+            f"this machine, {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} tokens out"}
+
+
+def _line(x: list[int], y: list[float]) -> tuple[float, float]:
+    """Least-squares slope and intercept, both clipped at 0 (serving never makes a step cheaper)."""
+    n = len(x)
+    mx, my = sum(x) / n, sum(y) / n
+    sxx = sum((a - mx) ** 2 for a in x)
+    slope = sum((a - mx) * (c - my) for a, c in zip(x, y, strict=True)) / sxx if sxx else 0.0
+    slope = max(slope, 0.0)
+    return slope, max(my - slope * mx, 0.0)

@@ -1,0 +1,296 @@
+"""The simulator: the real engine core, scheduler and KV cache manager on virtual time.
+
+Only two parts differ from a served engine: the executor (`SimExecutor`: a scripted token per
+sampled row and a modelled step cost) and the clock (`VirtualClock`, advanced by that cost). A
+workload's requests enter when virtual time reaches their arrival; an idle replica jumps straight
+to its next arrival. Several replicas sit behind a router and step in virtual-time order: the
+replica whose next step starts earliest goes next, and an arrival is routed before any step that
+starts after it.
+
+The loop decides only from arrival times and the clock readings after each step, so driving it
+with a real executor and a wall clock (see `sim/replay.py`) and then replaying that run's step
+times reproduces the same scheduling decisions. No torch here.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cadence.bench.report import RequestRecord
+from cadence.clock import VirtualClock
+from cadence.config import EngineConfig
+from cadence.engine.core import EngineCore
+from cadence.errors import AdmissionError, ErrorKind
+from cadence.executor.cost_model import SimExecutor, StepCostModel
+from cadence.request import Request, SamplingParams
+from cadence.sim.router import Router, make_router
+from cadence.sim.synth import PromptSynth
+from cadence.workload import Workload, WorkloadRequest
+
+# HTTP status a client of `cadence serve` would have seen for each refusal.
+_STATUS = {ErrorKind.INVALID_REQUEST: 400, ErrorKind.QUEUE_FULL: 429, ErrorKind.TENANT_QUOTA: 429,
+           ErrorKind.DEADLINE: 408, ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500}
+_OK_REASONS = ("stop", "length")
+_INF = math.inf
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """How the fleet and the load are modelled (the engine options are an `EngineConfig`).
+
+    `concurrency` with `closed_loop`: that many users, each sending its next request when the
+    previous one ends. Without `closed_loop`: an open loop capped at that many requests in flight.
+    """
+
+    replicas: int = 1
+    router: str = "round-robin"
+    max_model_len: int | None = None  # None: the profile's (the model's context, capped like serve)
+    seed: int = 0
+    concurrency: int | None = None
+    closed_loop: bool = False
+
+    def validate(self) -> SimOptions:
+        if self.replicas < 1:
+            raise ValueError("replicas: must be >= 1")
+        make_router(self.router)
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency: must be >= 1")
+        if self.closed_loop and not self.concurrency:
+            raise ValueError("concurrency: a closed loop needs a number of users")
+        return self
+
+
+@dataclass
+class ReplicaStats:
+    index: int
+    requests: int = 0
+    steps: int = 0
+    busy_s: float = 0.0  # virtual seconds spent in steps
+    preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    replicas: list[ReplicaStats]
+    wall_s: float  # real seconds the simulation took
+    virtual_s: float  # simulated seconds from the first arrival to the last step
+    steps: int = 0
+    t0: float = 0.0  # clock reading at the start: record times are relative to it
+    notes: list[str] = field(default_factory=list)
+
+
+class _Replica:
+    __slots__ = ("index", "core", "clock", "executor", "stats", "in_heap", "last_end")
+
+    def __init__(self, index: int, core: EngineCore, clock: Any, executor: Any) -> None:
+        self.index, self.core, self.clock, self.executor = index, core, clock, executor
+        self.last_end = -_INF  # clock reading after its last step
+        self.stats = ReplicaStats(index)
+        self.in_heap = False
+
+
+class _Client:
+    """The load generator's side: when each request is sent (open loop, capped, or closed loop)."""
+
+    def __init__(self, reqs: tuple[WorkloadRequest, ...], opts: SimOptions) -> None:
+        self._reqs = reqs
+        self._cap = opts.concurrency if not opts.closed_loop else None
+        self._closed = opts.closed_loop
+        self._heap: list[tuple[float, int]] = []  # (send time, index)
+        self._held: deque[int] = deque()  # arrived while the open-loop cap was reached
+        self.in_flight = 0
+        if self._closed:
+            self._next = min(opts.concurrency or 1, len(reqs))
+            self._heap = [(0.0, i) for i in range(self._next)]
+        else:
+            self._next = len(reqs)
+            self._heap = [(r.arrival_time or 0.0, i) for i, r in enumerate(reqs)]
+            heapq.heapify(self._heap)
+
+    def next_time(self) -> float:
+        return self._heap[0][0] if self._heap else _INF
+
+    def pop_due(self, now: float) -> list[int]:
+        """Indices sent at `now` (the caller stamps the send time)."""
+        out = []
+        while self._heap and self._heap[0][0] <= now:
+            _, i = heapq.heappop(self._heap)
+            if self._cap is not None and self.in_flight >= self._cap:
+                self._held.append(i)
+                continue
+            self.in_flight += 1
+            out.append(i)
+        return out
+
+    def on_done(self, now: float) -> None:
+        """A request ended (or was refused) at `now`: free its slot for the next one."""
+        self.in_flight -= 1
+        if self._closed and self._next < len(self._reqs):
+            heapq.heappush(self._heap, (now, self._next))
+            self._next += 1
+        elif self._held:
+            heapq.heappush(self._heap, (now, self._held.popleft()))
+
+
+ExecutorFactory = Callable[[Any], Any]  # clock -> Executor
+
+
+class Simulator:
+    """Runs a workload through N engine cores. One `run` per instance."""
+
+    def __init__(self, config: EngineConfig, cost_model: StepCostModel | None, options: SimOptions = SimOptions(), *,
+                 executor_factory: ExecutorFactory | None = None, clock_factory: Callable[[], Any] = VirtualClock,
+                 on_step: Callable[[int, EngineCore, float], None] | None = None) -> None:
+        self.config = config.validate()
+        self.options = options.validate()
+        if executor_factory is None:
+            if cost_model is None:
+                raise ValueError("cost_model: required unless an executor factory is given")
+            executor_factory = lambda clock: SimExecutor(cost_model, clock=clock)  # noqa: E731
+        max_len = options.max_model_len or int((cost_model.metadata if cost_model else {}).get("max_model_len", 0)) or 8192
+        self.max_model_len = max_len
+        self.router: Router = make_router(options.router)
+        self.on_step = on_step
+        self.replicas: list[_Replica] = []
+        for i in range(options.replicas):
+            clock = clock_factory()
+            ex = executor_factory(clock)
+            core = EngineCore(config, ex, clock=clock, max_model_len=max_len, eos_token_ids=frozenset())
+            self.replicas.append(_Replica(i, core, clock, ex))
+        self._params: dict[int, SamplingParams] = {}
+        self._live: dict[str, tuple[RequestRecord, _Replica]] = {}
+        self._steps = 0
+
+    # -- requests in -------------------------------------------------------------------------------
+
+    def _sampling(self, n: int) -> SamplingParams:
+        sp = self._params.get(n)
+        if sp is None:  # one frozen params object per output length: validation is not free
+            sp = self._params[n] = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+        return sp
+
+    def _send(self, i: int, t: float) -> None:
+        """Request i is sent at virtual time t: route it and queue it on its replica."""
+        wr = self._workload.requests[i]
+        rec = RequestRecord(index=i, tenant=wr.tenant, priority=wr.priority, deadline=wr.deadline,
+                            prompt_tokens=wr.prompt_tokens, output_tokens_asked=wr.output_tokens,
+                            scheduled_time=wr.arrival_time, send_time=t - self._t0, output_count_source="usage")
+        self._records.append(rec)
+        rep = self.replicas[self.router.choose(wr, self._outstanding)] if len(self.replicas) > 1 else self.replicas[0]
+        if not rep.in_heap:  # idle: its clock jumps to the arrival
+            rep.clock.advance_to(t)
+        req = Request(str(i), self._synth.prompt(i, wr), self._sampling(wr.output_tokens), arrival_time=t,
+                      priority=wr.priority, tenant=wr.tenant,
+                      deadline=None if wr.deadline is None else t + wr.deadline)
+        try:
+            rep.core.add_request(req)
+        except AdmissionError as e:
+            rec.status, rec.error, rec.retry_after = _STATUS.get(e.kind, 500), f"{e.kind.value}: {e.message}", e.retry_after
+            self._client.on_done(t - self._t0)
+            return
+        self._outstanding[rep.index] += 1
+        rep.stats.requests += 1
+        self._live[req.request_id] = (rec, rep)
+        if not rep.in_heap:
+            # An idle replica may still be finishing its last step (its clock is ahead of t).
+            rep.in_heap = True
+            heapq.heappush(self._heap, (max(t, rep.last_end), rep.index))
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def _step(self, rep: _Replica) -> None:
+        ex = rep.executor
+        ex.last_step_cost = 0.0
+        t_before = rep.clock.now()
+        deltas = rep.core.step()
+        t = rep.clock.now()
+        rep.last_end = t
+        self._steps += 1
+        st = rep.stats
+        st.steps += 1
+        st.busy_s += t - t_before
+        ls = rep.core.last_stats
+        st.preemptions += ls.num_preemptions
+        st.prefix_cache_queries += ls.prefix_cache_queries
+        st.prefix_cache_hits += ls.prefix_cache_hits
+        rel = t - self._t0
+        live = self._live
+        for d in deltas:
+            rec = live[d.request_id][0]
+            if d.new_token_ids:
+                if rec.first_token_time is None:
+                    rec.first_token_time = rel
+                rec.token_times.append(rel)
+                rec.output_tokens += len(d.new_token_ids)
+            if d.finish_reason is not None:
+                self._finish(d, rec, rep, rel)
+        if self.on_step is not None:
+            self.on_step(rep.index, rep.core, t)
+        if rep.core.has_unfinished_requests() and (ex.last_step_cost or deltas):
+            heapq.heappush(self._heap, (t, rep.index))
+        else:
+            # Idle, or stalled (nothing could be scheduled): it re-enters when a request arrives.
+            rep.in_heap = False
+
+    def _finish(self, d: Any, rec: RequestRecord, rep: _Replica, rel: float) -> None:
+        del self._live[d.request_id]
+        reason = d.finish_reason.value
+        rec.finish_reason = reason
+        rec.end_time = rel
+        m = d.metrics
+        if m is not None and m.queue_time is not None:
+            rec.queue_time = m.queue_time
+        if reason in _OK_REASONS:
+            rec.status = 200
+        else:
+            rec.status = 408 if reason == "deadline" else 500
+            rec.error = f"{reason}: {d.error}" if d.error else reason
+        self._outstanding[rep.index] -= 1
+        self._client.on_done(rel)
+
+    def run(self, workload: Workload) -> SimResult:
+        wall0 = time.perf_counter()
+        self._workload = workload
+        self._synth = PromptSynth(workload.prefix_block_tokens, self.options.seed)
+        self._client = client = _Client(workload.requests, self.options)
+        self._records: list[RequestRecord] = []
+        self._outstanding = [0] * len(self.replicas)
+        self._heap: list[tuple[float, int]] = []
+        self._t0 = t0 = self.replicas[0].clock.now()
+        heap, replicas = self._heap, self.replicas
+        while True:
+            a = client.next_time()  # relative to t0, as the workload's arrival times are
+            ta = t0 + a
+            if heap and heap[0][0] < ta:
+                _, i = heapq.heappop(heap)
+                self._step(replicas[i])
+            elif a < _INF:
+                for i in client.pop_due(a):
+                    self._send(i, ta)
+            else:
+                break
+        self._fail_stalled()
+        records = sorted(self._records, key=lambda r: r.index)
+        end = max((r.clock.now() for r in replicas), default=t0)
+        return SimResult(records, [r.stats for r in replicas], time.perf_counter() - wall0, end - t0, self._steps, t0)
+
+    def _fail_stalled(self) -> None:
+        """Requests left when nothing can run any more never finish: report them as errors."""
+        for rid, (rec, _rep) in list(self._live.items()):
+            rec.status, rec.error = 503, "stalled: the engine could not schedule it"
+            del self._live[rid]
+
+
+def simulate(workload: Workload, config: EngineConfig, cost_model: StepCostModel,
+             options: SimOptions = SimOptions()) -> SimResult:
+    """Convenience: one simulation of `workload` on `options.replicas` engines."""
+    return Simulator(config, cost_model, options).run(workload)

@@ -1,0 +1,169 @@
+"""Step-cost model: features, fitting, profile files, and the simulator's executors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from cadence.clock import VirtualClock
+from cadence.executor.cost_model import (
+    RecordedStep,
+    ReplayDivergence,
+    ReplayExecutor,
+    SimExecutor,
+    StepCostModel,
+    StepFeatures,
+)
+from cadence.request import SamplingParams
+from cadence.sched.output import ScheduledRequest, SchedulerOutput
+
+SP = SamplingParams(max_tokens=8)
+
+
+def _sr(rid: str, n: int, start: int, sample: bool = True) -> ScheduledRequest:
+    return ScheduledRequest(rid, tuple(range(1, n + 1)), start, (0,), sample, SP)
+
+
+def _out(*rows: ScheduledRequest) -> SchedulerOutput:
+    return SchedulerOutput(step=1, scheduled=rows)
+
+
+TRUE = {"const": 0.004, "prefill_tokens": 3e-5, "decode_seqs": 4e-4, "sampled": 2e-4,
+        "decode_context": 2e-7, "prefill_attention": 1e-9}
+
+
+def _synthetic(n: int, seed: int, noise: float) -> list[tuple[StepFeatures, float]]:
+    """Random step shapes priced by TRUE (the 'phases' feature set) with multiplicative noise."""
+    rng = random.Random(seed)
+    truth = StepCostModel("phases", TRUE)
+    out = []
+    for _ in range(n):
+        rows = []
+        for i in range(rng.randint(0, 24)):
+            rows.append(_sr(f"d{i}", 1, rng.randint(16, 2048)))
+        if rng.random() < 0.6 or not rows:
+            chunk = rng.choice((16, 64, 128, 256, 512))
+            rows.append(_sr("p", chunk, rng.choice((0, 256, 1024)), sample=rng.random() < 0.5))
+        f = StepFeatures.from_output(_out(*rows))
+        out.append((f, truth.predict(f) * (1 + rng.uniform(-noise, noise))))
+    return out
+
+
+def test_features_count_each_phase_by_hand() -> None:
+    f = StepFeatures.from_output(_out(_sr("a", 1, 9), _sr("b", 1, 99), _sr("c", 4, 10, sample=False)))
+    assert (f.decode_seqs, f.prefill_seqs, f.prefill_tokens) == (2, 1, 4)
+    assert f.sampled == 2
+    assert f.decode_context == 10 + 100  # keys attended: context after each decode token
+    assert f.decode_padded == 2 * 100  # a rectangular decode batch reads the longest context per row
+    assert f.prefill_attention == 4 * 10 + 4 * 5 // 2  # 4 queries see 10 old keys + a causal 4x4 half
+    assert (f.num_tokens, f.num_seqs) == (6, 3)
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    model = StepCostModel.fit(_synthetic(300, seed=1, noise=0.0), seed=0)
+    assert model.feature_set in ("phases", "padded+context")  # the sets that contain the truth
+    for name, want in TRUE.items():
+        assert model.coefficients[name] == pytest.approx(want, rel=1e-6), name
+    extra = set(model.coefficients) - set(TRUE)
+    assert all(model.coefficients[k] == pytest.approx(0.0, abs=1e-12) for k in extra)
+    assert model.fit_report["heldout_mape"] < 1e-6
+
+
+def test_fit_with_noise_stays_close_and_reports_heldout_error() -> None:
+    model = StepCostModel.fit(_synthetic(400, seed=2, noise=0.05), seed=0)
+    assert model.fit_report["heldout_mape"] < 0.05
+    # A decode row always samples, so only the sum of those two weights is identifiable.
+    c = model.coefficients
+    assert c["decode_seqs"] + c["sampled"] == pytest.approx(TRUE["decode_seqs"] + TRUE["sampled"], rel=0.05)
+    assert c["prefill_tokens"] == pytest.approx(TRUE["prefill_tokens"], rel=0.1)
+    fresh = _synthetic(200, seed=9, noise=0.0)
+    errs = [abs(model.predict(f) - y) / y for f, y in fresh]
+    assert sum(errs) / len(errs) < 0.02
+    # The token-count-only model cannot see attention, so it must lose on held-out steps.
+    cands = model.fit_report["candidates"]
+    assert cands["tokens"]["heldout_mape"] > cands[model.feature_set]["heldout_mape"]
+
+
+def test_fit_prefers_padded_attention_when_that_is_what_the_kernel_pays() -> None:
+    truth = StepCostModel("padded", {"const": 0.01, "decode_seqs": 1e-3, "decode_padded": 5e-7})
+    rng = random.Random(5)
+    samples = []
+    for _ in range(120):
+        rows = [_sr(f"d{i}", 1, rng.randint(16, 4096)) for i in range(rng.randint(1, 32))]
+        f = StepFeatures.from_output(_out(*rows))
+        samples.append((f, truth.predict(f)))
+    model = StepCostModel.fit(samples)
+    assert model.feature_set in ("padded", "padded+context")
+    assert model.fit_report["candidates"]["phases"]["heldout_mape"] > 10 * model.fit_report["heldout_mape"]
+
+
+def test_fit_never_returns_negative_weights() -> None:
+    # Times that fall with prefill size would need a negative weight: the fit drops the feature instead.
+    samples = [(StepFeatures(prefill_tokens=p, prefill_seqs=1), 0.1 - p * 1e-4) for p in range(16, 800, 16)]
+    model = StepCostModel.fit(samples)
+    assert all(v >= 0 for v in model.coefficients.values())
+
+
+def test_fit_rejects_too_few_or_bad_samples() -> None:
+    with pytest.raises(ValueError, match="at least 8"):
+        StepCostModel.fit(_synthetic(5, seed=0, noise=0.0))
+    bad = _synthetic(20, seed=0, noise=0.0)
+    bad[3] = (bad[3][0], 0.0)
+    with pytest.raises(ValueError, match="> 0"):
+        StepCostModel.fit(bad)
+
+
+def test_profile_json_round_trip(tmp_path) -> None:
+    meta = {"model": "m", "dtype": "bfloat16", "device": "cpu", "machine": {"cpu": "x"}, "kv_bytes_per_token": 100}
+    model = StepCostModel.fit(_synthetic(60, seed=3, noise=0.02), metadata=meta)
+    path = model.save(tmp_path / "p.json")
+    back = StepCostModel.load(path)
+    assert back.feature_set == model.feature_set and back.coefficients == model.coefficients
+    assert back.metadata == meta and back.fit_report["heldout_mape"] == model.fit_report["heldout_mape"]
+    f = StepFeatures(prefill_tokens=100, prefill_seqs=1, decode_seqs=7, sampled=8, decode_context=900)
+    assert back.predict(f) == model.predict(f)
+    assert json.loads(path.read_text())["model"] == "m"
+
+
+def test_load_rejects_what_is_not_a_profile(tmp_path) -> None:
+    (tmp_path / "a.json").write_text('{"x": 1}')
+    with pytest.raises(ValueError, match="not a cadence profile"):
+        StepCostModel.load(tmp_path / "a.json")
+    (tmp_path / "b.json").write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        StepCostModel.load(tmp_path / "b.json")
+    with pytest.raises(ValueError, match="feature_set"):
+        StepCostModel("nope", {})
+
+
+def test_sim_executor_scripts_tokens_and_advances_the_clock() -> None:
+    model = StepCostModel("phases", TRUE, {"kv_bytes_per_token": 10})
+    clock = VirtualClock(5.0)
+    ex = SimExecutor(model, clock=clock)
+    assert ex.kv_bytes_per_block(16) == 160
+    out = _out(_sr("a", 1, 30), _sr("b", 8, 0, sample=False), _sr("c", 3, 8))
+    res = ex.execute(out)
+    assert res.sampled_token_ids == {"a": ex.token_id, "c": ex.token_id}  # only rows that sample
+    assert ex.last_step_cost == pytest.approx(model.cost(out))
+    assert clock.now() == pytest.approx(5.0 + model.cost(out))
+    ex.execute(SchedulerOutput(step=2))  # nothing scheduled: free, and time stands still
+    assert ex.last_step_cost == 0.0 and clock.now() == pytest.approx(5.0 + model.cost(out))
+
+
+def test_replay_executor_returns_recorded_tokens_and_times() -> None:
+    clock = VirtualClock(1.0)
+    ex = ReplayExecutor([RecordedStep({"a": 7}, 0.5), RecordedStep({"a": 8}, 0.2, end_time=3.0)], clock=clock)
+    assert ex.execute(_out(_sr("a", 4, 0))).sampled_token_ids == {"a": 7}
+    assert clock.now() == pytest.approx(1.5)
+    assert ex.execute(_out(_sr("a", 1, 4))).sampled_token_ids == {"a": 8}
+    assert clock.now() == 3.0  # moved to the recorded end time, not by the duration
+    with pytest.raises(ReplayDivergence, match="past"):
+        ex.execute(_out(_sr("a", 1, 5)))
+
+
+def test_replay_executor_detects_a_different_batch() -> None:
+    ex = ReplayExecutor([RecordedStep({"a": 7}, 0.5)])
+    with pytest.raises(ReplayDivergence, match="step 0"):
+        ex.execute(_out(_sr("b", 4, 0)))
