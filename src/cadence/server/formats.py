@@ -6,6 +6,7 @@ responses against them.
 
 from __future__ import annotations
 
+import abc
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +81,7 @@ class UsageTracker:
         }
 
 
-class Formatter:
+class Formatter(abc.ABC):
     """Builds one API's chunks and final body; subclasses: completions and chat completions."""
 
     object_name = ""
@@ -122,16 +123,18 @@ class Formatter:
     def start_chunks(self) -> list[dict[str, Any]]:
         return []
 
+    @abc.abstractmethod
     def chunk(self, index: int, d: StreamDelta) -> dict[str, Any] | None:
-        raise NotImplementedError
+        """One SSE chunk for a delta, or None when it carries nothing to send."""
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         body = self._envelope(self.chunk_object_name, [])
         body["usage"] = usage
         return body
 
+    @abc.abstractmethod
     def response(self, usage: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
+        """The whole non-streaming body."""
 
 
 class CompletionFormatter(Formatter):
