@@ -167,3 +167,27 @@ def test_replay_executor_detects_a_different_batch() -> None:
     ex = ReplayExecutor([RecordedStep({"a": 7}, 0.5)])
     with pytest.raises(ReplayDivergence, match="step 0"):
         ex.execute(_out(_sr("b", 4, 0)))
+
+
+def test_calibration_sweep_shapes_respect_the_engine_limits() -> None:
+    from cadence.sim.calibrate import Shape, fits, sweep_shapes
+
+    shapes = sweep_shapes(max_seqs=16, max_tokens=256, max_len=2048)
+    assert shapes and all(len(s.decode_contexts) + len(s.chunks) <= 16 for s in shapes)
+    assert all(n <= 256 and n + st <= 2048 for s in shapes for n, st, _ in s.chunks)
+    assert any(s.chunks and s.decode_contexts for s in shapes)  # mixed steps are swept too
+    assert len(sweep_shapes(16, 256, 2048, quick=True)) < len(shapes)
+    big = Shape(decode_contexts=(1024,) * 8)  # 8 x 64 blocks of 16 tokens
+    assert fits(big, 16, 512) and not fits(big, 16, 511)
+
+
+def test_calibration_steps_give_each_request_its_own_blocks() -> None:
+    from cadence.sim.calibrate import Shape, _output
+
+    out = _output(Shape(chunks=((32, 100, False),), decode_contexts=(40, 17)), 16, 1000, 50, random.Random(0))
+    tables = [r.block_table for r in out.scheduled]
+    assert [len(t) for t in tables] == [9, 3, 2]  # ceil(132/16), ceil(40/16), ceil(17/16)
+    flat = [b for t in tables for b in t]
+    assert len(set(flat)) == len(flat) and all(0 <= b < 1000 for b in flat)
+    assert [r.start_pos for r in out.scheduled] == [100, 39, 16] and not out.scheduled[0].sample
+    assert StepFeatures.from_output(out).decode_padded == 2 * 40

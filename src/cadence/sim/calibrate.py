@@ -9,8 +9,9 @@ Two phases:
    run of the engine core; the step wall time minus the runner's time, fitted as a constant plus
    a cost per scheduled request, is added to the model.
 
-Every shape shares the same few KV blocks (block tables alias): the cost of attention depends on
-how many keys are gathered, not on which slots hold them, and the cache stays small.
+Each request of a shape gets its own blocks, scattered over a KV cache of the served size, as a
+block pool leaves them after churn: gathering a context from all over a large cache costs more
+than re-reading a few hot blocks. Shapes the cache could not hold are skipped.
 """
 
 from __future__ import annotations
@@ -75,18 +76,33 @@ def sweep_shapes(max_seqs: int, max_tokens: int, max_len: int, *, quick: bool = 
     return shapes
 
 
-def _output(shape: Shape, block_size: int, vocab: int, rng: random.Random) -> SchedulerOutput:
-    blocks = tuple(range(-(-shape.max_context // block_size)))  # every request reads the same blocks
+def _output(shape: Shape, block_size: int, num_blocks: int, vocab: int, rng: random.Random) -> SchedulerOutput:
+    """The step as the scheduler would send it. Each request gets its own blocks, scattered over the
+    whole cache as a block pool leaves them after some churn: reading a context from all over a
+    large cache costs more than re-reading a few hot blocks."""
+    need = [-(-(st + n) // block_size) for n, st, _ in shape.chunks] + [-(-c // block_size) for c in shape.decode_contexts]
+    pool = rng.sample(range(num_blocks), sum(need))
+    tables, at = [], 0
+    for k in need:
+        tables.append(tuple(pool[at : at + k]))
+        at += k
     rows = []
     for i, (n, start, sample) in enumerate(shape.chunks):
         ids = tuple(rng.randrange(vocab) for _ in range(n))
-        rows.append(ScheduledRequest(f"p{i}", ids, start, blocks[: -(-(start + n) // block_size)], sample, _SP))
-    for i, ctx in enumerate(shape.decode_contexts):
-        rows.append(ScheduledRequest(f"d{i}", (rng.randrange(vocab),), ctx - 1, blocks[: -(-ctx // block_size)], True, _SP))
+        rows.append(ScheduledRequest(f"p{i}", ids, start, tables[i], sample, _SP))
+    for j, ctx in enumerate(shape.decode_contexts):
+        table = tables[len(shape.chunks) + j]
+        rows.append(ScheduledRequest(f"d{j}", (rng.randrange(vocab),), ctx - 1, table, True, _SP))
     return SchedulerOutput(step=1, scheduled=tuple(rows), num_batched_tokens=sum(r.num_tokens for r in rows))
 
 
-def time_shapes(runner: Any, shapes: list[Shape], block_size: int, vocab: int, repeats: int,
+def fits(shape: Shape, block_size: int, num_blocks: int) -> bool:
+    """Whether the engine's KV cache could hold this step at all (larger shapes never occur)."""
+    need = sum(-(-(st + n) // block_size) for n, st, _ in shape.chunks)
+    return need + sum(-(-c // block_size) for c in shape.decode_contexts) <= num_blocks
+
+
+def time_shapes(runner: Any, shapes: list[Shape], block_size: int, num_blocks: int, vocab: int, repeats: int,
                 progress: bool = True) -> list[tuple[StepFeatures, float]]:
     """(features, median seconds) per shape; one untimed warm-up run each."""
     rng = random.Random(0)
@@ -98,7 +114,7 @@ def time_shapes(runner: Any, shapes: list[Shape], block_size: int, vocab: int, r
         return time.perf_counter() - t0
 
     for k, shape in enumerate(shapes):
-        out = _output(shape, block_size, vocab, rng)
+        out = _output(shape, block_size, num_blocks, vocab, rng)
         first = timed(out)
         # The first run of a new shape pays for allocations; for a long step that is noise, so it counts.
         times = [first] if first > _WARM_ENOUGH_S else []
@@ -146,20 +162,19 @@ def calibrate(config: EngineConfig, *, tiny: bool = False, quick: bool = False, 
               progress: bool = True, served: bool = True, serve_log: str = "cadence_calibrate_serve.log") -> StepCostModel:
     """Build the engine named by `config`, time the sweep and the overhead, and fit a profile."""
     t_start = time.perf_counter()
-    engine = build_engine(config.replace(num_kv_blocks=512), tiny=tiny)
+    engine = build_engine(config, tiny=tiny)  # the KV cache as served: its size and layout matter
     runner = engine.core.executor
-    # Overhead first, while the engine's cache and its KV manager agree; the sweep then resizes it.
     overhead = measure_overhead(engine, 24 if quick else 48, 48, 24 if quick else 48)
     sc = config.scheduler
     max_len = min(engine.max_model_len, 4096)
-    shapes = sweep_shapes(sc.max_num_seqs, sc.max_num_batched_tokens, max_len, quick=quick)
-    block = config.cache.block_size
-    runner.initialize_kv_cache(-(-max_len // block) + 1, block)
+    block, num_blocks = config.cache.block_size, engine.core.num_blocks
+    shapes = [sh for sh in sweep_shapes(sc.max_num_seqs, sc.max_num_batched_tokens, max_len, quick=quick)
+              if fits(sh, block, num_blocks)]
     if progress:
         print(f"engine overhead: {overhead['per_step'] * 1e3:.2f} ms/step + {overhead['per_seq'] * 1e6:.0f} us/request")
         print(f"timing {len(shapes)} step shapes of {engine.model_name} on {engine.device} ({engine.dtype})", flush=True)
     vocab = engine.vocab_size
-    samples = time_shapes(runner, shapes, block, vocab, repeats or (2 if quick else 3), progress)
+    samples = time_shapes(runner, shapes, block, num_blocks, vocab, repeats or (2 if quick else 3), progress)
     meta = {
         "model": engine.model_name, "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
         "torch_threads": torch.get_num_threads(), "machine": machine_info(),
