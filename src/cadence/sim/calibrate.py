@@ -9,9 +9,10 @@ Two phases:
    run of the engine core; the step wall time minus the runner's time, fitted as a constant plus
    a cost per scheduled request, is added to the model.
 
-Each request of a shape gets its own blocks, scattered over a KV cache of the served size, as a
-block pool leaves them after churn: gathering a context from all over a large cache costs more
-than re-reading a few hot blocks. Shapes the cache could not hold are skipped.
+Each request of a shape gets its own run of consecutive KV blocks, placed at random in a cache of
+the served size (a block pool hands blocks out in order): re-reading a few hot blocks for every
+request would flatter attention, scattering every block would overcharge it. Shapes the cache
+could not hold are skipped.
 """
 
 from __future__ import annotations
@@ -77,15 +78,21 @@ def sweep_shapes(max_seqs: int, max_tokens: int, max_len: int, *, quick: bool = 
 
 
 def _output(shape: Shape, block_size: int, num_blocks: int, vocab: int, rng: random.Random) -> SchedulerOutput:
-    """The step as the scheduler would send it. Each request gets its own blocks, scattered over the
-    whole cache as a block pool leaves them after some churn: reading a context from all over a
-    large cache costs more than re-reading a few hot blocks."""
+    """The step as the scheduler would send it. Each request gets its own run of consecutive blocks,
+    the runs placed at random in a cache of the served size, as a block pool hands out blocks in
+    order from its free queue: re-reading the same few hot blocks for every request would make
+    attention look cheaper than it is, and scattering every block at random, dearer."""
     need = [-(-(st + n) // block_size) for n, st, _ in shape.chunks] + [-(-c // block_size) for c in shape.decode_contexts]
-    pool = rng.sample(range(num_blocks), sum(need))
-    tables, at = [], 0
-    for k in need:
-        tables.append(tuple(pool[at : at + k]))
-        at += k
+    spare = num_blocks - sum(need)
+    # Random gaps between the runs: sorted cut points over the spare blocks, in a shuffled order.
+    cuts = sorted(rng.randint(0, spare) for _ in need)
+    order = list(range(len(need)))
+    rng.shuffle(order)
+    starts, at = [0] * len(need), 0
+    for k, i in enumerate(order):
+        starts[i] = at + cuts[k]
+        at += need[i]
+    tables = [tuple(range(st, st + k)) for st, k in zip(starts, need, strict=True)]
     rows = []
     for i, (n, start, sample) in enumerate(shape.chunks):
         ids = tuple(rng.randrange(vocab) for _ in range(n))
