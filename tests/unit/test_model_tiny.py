@@ -7,6 +7,7 @@ flat batch with other requests.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from cadence.executor.model_runner import ModelRunner
 from cadence.model.arch import ModelArchConfig
-from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan, paged_attention
+from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan, decode_groups, paged_attention
 from cadence.model.llama import LlamaModel
 from cadence.request import SamplingParams
 from cadence.sched.output import ScheduledRequest, SchedulerOutput
@@ -220,11 +221,12 @@ def test_kv_sizing_and_bad_input(llama):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("lengths", [[1, 5, 17, 1100, 640, 3, 999, 64], [33]])
+@pytest.mark.parametrize("lengths", [[1, 5, 17, 1100, 640, 3, 999, 64], [1, 3, 5, 17, 64, 640, 999, 1100], [33]])
 def test_batched_decode_attention_matches_naive(dtype, atol, lengths):
     """Paged, padded, batched decode attention against a per-request float64 loop over positions.
 
-    The first case exceeds the small-context threshold (reduced-precision matmuls), the second not.
+    The long cases exceed the small-context threshold (reduced-precision matmuls), the last not; the
+    sorted one is split into several length groups, the unsorted one into less tight groups.
     """
     kvh, g, d, bs = 2, 2, 16, 4
     gen = torch.Generator().manual_seed(0)
@@ -240,6 +242,8 @@ def test_batched_decode_attention_matches_naive(dtype, atol, lengths):
                                    torch.device("cpu"), num_kv_heads=kvh)
     q = torch.randn(len(lengths), kvh * g, d, generator=gen).to(dtype)
     kv_new = torch.randn(len(lengths), 2, kvh, d, generator=gen).to(dtype)
+    if lengths == sorted(lengths) and len(lengths) > 1:
+        assert len(meta.decodes) > 1
     out = paged_attention(q, kv_new, cache.layer(0), meta)
     layer = cache.layer(0).double()  # [2, KVH, NB, bs, D], now holding the new K/V too
     for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
@@ -250,6 +254,30 @@ def test_batched_decode_attention_matches_naive(dtype, atol, lengths):
             k, v = ctx[0, head // g], ctx[1, head // g]
             p = torch.softmax(k @ q[i, head].double() / d**0.5, dim=0)
             torch.testing.assert_close(out[i, head].double(), p @ v, atol=atol, rtol=0)
+
+
+def test_decode_groups_minimise_padded_work():
+    # One long context among short ones: alone in its group (64 + 31*8 + 64 + 40 < 64 + 32*40).
+    assert decode_groups([8] * 31 + [40], overhead=64) == [(0, 31), (31, 32)]
+    # Close lengths: one group beats paying the overhead twice.
+    assert decode_groups([5, 6, 7, 8, 9, 10], overhead=64) == [(0, 6)]
+    # No overhead: every distinct length is its own group; huge overhead: one group.
+    assert decode_groups([1, 1, 2, 3, 3], overhead=0) == [(0, 2), (2, 3), (3, 5)]
+    assert decode_groups([1, 2, 300], overhead=10**6) == [(0, 3)]
+    assert decode_groups([]) == [] and decode_groups([7]) == [(0, 1)]
+    # Brute force over every split of a small unsorted case agrees on the cost.
+    nbs = [3, 9, 1, 9, 2, 20, 4]
+    def cost(groups):
+        return sum(5 + (hi - lo) * max(nbs[lo:hi]) for lo, hi in groups)
+    best = min(
+        cost([(a, b) for a, b in zip([0, *cuts], [*cuts, len(nbs)], strict=True)])
+        for k in range(len(nbs))
+        for cuts in itertools.combinations(range(1, len(nbs)), k)
+    )
+    groups = decode_groups(nbs, overhead=5)
+    assert [lo for lo, _ in groups][0] == 0 and groups[-1][1] == len(nbs)
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:], strict=False))
+    assert cost(groups) <= best + 0  # splitting inside equal runs never helps, so exact here too
 
 
 def test_execute_returns_logprobs_and_seeded_samples_by_request(llama):

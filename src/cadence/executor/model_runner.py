@@ -102,14 +102,16 @@ class ModelRunner:
         return {r.request_id: logits[i] for i, r in enumerate(batch.sampling)}
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> FlatBatch:
-        """Lay the step out as one flat batch: multi-token chunks first, then all decode tokens,
-        so the decode rows are one contiguous slice that attention handles in one batched call."""
+        """Lay the step out as one flat batch: multi-token chunks first, then the decode tokens, shortest
+        context first, so decodes of similar length are contiguous slices attention batches together."""
         if self.kv_cache is None:
             raise RuntimeError("initialize_kv_cache must be called before execute")
         if not scheduled:
             raise ValueError("a step needs at least one scheduled request")
         self._validate(scheduled)
-        order = tuple(sorted(scheduled, key=lambda r: r.num_tokens == 1))  # stable: keeps given order
+        # Chunks first in the given order, then decodes by context length, so attention can group
+        # decodes of similar lengths (model/attention.py, `decode_groups`).
+        order = tuple(sorted(scheduled, key=lambda r: (r.num_tokens == 1, r.end_pos if r.num_tokens == 1 else 0)))
         ids: list[int] = []
         last_rows: list[int] = []
         for r in order:
