@@ -48,6 +48,11 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def ref() -> Reference:
+    return build_reference()
+
+
+def build_reference() -> Reference:
+    """transformers and cadence on the default model's weights, both float32 on the CPU."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

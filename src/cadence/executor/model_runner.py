@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.model.arch import ModelArchConfig
-from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan
+from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan, to_device
 from cadence.model.llama import LlamaModel
 from cadence.model.sampler import Sampler
 from cadence.sched.output import ModelOutput, ScheduledRequest, SchedulerOutput
@@ -122,9 +122,9 @@ class ModelRunner:
         meta = AttentionMetadata.build(spans, self.kv_cache.block_size, self.device, self.arch.num_kv_heads)
         return FlatBatch(
             order=order,
-            input_ids=torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True),
+            input_ids=to_device(torch.tensor(ids, dtype=torch.long), self.device),
             meta=meta,
-            logits_indices=torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True),
+            logits_indices=to_device(torch.tensor(last_rows, dtype=torch.long), self.device),
             sampling=tuple(r for r in order if r.sample),
         )
 

@@ -165,11 +165,19 @@ class AttentionMetadata:
                 _decode_batch(seqs[rows[0] : rows[1]], row + lo, tables[rows[0] : rows[1]], block_size, device, num_kv_heads)
             )
         return cls(
-            positions=positions.to(device, non_blocking=True),
-            slot_mapping=slot_mapping.to(device, non_blocking=True),
+            positions=to_device(positions, device),
+            slot_mapping=to_device(slot_mapping, device),
             prefills=tuple(prefills),
             decodes=tuple(decodes),
         )
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-built index tensors to the model's device. On CUDA through pinned memory, so the copy is
+    asynchronous and the step's kernels queue behind it without a host sync; on CPU, a no-op."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def decode_groups(nbs: Sequence[int], overhead: int = GROUP_OVERHEAD_BLOCKS) -> list[tuple[int, int]]:
@@ -230,7 +238,7 @@ def _prefill_chunk(
     q_pos = torch.arange(s.start_pos, s.end_pos)[:, None]
     mask = torch.arange(nb * block_size)[None, :] <= q_pos
     return PrefillChunk(
-        row, row + s.num_tokens, s.start_pos, table[:nb].to(device, non_blocking=True), mask.to(device, non_blocking=True)
+        row, row + s.num_tokens, s.start_pos, to_device(table[:nb], device), to_device(mask, device)
     )
 
 
@@ -244,9 +252,9 @@ def _decode_batch(
     mask = allowed = None
     if not bool(valid.all()):
         allowed = valid.repeat(kvh, 1)[:, None, :]  # [KVH * B, 1, L], head-major like the batch
-        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).to(device, non_blocking=True)
-        allowed = allowed.to(device, non_blocking=True)
-    return DecodeBatch(row, len(seqs), nb, blocks.flatten().to(device, non_blocking=True), mask, allowed)
+        mask = to_device(torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")), device)
+        allowed = to_device(allowed, device)
+    return DecodeBatch(row, len(seqs), nb, to_device(blocks.flatten(), device), mask, allowed)
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""Where the time of a decode step goes: tokens/s and a per-kind breakdown from torch's profiler.
+
+    .venv/bin/python benchmarks/profile_step.py [--streams 1,8,32] [--dtype bfloat16] [--threads N]
+        [--context 64] [--ops 0]
+
+For each batch size, streams of a `--context`-token prompt decode through `ModelRunner.execute`
+(flat batch, paged cache, sampler, exactly as the engine calls it) and the script prints the step
+time, then the profiled self time per kind of op: linear layers, attention (gather, kernels,
+masks), norms, RoPE, sampling, host-side preparation and the rest. `--ops N` also prints the top N
+torch ops. The OpenMP wait policy is whatever the environment says (cadence's default: a short
+spin; see docs/performance.md), so the same script shows the cost of each setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import cadence  # noqa: F401  (sets cadence's OpenMP default before torch loads)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_runner import BLOCK, CadenceStreams, load_weights  # noqa: E402
+
+from cadence.executor.model_runner import ModelRunner  # noqa: E402
+
+# torch op name -> kind; anything not listed is "other" (views, copies, elementwise glue).
+KINDS = {
+    "mkldnn::_linear_pointwise": "linear",
+    "aten::linear": "linear",
+    "aten::addmm": "linear",
+    "aten::mm": "linear",
+    "aten::bmm": "attention",
+    "aten::_softmax": "attention",
+    "aten::index_select": "attention",
+    "aten::index_copy_": "attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+    "aten::masked_fill_": "attention",
+    "aten::_fused_rms_norm": "norm",
+    "aten::rms_norm": "norm",
+    "aten::roll": "rope",
+    "aten::addcmul": "rope",
+    "aten::argmax": "sampling",
+    "aten::embedding": "other",
+    "aten::silu": "mlp activation",
+}
+
+
+def breakdown(prof: profile, steps: int) -> dict[str, float]:
+    """Self CPU ms per step by kind; `prepare` (host-side batch building) from its record_function."""
+    out: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        if ev.key == "prepare":
+            out["prepare (host)"] += ev.cpu_time_total / 1e3 / steps
+            continue
+        out[KINDS.get(ev.key, "other")] += ev.self_cpu_time_total / 1e3 / steps
+    return dict(out)
+
+
+class Profiled(CadenceStreams):
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        prepare = self.runner.prepare
+
+        def traced(scheduled):
+            with record_function("prepare"):
+                return prepare(scheduled)
+
+        self.runner.prepare = traced  # type: ignore[method-assign]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--ops", type=int, default=0, help="also print the top N torch ops")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', '-')}, GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')}, "
+          f"load average {os.getloadavg()[0]:.1f}, {args.dtype}")
+    arch, weights, _ = load_weights(torch.float32)
+    runner = ModelRunner(arch, weights, dtype=dtype)
+    sizes = [int(s) for s in args.streams.split(",")]
+    per_stream = -(-(64 + 4 * args.steps + 16) // BLOCK)
+    runner.initialize_kv_cache(num_blocks=per_stream * max(sizes) + 1, block_size=BLOCK)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(arch.vocab_size) for _ in range(64)] for _ in range(max(sizes))]
+    for b in sizes:
+        s = Profiled(runner, prompts[:b], 4 * args.steps, 0)
+        s.decode(3)
+        best = max(s.decode(args.steps) for _ in range(2))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            s.decode(args.steps)
+            wall = (time.perf_counter() - t0) / args.steps * 1e3
+        parts = breakdown(prof, args.steps)
+        total = sum(v for k, v in parts.items() if k != "prepare (host)")
+        print(f"\n{b} streams: {best:.1f} tok/s, step {b / best * 1e3:.1f} ms "
+              f"(profiled {wall:.1f} ms, {total:.1f} ms in torch ops)")
+        for kind, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+            print(f"  {kind:<16} {ms:7.2f} ms/step  {100 * ms / total:5.1f}%")
+        if args.ops:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
+
+
+if __name__ == "__main__":
+    main()
