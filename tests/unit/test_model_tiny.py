@@ -221,12 +221,15 @@ def test_kv_sizing_and_bad_input(llama):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("lengths", [[1, 5, 17, 1100, 640, 3, 999, 64], [1, 3, 5, 17, 64, 640, 999, 1100], [33]])
+@pytest.mark.parametrize(
+    "lengths",
+    [[1, 5, 17, 1100, 640, 3, 999, 64], [1, 3, 5, 17, 64, 640, 999, 1100], [33], sorted(61 + i % 4 for i in range(20))],
+)
 def test_batched_decode_attention_matches_naive(dtype, atol, lengths):
     """Paged, padded, batched decode attention against a per-request float64 loop over positions.
 
-    The long cases exceed the small-context threshold (reduced-precision matmuls), the last not; the
-    sorted one is split into several length groups, the unsorted one into less tight groups.
+    Small groups go through the fused kernel, the 20-request group through two batched matmuls; the
+    sorted case is split into several length groups, the unsorted one into less tight groups.
     """
     kvh, g, d, bs = 2, 2, 16, 4
     gen = torch.Generator().manual_seed(0)
@@ -242,8 +245,10 @@ def test_batched_decode_attention_matches_naive(dtype, atol, lengths):
                                    torch.device("cpu"), num_kv_heads=kvh)
     q = torch.randn(len(lengths), kvh * g, d, generator=gen).to(dtype)
     kv_new = torch.randn(len(lengths), 2, kvh, d, generator=gen).to(dtype)
-    if lengths == sorted(lengths) and len(lengths) > 1:
+    if lengths == sorted(lengths) and max(lengths) > 10 * min(lengths):
         assert len(meta.decodes) > 1
+    if len(lengths) == 20:
+        assert [d.num_rows for d in meta.decodes] == [20]  # one group, above the fused kernel's size
     out = paged_attention(q, kv_new, cache.layer(0), meta)
     layer = cache.layer(0).double()  # [2, KVH, NB, bs, D], now holding the new K/V too
     for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
