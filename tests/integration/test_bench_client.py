@@ -211,13 +211,23 @@ def test_cli_run_compare_and_sweep(fake_server, tmp_path: Path, capsys) -> None:
     assert main([*common, "--rate", "30", "--out", str(tmp_path / "a"), "--label", "a"]) == 0
     assert main([*common, "--concurrency", "2", "--out", str(tmp_path / "b"), "--label", "b"]) == 0
     capsys.readouterr()
-    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b" / "summary.json")]) == 0
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b" / "summary.json"), "--out", str(tmp_path / "ab")]) == 0
     out = capsys.readouterr().out
     assert "request_throughput" in out and "B/A" in out and "ttft.p95" in out
+    assert (tmp_path / "ab" / "latency_cdf_compare.png").read_bytes()[:4] == b"\x89PNG"  # both runs' CDFs
     assert main(["sweep", *common, "--rates", "20,40", "--out", str(tmp_path / "s")]) == 0
     sweep = json.loads((tmp_path / "s" / "sweep.json").read_text())
     assert [p["load"] for p in sweep["points"]] == [20.0, 40.0]
     assert (tmp_path / "s" / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    # Two sweeps: a table per shared load point and one plot of both.
+    assert main(["sweep", *common, "--rates", "40,60", "--out", str(tmp_path / "s2")]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "s"), str(tmp_path / "s2" / "sweep.json"), "--out", str(tmp_path / "c")]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert [r[0] for r in rows if r and r[0].replace(".", "").isdigit()] == ["40"]  # the only common load
+    assert (tmp_path / "c" / "sweep_compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["compare", str(tmp_path / "s"), str(tmp_path / "a")]) == 2  # a sweep and a run: clear error
+    assert "not one of each" in capsys.readouterr().err
     assert main(["--base-url", url, "--num-requests", "3"]) == 2  # no load given: a clear error
     assert "give --rate" in capsys.readouterr().err
     nobody = f"http://127.0.0.1:{_free_port()}"

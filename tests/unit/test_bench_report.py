@@ -128,6 +128,19 @@ def test_short_outputs_are_counted() -> None:
     assert summarize_records([r], {})["short_outputs"] == 1
 
 
+def test_short_outputs_warn_by_finish_reason() -> None:
+    """Stopping at EOS means ignore_eos was ignored; a deadline is the server's own decision."""
+    eos = rec(0, 0.0, [0.1, 0.2], end=0.3, finish_reason="stop")
+    late = rec(1, 0.0, [0.1], end=0.3, finish_reason="deadline")
+    full = rec(2, 0.0, [0.1, 0.2], end=0.3, finish_reason="length")
+    eos.output_tokens_asked = late.output_tokens_asked = 5
+    warnings = summarize([eos, late, full], {})["warnings"]
+    assert any("1 of 3" in w and "ignore_eos" in w for w in warnings)
+    assert any("1 with finish_reason 'deadline'" in w for w in warnings)
+    only_late = summarize([late, full], {})["warnings"]
+    assert not any("ignore_eos" in w for w in only_late) and any("deadline" in w for w in only_late)
+
+
 def test_per_tenant_and_fairness() -> None:
     s = summarize(_four(), {"ttft": 0.5})
     a, b = s["per_tenant"]["a"], s["per_tenant"]["b"]

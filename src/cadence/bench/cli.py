@@ -3,6 +3,7 @@
     cadence bench [run] --rate 4 --num-requests 200 --slo ttft=0.5 --out results/a
     cadence bench sweep --rates 1,2,4,8 --out results/sweep
     cadence bench compare results/a/summary.json results/b/summary.json
+    cadence bench compare results/sweep-a results/sweep-b --out results/ab   # two sweeps, one plot
 
 `python -m cadence.bench.cli ...` does the same as `cadence bench ...`.
 """
@@ -215,20 +216,84 @@ def _load_summary(path: str) -> dict:
     return doc
 
 
-def _compare(files: list[str]) -> int:
+def _load_sweep(path: str) -> dict | None:
+    """A sweep.json (or a sweep's directory), or None when `path` is a single run."""
+    p = Path(path)
+    p = p / "sweep.json" if p.is_dir() else p
+    if p.name != "sweep.json" or not p.exists():
+        return None
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"compare: cannot read {p}: {e}") from e
+    if "points" not in doc:
+        raise ValueError(f"compare: {p} is not a sweep")
+    return doc
+
+
+def _compare(files: list[str], out: str | None = None) -> int:
     if len(files) != 2:
-        raise ValueError("compare: give two summary.json files (or run directories)")
+        raise ValueError("compare: give two summary.json files (or run directories), or two sweeps")
+    sweeps = [_load_sweep(f) for f in files]
+    if all(sweeps):
+        return _compare_sweeps(files, sweeps, out)  # type: ignore[arg-type]
+    if any(sweeps):
+        raise ValueError("compare: give two single runs or two sweeps, not one of each")
     a, b = (_load_summary(f) for f in files)
     la = a["meta"].get("label") or Path(files[0]).stem
     lb = b["meta"].get("label") or Path(files[1]).stem
     print(report.compare(a, b, la[:13], lb[:13]))
+    runs = [(lbl, _records_beside(f)) for lbl, f in ((la, files[0]), (lb, files[1]))]
+    if out and all(recs for _, recs in runs):
+        from cadence.bench.plots import plot_latency_cdfs_compared
+
+        Path(out).mkdir(parents=True, exist_ok=True)
+        print(f"wrote {plot_latency_cdfs_compared(runs, Path(out) / 'latency_cdf_compare.png', f'{la} vs {lb}')}")
+    return 0
+
+
+def _records_beside(path: str) -> list[report.RequestRecord]:
+    """The per-request records next to a run's summary.json, or [] when there are none."""
+    p = Path(path)
+    jsonl = (p if p.is_dir() else p.parent) / "requests.jsonl"
+    if not jsonl.exists():
+        return []
+    return [report.RequestRecord.from_dict(json.loads(line)) for line in jsonl.read_text().splitlines() if line]
+
+
+def _compare_sweeps(files: list[str], sweeps: list[dict], out: str | None) -> int:
+    """Per load point present in both: throughput and p95 latencies side by side; with --out, one
+    plot of both sweeps on the same axes."""
+    labels = [Path(f).name if Path(f).is_dir() else Path(f).parent.name for f in files]
+    pts = [{p["load"]: p["summary"] for p in s["points"]} for s in sweeps]
+    common = sorted(set(pts[0]) & set(pts[1]))
+    if not common:
+        raise ValueError("compare: the two sweeps share no load point")
+    print(f"A = {labels[0]}, B = {labels[1]}; latencies in ms")
+    print(f"{'load':>8} {'req/s A':>9} {'req/s B':>9} {'p95 TTFT A':>11} {'p95 TTFT B':>11} {'p95 ITL A':>10} {'p95 ITL B':>10}")
+    for x in common:
+        oa, ob = pts[0][x]["overall"], pts[1][x]["overall"]
+
+        def ms(o: dict, k: str, w: int) -> str:
+            return f"{'n/a':>{w}}" if o[k]["p95"] is None else f"{o[k]['p95'] * 1000:>{w}.1f}"
+
+        print(f"{x:>8g} {oa['request_throughput']:>9.2f} {ob['request_throughput']:>9.2f} {ms(oa, 'ttft', 11)} "
+              f"{ms(ob, 'ttft', 11)} {ms(oa, 'itl', 10)} {ms(ob, 'itl', 10)}")
+    if out:
+        from cadence.bench.plots import plot_sweeps
+
+        Path(out).mkdir(parents=True, exist_ok=True)
+        load_label = "offered load (req/s)" if sweeps[0]["kind"] == "rate" else "concurrent users"
+        series = [(lbl, [(p["load"], p["summary"]) for p in s["points"]]) for lbl, s in zip(labels, sweeps, strict=True)]
+        path = plot_sweeps(series, Path(out) / "sweep_compare.png", load_label, offered_diagonal=sweeps[0]["kind"] == "rate")
+        print(f"wrote {path}")
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "compare":
-            return _compare(args.files)
+            return _compare(args.files, args.out)
         if args.files:
             raise ValueError(f"unexpected arguments {args.files}")
         cfg = config_from_args(args)

@@ -251,8 +251,20 @@ def _error_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
 def _warnings(records: Sequence[RequestRecord], overall: dict) -> list[str]:
     out = []
     if overall["short_outputs"]:
-        out.append(f"{overall['short_outputs']} of {overall['completed']} completed requests produced fewer tokens "
-                   "than asked: the server does not honour ignore_eos/min_tokens; tokens/s count what it produced")
+        short = [r for r in records if r.ok and r.output_tokens < r.output_tokens_asked]
+        # Stopped at a stop token (or with no reason given): the server ignored ignore_eos/min_tokens.
+        # Any other reason (a deadline, a length cap) is the server's own decision, said as such.
+        eos = [r for r in short if r.finish_reason in (None, "stop")]
+        if eos:
+            out.append(f"{len(eos)} of {overall['completed']} completed requests stopped before the asked length: "
+                       "the server does not honour ignore_eos/min_tokens; tokens/s count what it produced")
+        reasons: dict[str, int] = {}
+        for r in short:
+            if r.finish_reason not in (None, "stop"):
+                reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
+        if reasons:
+            said = ", ".join(f"{n} with finish_reason {k!r}" for k, n in sorted(reasons.items()))
+            out.append(f"the server ended requests before the asked length: {said}")
     sources: dict[str, int] = {}
     for r in records:
         if r.ok:
