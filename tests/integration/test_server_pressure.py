@@ -25,6 +25,8 @@ LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0.0}
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll until cond() holds. Timeouts are generous on purpose: on a loaded 2-core CI machine an
+    abort or a slot release can take seconds; a real bug never completes at all."""
     end = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > end:
@@ -97,10 +99,10 @@ def test_streaming_disconnect_aborts_within_a_step(one_seat):
     assert state(one_seat) == (1, 0)
     t0 = time.monotonic()
     sock.close()
-    wait_for(lambda: not one_seat.core.has_unfinished_requests(), 5, "the abort")
+    wait_for(lambda: not one_seat.core.has_unfinished_requests(), 30, "the abort")
     assert time.monotonic() - t0 < 1.0
     assert one_seat.wait_idle() and all_blocks_free(one_seat)
-    wait_for(lambda: nothing_held(one_seat), 5, "the response slot to be released")
+    wait_for(lambda: nothing_held(one_seat), 30, "the response slot to be released")
 
 
 def test_non_streaming_disconnect_while_running(one_seat):
@@ -109,7 +111,7 @@ def test_non_streaming_disconnect_while_running(one_seat):
         lambda: state(one_seat)[0] == 1 and one_seat.core.last_stats.num_generation_tokens > 0, 10, "running"
     )
     sock.close()
-    wait_for(lambda: not one_seat.core.has_unfinished_requests(), 5, "the abort")
+    wait_for(lambda: not one_seat.core.has_unfinished_requests(), 30, "the abort")
     assert one_seat.wait_idle() and all_blocks_free(one_seat)
 
 
@@ -117,7 +119,7 @@ def test_queued_disconnect_and_bounded_queue(one_seat):
     running = raw_post(one_seat.url, "/v1/completions", {"prompt": "A", "stream": True, **LONG})
     read_until(running, b"data: ")
     queued = raw_post(one_seat.url, "/v1/completions", {"prompt": "B", **LONG})
-    wait_for(lambda: state(one_seat) == (1, 1), 10, "one running, one waiting")
+    wait_for(lambda: state(one_seat) == (1, 1), 30, "one running, one waiting")
     # The queue is full: refused at once with Retry-After, and nothing enters the engine.
     t0 = time.monotonic()
     r = httpx.post(one_seat.url + "/v1/completions", json={"prompt": "C", "max_tokens": 5}, timeout=30)
@@ -126,11 +128,11 @@ def test_queued_disconnect_and_bounded_queue(one_seat):
     assert state(one_seat) == (1, 1)
     # The queued client leaves: its request leaves the queue; the running one goes on.
     queued.close()
-    wait_for(lambda: state(one_seat) == (1, 0), 5, "the queued request's abort")
+    wait_for(lambda: state(one_seat) == (1, 0), 30, "the queued request's abort")
     assert one_seat.engine.num_in_flight == 1
     running.close()
     assert one_seat.wait_idle() and all_blocks_free(one_seat)
-    wait_for(lambda: nothing_held(one_seat), 5, "the response slots to be released")
+    wait_for(lambda: nothing_held(one_seat), 30, "the response slots to be released")
     metrics = httpx.get(one_seat.url + "/metrics").text
     assert 'cadence:rejected_requests_total{reason="queue_full"}' in metrics
 
@@ -191,7 +193,7 @@ def test_tenant_cap_refuses_only_that_tenant(server_factory):
     assert by_user.status_code == 429  # `user` names the tenant when no header or key does
     hog.close()
     assert live.wait_idle()
-    wait_for(lambda: nothing_held(live), 5, "the tenant's slot to be released")
+    wait_for(lambda: nothing_held(live), 30, "the tenant's slot to be released")
 
 
 # -- failures inside the engine ---------------------------------------------------------------------
