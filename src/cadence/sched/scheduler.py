@@ -146,6 +146,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: _Plan) -> None:
         allocate, table = self.kv.allocate_slots, self.kv.block_table
+        block_size = self.kv.block_size
         records = plan.records
         for req in list(self.running):
             if plan.budget <= 0:
@@ -153,24 +154,31 @@ class Scheduler:
             if req.status is not _RUNNING:
                 continue  # preempted earlier in this loop
             # The common case, a decode, skips the chunk arithmetic (this loop runs per request per step).
+            rid = req.request_id
             start = req.num_computed_tokens
             num_prompt = len(req.prompt_token_ids)
             remaining = num_prompt + len(req.output_token_ids) - start
             n = 1 if remaining == 1 else self._chunk(req, start, plan.budget)
             if n == 0:
                 continue
-            while allocate(req, n) is None:
-                victim = self.preemption.choose_victim(self.running)
-                self._preempt(victim, plan)
-                if victim is req:
-                    break
-            else:
-                # plan.add, inlined: this is the per-decode, per-step path.
-                rid = req.request_id
-                records[rid] = scheduled_request(req, n, table(rid))
-                if n != 1 or start < num_prompt:
-                    plan.num_prefill += n
-                plan.budget -= n
+            ids = table(rid)
+            # Most steps the tokens fit in the blocks the request holds (a decode needs a new block
+            # every `block_size` steps): then allocate_slots would return at once, so skip the call.
+            if start + n > len(ids) * block_size:
+                while allocate(req, n) is None:
+                    victim = self.preemption.choose_victim(self.running)
+                    self._preempt(victim, plan)
+                    if victim is req:
+                        break
+                else:
+                    ids = table(rid)
+                if req.status is not _RUNNING:
+                    continue  # it was its own victim
+            # plan.add, inlined: this is the per-decode, per-step path.
+            records[rid] = scheduled_request(req, n, ids)
+            if n != 1 or start < num_prompt:
+                plan.num_prefill += n
+            plan.budget -= n
 
     def _schedule_waiting(self, plan: _Plan) -> None:
         cap = self.config.tenant_max_running
