@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 # Caps that keep one request from asking the engine for unbounded work.
 MAX_LOGPROBS = 20
@@ -145,9 +146,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @cached_property
     def needs_history(self) -> bool:
-        """True when sampling depends on the tokens seen so far (penalties)."""
+        """True when sampling depends on the tokens seen so far (penalties). Cached: the scheduler
+        asks once per request per step, and the params are frozen."""
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         )
@@ -180,6 +182,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None  # of the latest output token (inter-token latency)
     finished_time: float | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
     error: str | None = None
@@ -203,6 +206,16 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without concatenating the prompt and the outputs."""
+        prompt = self.prompt_token_ids
+        p = len(prompt)
+        if end <= p:
+            return prompt[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return prompt[start:] + self.output_token_ids[: end - p]
 
     @property
     def is_finished(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from functools import lru_cache
 
 BlockHash = bytes  # a SHA-256 digest
 
@@ -18,6 +19,7 @@ BlockHash = bytes  # a SHA-256 digest
 _ROOT = b"cadence-kv-root"
 
 
+@lru_cache(maxsize=4096)  # one salt per tenant, encoded for every block hashed
 def _encode_salt(salt: str | None) -> bytes:
     # Length-prefixed, so "ab"+tokens and "a"+"b"... can never collide; None differs from "".
     if salt is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cadence.kv.block_pool import Block, BlockPool
-from cadence.kv.hashing import BlockHash, hash_full_blocks
+from cadence.kv.hashing import BlockHash, hash_block, hash_full_blocks
 from cadence.request import Request
 
 
@@ -54,7 +54,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, list[Block]] = {}
-        self._table_ids: dict[str, tuple[int, ...]] = {}  # rebuilt only when a table grows
+        # The same tables by id, as the executor gets them: extended (not rebuilt) when a table grows,
+        # so the per-request, per-step lookup costs no work proportional to the context.
+        self._table_ids: dict[str, tuple[int, ...]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # full-block hash chain per request
         self._num_cached: dict[str, int] = {}  # leading blocks of the table already hashed
         self._queries = 0
@@ -79,11 +81,7 @@ class KVCacheManager:
         return self.pool.usage
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
-        table = self._table_ids.get(request_id)
-        if table is None:
-            table = tuple(b.block_id for b in self._tables.get(request_id, ()))
-            self._table_ids[request_id] = table
-        return table
+        return self._table_ids.get(request_id, ())
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -129,7 +127,7 @@ class KVCacheManager:
         table = self._tables.get(rid)
         if table is not None and computed_blocks is _EMPTY:
             # Fast path, once per running request per step: the table already has room.
-            if -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(table):
+            if request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
                 return _EMPTY
         elif computed_blocks and table:
             raise ValueError("computed_blocks: only a request without blocks can take a prefix hit")
@@ -153,10 +151,11 @@ class KVCacheManager:
             self._num_cached[rid] = len(hit)
         new_blocks = self.pool.allocate(num_new_blocks)
         assert new_blocks is not None, "free count checked above"
+        new_ids = tuple(b.block_id for b in new_blocks)
         if new_blocks or hit:
             table.extend(new_blocks)
-            self._table_ids.pop(rid, None)
-        return KVBlocks(tuple(b.block_id for b in new_blocks)) if new_blocks else _EMPTY
+            self._table_ids[rid] = self._table_ids.get(rid, ()) + computed_blocks.block_ids + new_ids
+        return KVBlocks(new_ids) if new_blocks else _EMPTY
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Hash and publish every block that `request.num_computed_tokens` has filled."""
@@ -169,11 +168,15 @@ class KVCacheManager:
             return
         table = self._tables[rid]
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
-        hashes = self._hashes.get(rid, [])
+        hashes = self._hashes.setdefault(rid, [])
         if len(hashes) < num_full:
-            tokens = request.all_token_ids[: num_full * self.block_size]
-            hashes = hash_full_blocks(tokens, self.block_size, request.cache_salt, hashes)
-            self._hashes[rid] = hashes
+            # Hash only the blocks just filled, reading their tokens in place (a decode fills a
+            # block every `block_size` steps: copying the whole context each time would be quadratic).
+            bs, salt = self.block_size, request.cache_salt
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_full):
+                parent = hash_block(parent, request.token_ids_slice(i * bs, (i + 1) * bs), salt)
+                hashes.append(parent)
         for i in range(start, num_full):
             # A duplicate (the same prefix computed twice at once) stays unhashed: harmless.
             self.pool.cache(table[i], hashes[i])
@@ -190,11 +193,15 @@ class KVCacheManager:
             self.pool.free(reversed(table))
 
     # ---------------------------------------------------------------- checking
-    def check_integrity(self, running_requests: list[Request] | tuple[Request, ...] = ()) -> None:
+    def check_integrity(
+        self, running_requests: list[Request] | tuple[Request, ...] = (), *, published: bool = False
+    ) -> None:
         """Raise AssertionError unless the pool is consistent and refcounts equal table membership.
 
         `running_requests` are the requests that should hold tables; each must hold one that
-        covers its computed tokens, and no other request may hold blocks.
+        covers its computed tokens, and no other request may hold blocks. With `published` (true
+        between scheduler steps), every block their computed tokens fill must also have been
+        through `cache_computed_blocks`: the scheduler calls it only on steps that fill a block.
         """
         self.pool.check_integrity()
         expected = [0] * self.pool.num_blocks
@@ -213,5 +220,12 @@ class KVCacheManager:
                 f"missing for {sorted(running_ids - set(self._tables))}"
             )
         for req in running_requests:
-            if len(self._tables[req.request_id]) * self.block_size < req.num_computed_tokens:
-                raise AssertionError(f"{req.request_id}: table too short for its computed tokens")
+            rid = req.request_id
+            table = self._tables[rid]
+            if len(table) * self.block_size < req.num_computed_tokens:
+                raise AssertionError(f"{rid}: table too short for its computed tokens")
+            if self._table_ids.get(rid, ()) != tuple(b.block_id for b in table):
+                raise AssertionError(f"{rid}: block-id table out of step with its blocks")
+            full = min(req.num_computed_tokens // self.block_size, len(table))
+            if published and self.enable_prefix_caching and self._num_cached[rid] != full:
+                raise AssertionError(f"{rid}: {full} full blocks but {self._num_cached[rid]} published")

@@ -70,6 +70,9 @@ class RequestQueue(ABC):
         self._discard(request)
         return True
 
+    # Whether `account` does anything: the scheduler skips the call, once per request per step, if not.
+    tracks_service = False
+
     def account(self, request: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:  # noqa: B027
         """Service a request received in one step. A no-op hook: only fair share uses it."""
 
@@ -225,6 +228,8 @@ class FairQueue(RequestQueue):
     backlogged tenants (or, if none, to that of the tenant that last left the queue), so idle
     time cannot be banked as credit.
     """
+
+    tracks_service = True
 
     def __init__(self, weights: dict[str, float] | None = None, output_weight: float = OUTPUT_TOKEN_WEIGHT) -> None:
         super().__init__()

@@ -25,7 +25,7 @@ from cadence.kv.manager import KVCacheManager
 from cadence.metrics.stats import IterationStats, SchedulerStats
 from cadence.request import Request, RequestStatus
 from cadence.sched.admission import AdmissionControl
-from cadence.sched.output import ModelOutput, RequestDelta, SchedulerOutput, TokenLogprobs
+from cadence.sched.output import ModelOutput, RequestDelta, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
 from cadence.sched.records import final_delta, finished_stats, scheduled_request, token_delta
@@ -35,11 +35,38 @@ _RUNNING = RequestStatus.RUNNING
 
 @dataclass
 class _Plan:
-    """One step being planned: tokens per request (in scheduling order) and what is left."""
+    """One step being planned: each scheduled request's record (in scheduling order) and what is left.
+
+    Records are built as requests are scheduled: nothing that goes into one (progress, outputs, the
+    request's own block table) changes later in the same `schedule`, and a request preempted later
+    in the plan has its record dropped.
+    """
 
     budget: int
-    tokens: dict[str, tuple[Request, int]] = field(default_factory=dict)
+    records: dict[str, ScheduledRequest] = field(default_factory=dict)
+    num_prefill: int = 0  # tokens of the records that are prefill (prompt chunks and recompute)
     preempted: list[str] = field(default_factory=list)
+
+    def add(self, req: Request, n: int, block_table: tuple[int, ...]) -> None:
+        self.records[req.request_id] = scheduled_request(req, n, block_table)
+        if _is_prefill(req, n):
+            self.num_prefill += n
+        self.budget -= n
+
+    def undo(self, req: Request) -> None:
+        """Forget `req`'s share of the plan (it was just preempted), if it had one."""
+        sr = self.records.pop(req.request_id, None)
+        if sr is not None:
+            n = len(sr.token_ids)
+            if _is_prefill(req, n):
+                self.num_prefill -= n
+            self.budget += n
+
+
+def _is_prefill(req: Request, n: int) -> bool:
+    """A decode is one token at an output position; prompt chunks and recompute are prefill.
+    `req.num_computed_tokens` must still be where the chunk starts (it advances in `update`)."""
+    return n != 1 or req.num_computed_tokens < len(req.prompt_token_ids)
 
 
 class Scheduler:
@@ -63,7 +90,8 @@ class Scheduler:
         self._finished_ids: list[str] = []  # not yet reported to the executor
         self._preempted_ids: list[str] = []  # likewise
         self._pending_deltas: list[RequestDelta] = []  # finishes decided inside schedule()
-        self._last_token_time: dict[str, float] = {}
+        # Sum of the running requests' computed tokens, kept as they change: stats() runs every step.
+        self._num_live_tokens = 0
         self._stats = IterationStats()
         self._step = 0
         self._now = 0.0
@@ -117,26 +145,40 @@ class Scheduler:
         return n
 
     def _schedule_running(self, plan: _Plan) -> None:
-        allocate = self.kv.allocate_slots
-        tokens = plan.tokens
+        allocate, table = self.kv.allocate_slots, self.kv.block_table
+        block_size = self.kv.block_size
+        records = plan.records
         for req in list(self.running):
             if plan.budget <= 0:
                 break
             if req.status is not _RUNNING:
                 continue  # preempted earlier in this loop
             # The common case, a decode, skips the chunk arithmetic (this loop runs per request per step).
-            remaining = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
-            n = 1 if remaining == 1 else self._chunk(req, req.num_computed_tokens, plan.budget)
+            rid = req.request_id
+            start = req.num_computed_tokens
+            num_prompt = len(req.prompt_token_ids)
+            remaining = num_prompt + len(req.output_token_ids) - start
+            n = 1 if remaining == 1 else self._chunk(req, start, plan.budget)
             if n == 0:
                 continue
-            while allocate(req, n) is None:
-                victim = self.preemption.choose_victim(self.running)
-                self._preempt(victim, plan)
-                if victim is req:
-                    break
-            else:
-                tokens[req.request_id] = (req, n)
-                plan.budget -= n
+            ids = table(rid)
+            # Most steps the tokens fit in the blocks the request holds (a decode needs a new block
+            # every `block_size` steps): then allocate_slots would return at once, so skip the call.
+            if start + n > len(ids) * block_size:
+                while allocate(req, n) is None:
+                    victim = self.preemption.choose_victim(self.running)
+                    self._preempt(victim, plan)
+                    if victim is req:
+                        break
+                else:
+                    ids = table(rid)
+                if req.status is not _RUNNING:
+                    continue  # it was its own victim
+            # plan.add, inlined: this is the per-decode, per-step path.
+            records[rid] = scheduled_request(req, n, ids)
+            if n != 1 or start < num_prompt:
+                plan.num_prefill += n
+            plan.budget -= n
 
     def _schedule_waiting(self, plan: _Plan) -> None:
         cap = self.config.tenant_max_running
@@ -173,7 +215,7 @@ class Scheduler:
 
     def _num_partial(self, plan: _Plan) -> int:
         """Running requests that will still be mid-prefill after this step."""
-        planned = {rid: n for rid, (_, n) in plan.tokens.items()}
+        planned = {rid: len(sr.token_ids) for rid, sr in plan.records.items()}
         return sum(1 for r in self.running if r.num_computed_tokens + planned.get(r.request_id, 0) < r.num_tokens)
 
     def _admit(self, req: Request, num_cached: int, n: int, plan: _Plan) -> None:
@@ -184,45 +226,38 @@ class Scheduler:
             req.first_scheduled_time = self._now
             req.num_cached_tokens = num_cached
         self.running.append(req)
+        self._num_live_tokens += num_cached
         self._tenant_running[req.tenant] += 1
         if n:
-            plan.tokens[req.request_id] = (req, n)
-            plan.budget -= n
+            plan.add(req, n, self.kv.block_table(req.request_id))
 
     def _preempt(self, victim: Request, plan: _Plan) -> None:
         """Recompute preemption: free the blocks, forget progress, back to the queue's head."""
         self._leave_running(victim)
+        plan.undo(victim)  # before its progress is reset: the undo reads where its chunk started
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        undone = plan.tokens.pop(victim.request_id, None)  # undo its share of this plan
-        if undone is not None:
-            plan.budget += undone[1]
         plan.preempted.append(victim.request_id)
         self._stats.num_preemptions += 1
         self.waiting.push_front(victim)
 
     def _leave_running(self, req: Request) -> None:
         self.running.remove(req)
+        self._num_live_tokens -= req.num_computed_tokens
         self._tenant_running[req.tenant] -= 1
         if not self._tenant_running[req.tenant]:
             del self._tenant_running[req.tenant]
         self.kv.free(req)
 
     def _build_output(self, plan: _Plan) -> SchedulerOutput:
-        table = self.kv.block_table
-        scheduled = []
-        num_prefill = 0
-        for rid, (req, n) in plan.tokens.items():
-            scheduled.append(scheduled_request(req, n, table(rid)))
-            # A decode is one token at an output position; prompt chunks and recompute are prefill.
-            if n != 1 or req.num_computed_tokens < len(req.prompt_token_ids):
-                num_prefill += n
+        scheduled = tuple(plan.records.values())
+        num_prefill = plan.num_prefill
         self._preempted_ids.extend(plan.preempted)
         num_tokens = self.config.max_num_batched_tokens - plan.budget
         out = SchedulerOutput(
             step=self._step,
-            scheduled=tuple(scheduled),
+            scheduled=scheduled,
             preempted_ids=tuple(self._preempted_ids),
             finished_ids=tuple(self._finished_ids),
             num_batched_tokens=num_tokens,
@@ -238,9 +273,11 @@ class Scheduler:
     def update(self, out: SchedulerOutput, model_output: ModelOutput, now: float) -> list[RequestDelta]:
         """Apply a step's results: advance progress, append sampled tokens, stop what is done."""
         deltas, self._pending_deltas = self._pending_deltas, []
-        stats = self._stats
         sampled, logprobs = model_output.sampled_token_ids, model_output.logprobs
-        requests, account, cache = self.requests, self.waiting.account, self.kv.cache_computed_blocks
+        requests, cache = self.requests, self.kv.cache_computed_blocks
+        account = self.waiting.account if self.waiting.tracks_service else None  # a no-op call per token otherwise
+        block_size, append_token = self.kv.block_size, self._append_token
+        num_prompt_tokens = num_computed = num_sampled = 0
         for sr in out.scheduled:
             rid = sr.request_id
             req = requests.get(rid)
@@ -249,19 +286,30 @@ class Scheduler:
             start, n = sr.start_pos, len(sr.token_ids)
             assert req.num_computed_tokens == start, f"{rid}: progress out of step"
             req.num_computed_tokens = start + n
-            cache(req)
+            num_computed += n
+            # Blocks fill only where a step crosses a block boundary (every `block_size` decodes):
+            # the KV manager has published every block full before this step, so skip the call otherwise.
+            if start % block_size + n >= block_size:
+                cache(req)
             prompt_tokens = 0 if n == 1 and start >= len(req.prompt_token_ids) else n  # decode: 0
-            stats.num_prompt_tokens += prompt_tokens
+            num_prompt_tokens += prompt_tokens
             if not sr.sample:
-                account(req, prompt_tokens, 0)
+                if account is not None:
+                    account(req, prompt_tokens, 0)
                 continue
             token = sampled.get(rid)
             if token is None:
                 self._finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
                 deltas.append(final_delta(req))
                 continue
-            account(req, prompt_tokens, 1)
-            deltas.append(self._append_token(req, token, logprobs.get(rid), now))
+            if account is not None:
+                account(req, prompt_tokens, 1)
+            num_sampled += 1
+            deltas.append(append_token(req, token, logprobs.get(rid) if logprobs else None, now))
+        # Summed here, not per row: a request finished above already took its (updated) tokens off.
+        self._num_live_tokens += num_computed
+        self._stats.num_prompt_tokens += num_prompt_tokens
+        self._stats.num_generation_tokens += num_sampled
         self._close_stats()
         return deltas
 
@@ -277,28 +325,28 @@ class Scheduler:
         return deltas
 
     def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> RequestDelta:
+        """Append a sampled token (the caller counts it); runs once per generated token."""
         outputs = req.output_token_ids
         outputs.append(token)
-        rid = req.request_id
-        stats = self._stats
-        stats.num_generation_tokens += 1
-        if req.first_token_time is None:
+        last = req.last_token_time
+        if last is None:  # the first token
             req.first_token_time = now
-            stats.first_token_latencies.append((req.tenant, now - req.arrival_time))
+            self._stats.first_token_latencies.append((req.tenant, now - req.arrival_time))
         else:
-            stats.token_latencies.append((req.tenant, now - self._last_token_time[rid]))
-        self._last_token_time[rid] = now
+            self._stats.token_latencies.append((req.tenant, now - last))
+        req.last_token_time = now
         lps = (logprobs,) if logprobs is not None else ()
         sp = req.sampling_params
-        num_prompt = len(req.prompt_token_ids)
+        num_out = len(outputs)
         # Most tokens end nothing: decide that with a few cheap tests before the full check.
-        may_stop = (
-            len(outputs) >= sp.max_tokens
-            or num_prompt + len(outputs) >= self.max_model_len
-            or token in req.eos_token_ids
-            or token in sp.stop_token_ids
-        )
-        status, stop_reason = self._stop_status(req, token) if may_stop else (None, None)
+        if (
+            num_out < sp.max_tokens
+            and len(req.prompt_token_ids) + num_out < self.max_model_len
+            and token not in req.eos_token_ids
+            and token not in sp.stop_token_ids
+        ):
+            return token_delta(req, token, lps)
+        status, stop_reason = self._stop_status(req, token)
         if status is None:
             return token_delta(req, token, lps)
         self._finish(req, status, now, stop_reason=stop_reason)
@@ -377,7 +425,6 @@ class Scheduler:
         req.stop_reason = stop_reason
         req.error = error
         del self.requests[req.request_id]
-        self._last_token_time.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
         self.admission.drain.record(now)
         self._stats.finished.append(finished_stats(req))
@@ -403,15 +450,16 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_usage=self.kv.usage,
-            num_live_tokens=sum(r.num_computed_tokens for r in self.running),
+            num_live_tokens=self._num_live_tokens,
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_blocks,
         )
 
     def check_integrity(self) -> None:
         """KV refcounts match the running requests' tables; bookkeeping agrees with itself."""
-        self.kv.check_integrity(self.running)
+        self.kv.check_integrity(self.running, published=True)
         assert all(r.status is _RUNNING for r in self.running)
         assert len(self.running) + len(self.waiting) == len(self.requests)
         assert sum(self._tenant_running.values()) == len(self.running)
+        assert self._num_live_tokens == sum(r.num_computed_tokens for r in self.running)
 
