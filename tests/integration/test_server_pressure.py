@@ -118,6 +118,9 @@ def test_non_streaming_disconnect_while_running(one_seat):
 
 
 def test_queued_disconnect_and_bounded_queue(one_seat):
+    # The queue holds one: start from an idle server, or the first request below meets a full queue
+    # (seen in CI after the previous test on a loaded machine).
+    wait_for(lambda: state(one_seat) == (0, 0) and nothing_held(one_seat), 30, "an idle server")
     running = raw_post(one_seat.url, "/v1/completions", {"prompt": "A", "stream": True, **LONG})
     read_until(running, b"data: ")
     queued = raw_post(one_seat.url, "/v1/completions", {"prompt": "B", **LONG})
