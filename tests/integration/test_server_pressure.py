@@ -113,6 +113,7 @@ def test_non_streaming_disconnect_while_running(one_seat):
     sock.close()
     wait_for(lambda: not one_seat.core.has_unfinished_requests(), 30, "the abort")
     assert one_seat.wait_idle() and all_blocks_free(one_seat)
+    assert state(one_seat) == (0, 0)  # the gauges' snapshot follows the abort, with no step after it
     # The HTTP side releases its slot after the engine is done: the next test needs it free.
     wait_for(lambda: nothing_held(one_seat), 30, "the response slot to be released")
 

@@ -99,7 +99,10 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestDelta]:
         """Abort requests (a client went away); frees their blocks at once. Unknown ids are ignored."""
-        return self.scheduler.abort(tuple(request_ids), self.clock.now())
+        deltas = self.scheduler.abort(tuple(request_ids), self.clock.now())
+        # Refresh the snapshot the gauges read: with nothing left to run, no step would.
+        self.scheduler_stats = self.scheduler.stats()
+        return deltas
 
     def finish_requests(
         self,
@@ -109,7 +112,9 @@ class EngineCore:
         stop_reason: str | int | None = None,
     ) -> list[RequestDelta]:
         """End requests for a reason found outside the engine, e.g. a stop string in the detokenized text."""
-        return self.scheduler.finish_requests(tuple(request_ids), status, self.clock.now(), stop_reason=stop_reason)
+        deltas = self.scheduler.finish_requests(tuple(request_ids), status, self.clock.now(), stop_reason=stop_reason)
+        self.scheduler_stats = self.scheduler.stats()
+        return deltas
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestDelta]:
