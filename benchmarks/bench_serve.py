@@ -25,15 +25,13 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from cadence.bench.launch import served
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,26 +44,10 @@ class Server:
     health: str = "/health"
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {timeout:.0f} s")
-
-
 def run_one(server: Server, port: int, conc: int, args: argparse.Namespace, out: Path) -> dict:
-    log = (out / f"{server.name}-serve.log").open("a")
-    proc = subprocess.Popen([*server.cmd, "--port", str(port)], env=server.env, cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}{server.health}", proc)
+    cmd = [*server.cmd, "--port", str(port)]
+    with served(cmd, f"http://127.0.0.1:{port}{server.health}", out / f"{server.name}-serve.log", env=server.env,
+                cwd=ROOT, append=True):
         d = out / f"{server.name}-c{conc}"
         bench = [sys.executable, "-m", "cadence.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
                  "--endpoint", "chat", "--workload", "chat", "--concurrency", str(conc),
@@ -73,12 +55,6 @@ def run_one(server: Server, port: int, conc: int, args: argparse.Namespace, out:
                  "--label", f"{server.name} c={conc}", "--out", str(d)]
         subprocess.run(bench, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return json.loads((d / "summary.json").read_text())["overall"]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def servers(args: argparse.Namespace, tmp: Path) -> list[Server]:

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import ROOT, wait_ready  # noqa: E402
+from cadence.bench.launch import served
 
+ROOT = Path(__file__).resolve().parent.parent
 CADENCE = [sys.executable, "-m", "cadence.cli"]
 
 
@@ -70,18 +69,12 @@ def run(exp: Experiment, out: Path, port: int, seed: int) -> list[Path]:
     for label, flags in exp.settings:
         d = out / exp.name / label
         d.mkdir(parents=True, exist_ok=True)
-        log = (d / "serve.log").open("w")
-        proc = subprocess.Popen([*CADENCE, "serve", "--port", str(port), *flags], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_ready(f"http://127.0.0.1:{port}/ready", proc)
+        cmd = [*CADENCE, "serve", "--port", str(port), *flags]
+        with served(cmd, f"http://127.0.0.1:{port}/ready", d / "serve.log", cwd=ROOT):
             bench = [*CADENCE, "bench", *exp.bench[:1], "--base-url", f"http://127.0.0.1:{port}", *exp.bench[1:],
                      "--endpoint", "chat", "--seed", str(seed), "--label", label, "--out", str(d), "--no-progress"]
             print("$ cadence serve " + " ".join(flags) + "\n$ " + " ".join(bench[2:]), flush=True)
             subprocess.run(bench, check=True, cwd=ROOT)
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
         dirs.append(d)
     return dirs
 

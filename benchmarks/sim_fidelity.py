@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from cadence.bench.launch import served
 
 ROOT = Path(__file__).resolve().parent.parent
 CADENCE = [sys.executable, "-m", "cadence.cli"]
@@ -47,22 +47,6 @@ def saturation(args: argparse.Namespace, out: Path) -> float:
           "--rate", "1000", "--seed", str(args.seed), "--profile", args.profile, "--out", str(d),
           "--num-threads", "1"])
     return _summary(d)["overall"]["request_throughput"]
-
-
-def start_server(args: argparse.Namespace, log: Path) -> subprocess.Popen:
-    cmd = [*CADENCE, "serve", "--num-threads", "1", "--port", str(args.port)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{args.port}/ready"
-    for _ in range(240):
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"cadence serve exited early; see {log}")
-        time.sleep(0.5)
-    raise RuntimeError("cadence serve did not become ready")
 
 
 def one_load(args: argparse.Namespace, rate: float, out: Path) -> tuple[dict, dict]:
@@ -116,12 +100,9 @@ def main() -> int:
     for frac in (float(f) for f in args.fractions.split(",")):
         # A fresh server per load: the same seed sends the same prompts, and a warm prefix cache
         # from the previous load would skip their prefills (the simulator starts cold too).
-        server = start_server(args, out / f"serve_{frac:g}.log")
-        try:
+        cmd = [*CADENCE, "serve", "--num-threads", "1", "--port", str(args.port)]
+        with served(cmd, f"http://127.0.0.1:{args.port}/ready", out / f"serve_{frac:g}.log", cwd=ROOT, timeout=120):
             real, sim = one_load(args, frac * sat, out)
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(30)
         rows.append((frac, frac * sat, real, sim))
         print(table(rows[-1:]), flush=True)
     text = (f"profile: {args.profile}\nsaturation (simulated): {sat:.3f} req/s, {args.num_requests} requests of "

@@ -12,12 +12,9 @@ becomes the profile's overhead.
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -25,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from cadence.bench.launch import served
 from cadence.config import EngineConfig
 from cadence.executor.cost_model import StepCostModel, StepFeatures
 
@@ -53,31 +51,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _start(config: EngineConfig, port: int, log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cadence.cli", "serve", "--port", str(port), *engine_flags(config)]
-    log = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed with it
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"cadence serve exited during calibration; see {log_path}")
-        time.sleep(0.5)
-    _stop(proc)
-    raise RuntimeError("cadence serve did not become ready within 5 minutes")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _stream_one(client: httpx.Client, prompt: list[int]) -> list[float]:
@@ -119,18 +92,16 @@ def measure_serving_overhead(config: EngineConfig, model: StepCostModel, vocab: 
                              log_path: str = "cadence_calibrate_serve.log") -> dict[str, Any]:
     """Serve, stream decode traffic at each batch size, fit (median ITL - modelled step) = a + b * batch."""
     port = _free_port()
-    proc = _start(config, port, log_path)
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "cadence.cli", "serve", "--port", str(port), *engine_flags(config)]
     rows = []
-    try:
-        url = f"http://127.0.0.1:{port}"
+    with served(cmd, url + "/ready", log_path):
         _closed_loop(url, 1, 1, vocab)  # warm-up
         for n in batches:
             gaps = _closed_loop(url, n, rounds, vocab)
             ctx = PROMPT_TOKENS + OUTPUT_TOKENS // 2
             f = StepFeatures(decode_seqs=n, sampled=n, decode_context=n * ctx, decode_padded=n * ctx)
             rows.append({"batch": n, "median_itl_s": statistics.median(gaps), "modelled_step_s": model.predict(f)})
-    finally:
-        _stop(proc)
     b = [r["batch"] for r in rows]
     y = [r["median_itl_s"] - r["modelled_step_s"] for r in rows]
     per_seq, per_step = _line(b, y)

@@ -1,0 +1,45 @@
+"""cadence.bench.launch: start a real server process, wait for it, stop it (and say why when it fails)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from cadence.bench.launch import served
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_served_waits_for_ready_and_stops_on_exit(tmp_path: Path) -> None:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    log = tmp_path / "server.log"
+    with served(cmd, f"http://127.0.0.1:{port}/", log, timeout=30) as proc:
+        assert proc.poll() is None  # answering, still running
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    assert proc.poll() is not None  # stopped on leaving the block
+    log.write_text("before\n")
+    failing = [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
+    with (
+        pytest.raises(RuntimeError, match=r"exited with 3 .*see .*server\.log"),
+        served(failing, "http://127.0.0.1:1/", log, append=True, timeout=30),
+    ):
+        pass
+    assert log.read_text().startswith("before\n") and "boom" in log.read_text()  # appended, not truncated
+
+
+def test_served_gives_up_after_its_timeout(tmp_path: Path) -> None:
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with (
+        pytest.raises(RuntimeError, match="not ready after 1 s"),
+        served(sleeper, f"http://127.0.0.1:{_free_port()}/", tmp_path / "log", timeout=1),
+    ):
+        pass
