@@ -203,17 +203,26 @@ def _sweep(args: argparse.Namespace, cfg: BenchConfig) -> int:
     return 0
 
 
-def _load_summary(path: str) -> dict:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "summary.json"
+def _read_report(p: Path, key: str, what: str) -> dict:
+    """A JSON report that must hold `key`; a clear one-line error otherwise."""
     try:
         doc = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"compare: cannot read {p}: {e}") from e
-    if "overall" not in doc:
-        raise ValueError(f"compare: {p} is not a benchmark summary")
+    if key not in doc:
+        raise ValueError(f"compare: {p} is not {what}")
     return doc
+
+
+def _run_dir(path: str) -> Path:
+    """The directory of a run or sweep given as the directory itself or a file in it."""
+    p = Path(path)
+    return p if p.is_dir() else p.parent
+
+
+def _load_summary(path: str) -> dict:
+    p = Path(path)
+    return _read_report(p / "summary.json" if p.is_dir() else p, "overall", "a benchmark summary")
 
 
 def _load_sweep(path: str) -> dict | None:
@@ -222,13 +231,7 @@ def _load_sweep(path: str) -> dict | None:
     p = p / "sweep.json" if p.is_dir() else p
     if p.name != "sweep.json" or not p.exists():
         return None
-    try:
-        doc = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"compare: cannot read {p}: {e}") from e
-    if "points" not in doc:
-        raise ValueError(f"compare: {p} is not a sweep")
-    return doc
+    return _read_report(p, "points", "a sweep")
 
 
 def _compare(files: list[str], out: str | None = None) -> int:
@@ -254,8 +257,7 @@ def _compare(files: list[str], out: str | None = None) -> int:
 
 def _records_beside(path: str) -> list[report.RequestRecord]:
     """The per-request records next to a run's summary.json, or [] when there are none."""
-    p = Path(path)
-    jsonl = (p if p.is_dir() else p.parent) / "requests.jsonl"
+    jsonl = _run_dir(path) / "requests.jsonl"
     if not jsonl.exists():
         return []
     return [report.RequestRecord.from_dict(json.loads(line)) for line in jsonl.read_text().splitlines() if line]
@@ -264,28 +266,28 @@ def _records_beside(path: str) -> list[report.RequestRecord]:
 def _compare_sweeps(files: list[str], sweeps: list[dict], out: str | None) -> int:
     """Per load point present in both: throughput and p95 latencies side by side; with --out, one
     plot of both sweeps on the same axes."""
-    labels = [Path(f).name if Path(f).is_dir() else Path(f).parent.name for f in files]
+    labels = [_run_dir(f).name for f in files]
     pts = [{p["load"]: p["summary"] for p in s["points"]} for s in sweeps]
     common = sorted(set(pts[0]) & set(pts[1]))
     if not common:
         raise ValueError("compare: the two sweeps share no load point")
     print(f"A = {labels[0]}, B = {labels[1]}; latencies in ms")
     print(f"{'load':>8} {'req/s A':>9} {'req/s B':>9} {'p95 TTFT A':>11} {'p95 TTFT B':>11} {'p95 ITL A':>10} {'p95 ITL B':>10}")
+    def ms(o: dict, k: str, w: int) -> str:
+        return f"{'n/a':>{w}}" if o[k]["p95"] is None else f"{o[k]['p95'] * 1000:>{w}.1f}"
+
     for x in common:
         oa, ob = pts[0][x]["overall"], pts[1][x]["overall"]
-
-        def ms(o: dict, k: str, w: int) -> str:
-            return f"{'n/a':>{w}}" if o[k]["p95"] is None else f"{o[k]['p95'] * 1000:>{w}.1f}"
-
         print(f"{x:>8g} {oa['request_throughput']:>9.2f} {ob['request_throughput']:>9.2f} {ms(oa, 'ttft', 11)} "
               f"{ms(ob, 'ttft', 11)} {ms(oa, 'itl', 10)} {ms(ob, 'itl', 10)}")
     if out:
         from cadence.bench.plots import plot_sweeps
 
         Path(out).mkdir(parents=True, exist_ok=True)
-        load_label = "offered load (req/s)" if sweeps[0]["kind"] == "rate" else "concurrent users"
+        rate = sweeps[0]["kind"] == "rate"
+        load_label = "offered load (req/s)" if rate else "concurrent users"
         series = [(lbl, [(p["load"], p["summary"]) for p in s["points"]]) for lbl, s in zip(labels, sweeps, strict=True)]
-        path = plot_sweeps(series, Path(out) / "sweep_compare.png", load_label, offered_diagonal=sweeps[0]["kind"] == "rate")
+        path = plot_sweeps(series, Path(out) / "sweep_compare.png", load_label, offered_diagonal=rate)
         print(f"wrote {path}")
     return 0
 
