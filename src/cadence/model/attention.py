@@ -120,8 +120,10 @@ class DecodeBatch:
     num_rows: int
     num_blocks: int  # nb: blocks gathered per request (the longest context's)
     blocks: torch.Tensor  # [B * nb] block ids, request-major; padding points at block 0 (masked)
-    mask: torch.Tensor | None  # [KVH * B, 1, nb * block_size] float32 additive; None: nothing to mask
-    valid: torch.Tensor | None  # the same as bool, True = may attend (for the fused kernel)
+    fused: bool  # through the fused attention kernel (small groups) rather than two batched matmuls
+    # None: nothing to mask. Fused: bool [KVH * B, 1, 1, L], True = may attend; otherwise float32
+    # additive [KVH * B, 1, L] (L = nb * block_size), as each path takes it.
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -249,12 +251,13 @@ def _decode_batch(
     nb = -(-int(lens.max()) // block_size)
     blocks = tables[:, :nb]  # [B, nb]; shorter tables are zero-padded: block 0, masked below
     valid = torch.arange(nb * block_size)[None, :] < lens[:, None]  # [B, nb * block_size]
-    mask = allowed = None
+    fused = kvh * len(seqs) <= _FUSED_MAX_BATCH
+    mask = None
     if not bool(valid.all()):
         allowed = valid.repeat(kvh, 1)[:, None, :]  # [KVH * B, 1, L], head-major like the batch
-        mask = to_device(torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")), device)
-        allowed = to_device(allowed, device)
-    return DecodeBatch(row, len(seqs), nb, to_device(blocks.flatten(), device), mask, allowed)
+        mask = allowed[:, None] if fused else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        mask = to_device(mask, device)
+    return DecodeBatch(row, len(seqs), nb, to_device(blocks.flatten(), device), fused, mask)
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -302,11 +305,10 @@ def _decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch) -> t
     v = ctx[1].view(kvh * b, -1, dim)
     # Head j*G + g uses KV head j (grouped-query attention): [B, H, D] -> [KVH*B, G, D].
     qg = q.view(b, kvh, h // kvh, dim).transpose(0, 1).reshape(kvh * b, h // kvh, dim)
-    if kvh * b <= _FUSED_MAX_BATCH:
+    if d.fused:
         # One fused kernel (scores, softmax and the weighted sum in float32 internally), one "head"
         # of G query rows per (KV head, request).
-        mask = None if d.valid is None else d.valid[:, None]  # [KVH*B, 1, 1, L]
-        o = F.scaled_dot_product_attention(qg[:, None], k[:, None], v[:, None], attn_mask=mask)[:, 0]
+        o = F.scaled_dot_product_attention(qg[:, None], k[:, None], v[:, None], attn_mask=d.mask)[:, 0]
     else:
         scores = torch.bmm(qg, k.transpose(1, 2)).float().mul_(dim**-0.5)  # [KVH*B, G, L]
         if d.mask is not None:
