@@ -9,6 +9,7 @@ import pytest
 
 from cadence.clock import VirtualClock
 from cadence.executor.cost_model import (
+    FEATURE_SETS,
     RecordedStep,
     ReplayDivergence,
     ReplayExecutor,
@@ -150,6 +151,18 @@ def test_sim_executor_scripts_tokens_and_advances_the_clock() -> None:
     assert clock.now() == pytest.approx(5.0 + model.cost(out))
     ex.execute(SchedulerOutput(step=2))  # nothing scheduled: free, and time stands still
     assert ex.last_step_cost == 0.0 and clock.now() == pytest.approx(5.0 + model.cost(out))
+
+
+@pytest.mark.parametrize("knee", ["16k", "32k", "64k"])
+def test_sim_executor_cost_equals_the_model_past_every_knee(knee: str) -> None:
+    """SimExecutor evaluates the cost inline for speed: it must agree with StepCostModel, hinges included."""
+    names = FEATURE_SETS[f"padded+knee{knee}"]
+    model = StepCostModel(f"padded+knee{knee}", {n: 1e-6 * (i + 1) for i, n in enumerate(names)})
+    ex = SimExecutor(model)
+    for ctx in (100, 20_000, 40_000, 70_000):  # pads below and past each knee (two decode rows)
+        out = _out(_sr("p", 9, 0), _sr("a", 1, ctx), _sr("b", 1, ctx // 2))
+        ex.execute(out)
+        assert ex.last_step_cost == pytest.approx(model.cost(out), rel=1e-12)
 
 
 def test_replay_executor_returns_recorded_tokens_and_times() -> None:
