@@ -16,7 +16,6 @@ from test_parity_real import (
     Job,
     Reference,
     assert_same_or_near_tie,
-    build_reference,
     hf_logits,
     one_step,
     run_jobs,
@@ -71,14 +70,3 @@ def test_cuda_engine_many_requests_same_as_alone():
     for i in (0, 7, 23):
         alone = llm.generate(prompts[i], params, use_tqdm=False)[0].outputs[0].token_ids
         assert alone == together[i]
-
-
-@pytest.fixture(scope="module")
-def ref() -> Reference:
-    return build_reference()
-
-
-@pytest.fixture(scope="module")
-def alone(ref: Reference) -> dict[str, Job]:
-    """Each prompt generated alone on the CPU: the reference for the CUDA runs."""
-    return {f"p{i}": run_jobs(ref.runner, [Job(f"p{i}", p)], seed=i)[f"p{i}"] for i, p in enumerate(ref.prompts)}

@@ -46,11 +46,6 @@ class Reference:
     ckpt: Checkpoint  # cadence's float32 weights
 
 
-@pytest.fixture(scope="module")
-def ref() -> Reference:
-    return build_reference()
-
-
 def build_reference() -> Reference:
     """transformers and cadence on the default model's weights, both float32 on the CPU."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -168,12 +163,6 @@ def test_logits_match_transformers_whole_and_chunked(ref: Reference):
             pos += n
             rows.append(pos - 1)
         torch.testing.assert_close(torch.stack(got), want[rows], atol=LOGIT_ATOL, rtol=0)
-
-
-@pytest.fixture(scope="module")
-def alone(ref: Reference) -> dict[str, Job]:
-    """Each prompt generated alone, whole prompt in one chunk."""
-    return {f"p{i}": run_jobs(ref.runner, [Job(f"p{i}", p)], seed=i)[f"p{i}"] for i, p in enumerate(ref.prompts)}
 
 
 def test_greedy_matches_transformers_generate(ref: Reference, alone: dict[str, Job]):
