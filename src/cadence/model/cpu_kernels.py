@@ -1,0 +1,200 @@
+"""cadence's own CPU kernels for bfloat16 models on AVX512-BF16 machines (kernels/cpu_bf16.c).
+
+Why kernels of our own: a decode step multiplies a few rows by every weight of the model, so it is
+bound by how fast the weights stream from memory. oneDNN's bfloat16 GEMV reads them at about half
+the machine's bandwidth; `linear`, on a layout packed for it at load, reads them at about the
+bandwidth. The rest of a small step is per-op overhead (~1,000 torch ops): `add_rms_norm`,
+`silu_mul` and `rope_` do in one call what takes torch three to eight. docs/performance.md has
+the figures. Every kernel computes a row the same way whatever else is in the batch, so a
+request's output does not depend on its neighbours.
+
+The C source ships in the package and is compiled on first use with the system's C compiler
+(about a second), cached under ~/.cache/cadence/kernels by a hash of the source and flags, and
+loaded through ctypes: no torch headers, no build step at install. Where the CPU lacks AVX512-BF16,
+no compiler is found, the build fails, or CADENCE_CPU_KERNELS=0 is set, `cpu_kernels()` returns
+None with the reason logged once, and the model keeps torch's oneDNN path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("cadence.model")
+
+SOURCE = Path(__file__).with_name("kernels") / "cpu_bf16.c"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
+         "-shared", "-fPIC"]
+BLOCK_COLS = 64  # output columns per packed block (NB in the C source)
+
+
+_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "cadence_pack": [_P, _P, _I64, _I64],
+    "cadence_linear": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "cadence_add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _INT],
+    "cadence_silu_mul": [_P, _P, _I64, _I64, _INT],
+    "cadence_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
+}
+
+
+def _bf16_rows(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
+
+
+class CpuKernels:
+    """The loaded library. Weights: `pack` once at load, then `linear`. Activations: [rows, features]
+    bfloat16 contiguous tensors (checked: the C code trusts its pointers)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, args in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+        self._pack = lib.cadence_pack
+        self._linear = lib.cadence_linear
+        self._add_rms_norm = lib.cadence_add_rms_norm
+        self._silu_mul = lib.cadence_silu_mul
+        self._rope = lib.cadence_rope
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+                and weight.shape[1] % 2 == 0)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] bfloat16 -> the kernel's blocked layout (N padded to a multiple of 64 with zeros)."""
+        assert self.supports(weight), "pack: a 2-D bfloat16 CPU weight with an even K"
+        w = weight.contiguous()
+        n, k = w.shape
+        packed = torch.empty(-(-n // BLOCK_COLS) * BLOCK_COLS * k, dtype=torch.bfloat16)
+        self._pack(w.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [.., K] bfloat16 -> [.., N] bfloat16; bias, when given, float32 [N]."""
+        assert x.dtype == torch.bfloat16 and x.device.type == "cpu", "linear: a bfloat16 CPU input"
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k).contiguous()
+        m = x2.shape[0]
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        if m:
+            self._linear(x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                         y.data_ptr(), m, n, k, torch.get_num_threads())
+        return y.view(*x.shape[:-1], n)
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += delta (in place, skipped when None), then rms_norm(x) * weight. [T, E] -> [T, E]."""
+        assert _bf16_rows(x) and (delta is None or (_bf16_rows(delta) and delta.shape == x.shape))
+        assert weight.dtype == torch.bfloat16 and weight.shape == x.shape[1:] and weight.is_contiguous()
+        out = torch.empty_like(x)
+        self._add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                           out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's silu(gate) * up from the fused [T, 2F] projection -> [T, F]."""
+        assert _bf16_rows(gate_up) and gate_up.shape[1] % 2 == 0
+        t, f = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(t, f, dtype=torch.bfloat16)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, f, torch.get_num_threads())
+        return out
+
+    def rope_(self, qkv: torch.Tensor, rot_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> None:
+        """Rotate heads [0, rot_heads) of qkv [T, heads, D] in place at `positions` [T] (int64), with
+        float32 tables cos and signed sin [P, D] (model/llama.py's `rope_tables`). Every position must
+        be < P: the caller checks once per step, not once per layer."""
+        t, heads, d = qkv.shape
+        assert qkv.dtype == torch.bfloat16 and qkv.is_contiguous() and rot_heads <= heads
+        assert positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == (t,)
+        assert cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape and cos.shape[1] == d
+        assert cos.is_contiguous() and sin.is_contiguous()
+        self._rope(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, rot_heads, d,
+                   torch.get_num_threads())
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags and " avx512bw" in flags
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "cadence" / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    """Compile once per source and flags; concurrent builders each write a temporary file and
+    rename it into place, so no one ever loads a half-written library."""
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_bf16-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                              timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-400:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _probe(kernel: CpuKernels) -> str | None:
+    """The loaded linear kernel against torch on shapes that exercise every tile height and a ragged
+    N: a library that loads but computes wrongly (a miscompile, a wrong CPU flag) is not used."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(100, 64, generator=gen).to(torch.bfloat16)
+    b = torch.randn(100, generator=gen)
+    x = torch.randn(13, 64, generator=gen).to(torch.bfloat16)
+    got = kernel.linear(x, kernel.pack(w), 100, b).float()
+    want = x.float() @ w.float().T + b
+    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+        return f"probe mismatch (max error {(got - want).abs().max().item():.3g})"
+    return None
+
+
+@cache
+def cpu_kernels() -> CpuKernels | None:
+    """The kernels, built and checked on first call; None (reason logged once) where unavailable."""
+    if os.environ.get("CADENCE_CPU_KERNELS", "1") == "0":
+        return _unavailable("disabled by CADENCE_CPU_KERNELS=0")
+    if not sys.platform.startswith("linux") or not _cpu_has_avx512_bf16():
+        return _unavailable("this CPU lacks AVX512-BF16")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return _unavailable("no C compiler (cc or gcc) on PATH")
+    try:
+        kernel = CpuKernels(ctypes.CDLL(str(_build(compiler))))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return _unavailable(f"build failed: {exc}")
+    reason = _probe(kernel)
+    if reason is not None:
+        return _unavailable(reason)
+    log.info("CPU kernels: bfloat16 layers run on cadence's AVX512-BF16 kernels")
+    return kernel
+
+
+def _unavailable(reason: str) -> None:
+    log.info("CPU kernels not used (%s): bfloat16 layers run on torch ops", reason)
+    return None

@@ -1,0 +1,207 @@
+/* cadence's own CPU kernels for bfloat16 models on AVX512-BF16 machines (see model/cpu_kernels.py):
+ *   cadence_linear        y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 accumulation
+ *   cadence_add_rms_norm  residual += delta; out = rms_norm(residual) * w, in one pass
+ *   cadence_silu_mul      SwiGLU's silu(gate) * up from the fused gate-up output
+ *   cadence_rope          rotary embedding of q and k, in place
+ * Each works row by row with a fixed summation order, so a row's result never depends on the
+ * other rows of the batch. Rounding follows the reference (Hugging Face's Llama in bfloat16):
+ * a value is rounded to bfloat16 wherever the reference stores a bfloat16 tensor.
+ *
+ * Linear layers. Why a kernel of our own: a
+ * decode step is a GEMV over the whole model, bound by memory; oneDNN's bfloat16 GEMV streams the
+ * weights at about half the machine's read bandwidth. This kernel streams each weight byte once
+ * per call, whatever M, from a layout made for that.
+ *
+ * Packed weight layout, made once at load by cadence_pack: [N/64][K/2][64][2] bfloat16. For one
+ * block of 64 output columns and one pair of k, the 64 x 2 weights are 256 contiguous bytes, four
+ * zmm registers; `vdpbf16ps` multiplies each register by a broadcast pair x[m, k:k+2] and adds both
+ * products into 16 float32 lanes, one lane per output column. No horizontal sums.
+ *
+ * Batch invariance: y[m, n] is summed over k pairs in increasing order into its own lane, whatever
+ * M is and whichever tile the row lands in, so a request's output does not depend on what else is
+ * in the batch (bit for bit).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NB 64 /* output columns per block: four zmm of 16 float32 */
+#define MT 6  /* rows per register tile: 6 x 4 accumulators + 4 weights + 1 broadcast <= 32 zmm */
+
+/* W [N, K] row-major bfloat16 -> packed [ceil(N/64)][K/2][64][2], zero-padded past N. K even. */
+void cadence_pack(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
+    int64_t blocks = (n + NB - 1) / NB, kp = k / 2;
+    memset(packed, 0, (size_t)(blocks * NB * k) * sizeof(uint16_t));
+    for (int64_t c = 0; c < n; c++) {
+        uint16_t *dst = packed + (c / NB) * kp * NB * 2 + (c % NB) * 2;
+        const uint16_t *src = w + c * k;
+        for (int64_t p = 0; p < kp; p++) {
+            dst[p * NB * 2] = src[2 * p];
+            dst[p * NB * 2 + 1] = src[2 * p + 1];
+        }
+    }
+}
+
+/* One tile: rows m0..m0+mt of x against one block of 64 columns. */
+static inline __attribute__((always_inline)) void tile(
+    const uint16_t *x, int64_t k, const uint16_t *wb, const float *bias, uint16_t *y, int64_t n,
+    int64_t col0, int64_t mt) {
+    __m512 acc[MT][4];
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+    const int64_t kp = k / 2;
+    for (int64_t p = 0; p < kp; p++) {
+        const __m512bh *wp = (const __m512bh *)(wb + p * NB * 2);
+        __m512bh w0 = wp[0], w1 = wp[1], w2 = wp[2], w3 = wp[3];
+        for (int m = 0; m < mt; m++) {
+            int32_t pair;
+            memcpy(&pair, x + m * k + 2 * p, sizeof pair);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xb, w2);
+            acc[m][3] = _mm512_dpbf16_ps(acc[m][3], xb, w3);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        int64_t c = col0 + 16 * j;
+        if (c >= n) break;
+        __mmask16 mask = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
+        for (int m = 0; m < mt; m++) {
+            __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b));
+            _mm256_mask_storeu_epi16(y + m * n + c, mask, (__m256i)out);
+        }
+    }
+}
+
+static void block(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wb, const float *bias,
+                  uint16_t *y, int64_t n, int64_t col0) {
+    int64_t m0 = 0;
+    for (; m0 + MT <= m; m0 += MT) tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, MT);
+    switch (m - m0) { /* constant tile heights, so each tile's loops unroll into registers */
+        case 5: tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, 5); break;
+        case 4: tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, 4); break;
+        case 3: tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, 3); break;
+        case 2: tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, 2); break;
+        case 1: tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, 1); break;
+        default: break;
+    }
+}
+
+/* x [M, K] bfloat16 contiguous, packed from cadence_pack, bias float32 [N] or NULL, y [M, N]. */
+void cadence_linear(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
+                    int64_t m, int64_t n, int64_t k, int threads) {
+    int64_t blocks = (n + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++)
+        block(x, m, k, packed + b * k * NB, bias, y, n, b * NB);
+}
+
+/* ---- elementwise kernels ------------------------------------------------------------------- */
+
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 mask) {
+    __m256i v = _mm256_maskz_loadu_epi16(mask, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 mask) {
+    _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* v rounded to the nearest bfloat16 (ties to even), kept in float32 lanes. */
+static inline __m512 round_bf16(__m512 v) {
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* exp(x) to within a few float32 ulps: x = n ln2 + r, |r| <= ln2/2, Taylor to r^7, times 2^n. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x); /* ln2, split in two */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Rows are independent; small batches stay on the calling thread (a fork-join costs more). */
+#define PARALLEL_ROWS 32
+
+/* residual [M, E] += delta [M, E] (skipped when delta is NULL), rounded to bfloat16 as torch's add;
+ * out [M, E] = bf16(bf16(residual / rms(residual)) * w), as Hugging Face's LlamaRMSNorm. */
+void cadence_add_rms_norm(uint16_t *residual, const uint16_t *delta, const uint16_t *w, uint16_t *out,
+                          int64_t m, int64_t e, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (m >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < m; r++) {
+        uint16_t *x = residual + r * e;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t c = 0; c < e; c += 16) {
+            __mmask16 mask = tail_mask(e - c);
+            __m512 v = load_bf16(x + c, mask);
+            if (delta) {
+                v = round_bf16(_mm512_add_ps(v, load_bf16(delta + r * e + c, mask)));
+                store_bf16(x + c, v, mask);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)e + eps));
+        for (int64_t c = 0; c < e; c += 16) {
+            __mmask16 mask = tail_mask(e - c);
+            __m512 t = round_bf16(_mm512_mul_ps(load_bf16(x + c, mask), inv));
+            store_bf16(out + r * e + c, _mm512_mul_ps(t, load_bf16(w + c, mask)), mask);
+        }
+    }
+}
+
+/* gate_up [M, 2F] (gate then up) -> out [M, F] = bf16(bf16(silu(gate)) * up), as torch's
+ * F.silu(gate) * up in bfloat16. */
+void cadence_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t m, int64_t f, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (m >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *g = gate_up + r * 2 * f, *u = g + f;
+        for (int64_t c = 0; c < f; c += 16) {
+            __mmask16 mask = tail_mask(f - c);
+            __m512 x = load_bf16(g + c, mask);
+            __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+            __m512 s = round_bf16(_mm512_div_ps(x, den));
+            store_bf16(out + r * f + c, _mm512_mul_ps(s, load_bf16(u + c, mask)), mask);
+        }
+    }
+}
+
+/* Rotate heads [0, rot_heads) of qkv [T, heads, D] in place, pairs (i, i + D/2), with the float32
+ * tables cos [P, D] and signed sin [P, D] (-sin on the first half, +sin on the second) at each
+ * token's position: x1' = x1 cos + x2 (-sin), x2' = x2 cos + x1 sin, one rounding to bfloat16. */
+void cadence_rope(uint16_t *qkv, const int64_t *pos, const float *cos, const float *sin, int64_t t,
+                  int64_t heads, int64_t rot_heads, int64_t d, int threads) {
+    const int64_t half = d / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (t >= PARALLEL_ROWS)
+    for (int64_t i = 0; i < t; i++) {
+        const float *co = cos + pos[i] * d, *si = sin + pos[i] * d;
+        for (int64_t h = 0; h < rot_heads; h++) {
+            uint16_t *x = qkv + (i * heads + h) * d;
+            for (int64_t c = 0; c < half; c += 16) {
+                __mmask16 mask = tail_mask(half - c);
+                __m512 x1 = load_bf16(x + c, mask), x2 = load_bf16(x + half + c, mask);
+                __m512 c1 = _mm512_maskz_loadu_ps(mask, co + c), c2 = _mm512_maskz_loadu_ps(mask, co + half + c);
+                __m512 s1 = _mm512_maskz_loadu_ps(mask, si + c), s2 = _mm512_maskz_loadu_ps(mask, si + half + c);
+                store_bf16(x + c, _mm512_fmadd_ps(x2, s1, _mm512_mul_ps(x1, c1)), mask);
+                store_bf16(x + half + c, _mm512_fmadd_ps(x1, s2, _mm512_mul_ps(x2, c2)), mask);
+            }
+        }
+    }
+}

@@ -1,0 +1,155 @@
+"""cadence's AVX512-BF16 CPU kernels (model/cpu_kernels.py) against torch and float64 references.
+
+On a CPU with AVX512-BF16 and a C compiler the kernels must build and load (a failure there is a
+test failure, not a skip); elsewhere these tests are skipped with that reason, and the model runs
+on torch ops, which the rest of the suite covers.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_model_tiny import ends_of, feed_in_chunks, hf_logits, random_tokens, tiny_hf, weights_of
+
+from cadence.executor.model_runner import ModelRunner
+from cadence.model import cpu_kernels as ck
+from cadence.model.llama import Linear, apply_rope_, rope_tables
+
+CAN_BUILD = ck._cpu_has_avx512_bf16() and (shutil.which("cc") or shutil.which("gcc")) is not None
+needs_kernels = pytest.mark.skipif(not CAN_BUILD, reason="CPU without AVX512-BF16 or no C compiler: torch ops run")
+
+
+def bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ck.CpuKernels:
+    k = ck.cpu_kernels()
+    assert k is not None, "this CPU has AVX512-BF16 and a compiler: the kernels must build and pass the probe"
+    return k
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k", [(960, 576), (100, 64), (64, 1536), (17, 6)])
+def test_linear_matches_float64_and_is_batch_invariant(kernels, n, k):
+    w, x = bf16(n, k, seed=1), bf16(13, k, seed=2)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    packed = kernels.pack(w)
+    got = kernels.linear(x, packed, n, bias)
+    want = x.double() @ w.double().T + bias.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (13, n)
+    # float32 accumulation, one rounding to bfloat16 at the end: within bfloat16's half-ulp (2^-9).
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-3 * k**0.5).all()
+    torch.testing.assert_close(got, F.linear(x, w, bias.to(torch.bfloat16)), rtol=2e-2, atol=2e-2)
+    # Every tile height (6-row tiles and the 1..5 remainders): each row bit-identical to itself alone.
+    for m in range(1, 14):
+        part = kernels.linear(x[:m], packed, n, bias)
+        assert torch.equal(part, got[:m]), f"rows of a {m}-row batch differ from the 13-row batch"
+    assert torch.equal(kernels.linear(x[7:8], packed, n, bias)[0], got[7])
+    # Leading dimensions are kept; an empty batch is fine.
+    assert torch.equal(kernels.linear(x.view(13, 1, k), packed, n, bias).squeeze(1), got)
+    assert kernels.linear(x[:0], packed, n, None).shape == (0, n)
+
+
+@needs_kernels
+def test_linear_layer_uses_the_kernel_for_bfloat16_only(kernels):
+    w = bf16(128, 64, seed=4)
+    assert Linear(w).kernel is kernels and Linear(w).weight is None  # only the packed copy is kept
+    assert Linear(w.float()).kernel is None  # float32 keeps torch's path (the parity tests' dtype)
+    x = bf16(5, 64, seed=5)
+    torch.testing.assert_close(Linear(w)(x), F.linear(x, w), rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("e", [576, 64, 40])
+def test_add_rms_norm_matches_torch(kernels, e):
+    x, delta, w = bf16(9, e, seed=6, scale=3.0), bf16(9, e, seed=7), bf16(e, seed=8, scale=0.5)
+    want_x = x + delta  # torch's bfloat16 add: the residual must be exactly that
+    h = want_x.float()
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)  # HF's LlamaRMSNorm
+    got_x = x.clone()
+    got = kernels.add_rms_norm(got_x, delta, w, 1e-5)
+    assert torch.equal(got_x, want_x)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert (got != want).float().mean() < 0.02  # rare one-ulp differences (sqrt vs rsqrt), not a drift
+    # Without delta: norm only, residual untouched; each row independent of the others.
+    alone = kernels.add_rms_norm(want_x[4:5].clone(), None, w, 1e-5)
+    assert torch.equal(alone[0], kernels.add_rms_norm(want_x.clone(), None, w, 1e-5)[4])
+    with pytest.raises(AssertionError):
+        kernels.add_rms_norm(x.float(), None, w, 1e-5)  # the C code trusts its pointers: types checked
+
+
+@needs_kernels
+def test_silu_mul_matches_torch_including_extremes(kernels):
+    gu = bf16(5, 2 * 72, seed=9, scale=4.0)
+    gu[0, :8] = torch.tensor([-200.0, -90.0, -20.0, 0.0, 20.0, 90.0, 200.0, -1e-3])
+    got = kernels.silu_mul(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert got.shape == (5, 72) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+
+@needs_kernels
+def test_rope_matches_torch_and_leaves_other_heads(kernels):
+    from cadence.model.arch import ModelArchConfig
+
+    arch = ModelArchConfig(architecture="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
+                           num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+                           max_position_embeddings=512, tie_word_embeddings=True, attention_bias=False)
+    cos, sin = rope_tables(arch, torch.device("cpu"))
+    qkv = bf16(7, 8, 16, seed=10)
+    positions = torch.tensor([0, 1, 5, 100, 511, 3, 2])
+    want = qkv.float()
+    apply_rope_(want[:, :6], cos[positions][:, None], sin[positions][:, None])  # float32 reference
+    got = qkv.clone()
+    kernels.rope_(got, 6, positions, cos, sin)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)  # one bfloat16 rounding
+    assert torch.equal(got[:, 6:], qkv[:, 6:])  # v heads untouched
+
+
+@needs_kernels
+def test_bfloat16_model_same_with_and_without_kernels(kernels, monkeypatch):
+    """The tiny model in bfloat16 through the kernels and through torch ops (kernels disabled), both
+    close to the float32 reference and to each other."""
+    hf, arch = tiny_hf()
+    tokens = random_tokens(20, seed=8)
+    ref = hf_logits(hf, tokens)[ends_of([12], 20)]
+
+    def run() -> torch.Tensor:
+        runner = ModelRunner(arch, weights_of(hf), dtype=torch.bfloat16, device="cpu")
+        runner.initialize_kv_cache(16, 4)
+        return torch.stack(feed_in_chunks(runner, tokens, [12], [3, 1, 4, 0, 5]))
+
+    with_kernels = run()
+    monkeypatch.setattr(ck, "cpu_kernels", lambda: None)
+    monkeypatch.setattr("cadence.model.llama.cpu_kernels", lambda: None)
+    without = run()
+    scale = ref.abs().max().item()
+    for got in (with_kernels, without):
+        assert (got - ref).abs().max().item() < 0.1 * scale
+    assert (with_kernels - without).abs().max().item() < 0.1 * scale
+
+
+def test_disabled_or_unbuildable_falls_back_with_a_reason(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    try:
+        with caplog.at_level(logging.INFO, logger="cadence.model"):
+            ck.cpu_kernels.cache_clear()
+            monkeypatch.setenv("CADENCE_CPU_KERNELS", "0")
+            assert ck.cpu_kernels() is None
+            assert "disabled by CADENCE_CPU_KERNELS=0" in caplog.text
+            if CAN_BUILD:  # a compiler that fails: no library, the reason logged, no exception
+                ck.cpu_kernels.cache_clear()
+                monkeypatch.delenv("CADENCE_CPU_KERNELS")
+                monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
+                assert ck.cpu_kernels() is None
+                assert "build failed" in caplog.text
+                assert not list(tmp_path.rglob("*.so"))  # no half-written library left to load
+    finally:
+        ck.cpu_kernels.cache_clear()  # later tests build (or find) the real library again
