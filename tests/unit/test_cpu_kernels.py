@@ -8,6 +8,7 @@ on torch ops, which the rest of the suite covers.
 from __future__ import annotations
 
 import logging
+import random
 import shutil
 
 import pytest
@@ -17,6 +18,7 @@ from test_model_tiny import ends_of, feed_in_chunks, hf_logits, random_tokens, t
 
 from cadence.executor.model_runner import ModelRunner
 from cadence.model import cpu_kernels as ck
+from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan, paged_attention
 from cadence.model.llama import Linear, apply_rope_, rope_tables
 
 CAN_BUILD = ck._cpu_has_avx512_bf16() and (shutil.which("cc") or shutil.which("gcc")) is not None
@@ -153,3 +155,42 @@ def test_disabled_or_unbuildable_falls_back_with_a_reason(monkeypatch, caplog, t
                 assert not list(tmp_path.rglob("*.so"))  # no half-written library left to load
     finally:
         ck.cpu_kernels.cache_clear()  # later tests build (or find) the real library again
+
+
+@needs_kernels
+@pytest.mark.parametrize("kvh,g,d,bs", [(2, 2, 32, 4), (3, 3, 64, 16), (1, 8, 64, 16), (2, 1, 128, 8)])
+def test_paged_decode_attention_matches_float64(kernels, kvh, g, d, bs):
+    """The decode kernel reads contexts in place through block tables (lengths across block and
+    16-position chunk edges), q strided as a view of the fused qkv output, after a prefill chunk in
+    the same flat batch; against a per-request float64 softmax."""
+    lengths = [1, 5, 17, 16, 33, 300, 2, 64]
+    gen = torch.Generator().manual_seed(0)
+    nblocks = sum(-(-n // bs) for n in lengths) + 8
+    cache = PagedKVCache.allocate(num_layers=1, num_blocks=nblocks, block_size=bs, num_kv_heads=kvh, head_dim=d,
+                                  dtype=torch.bfloat16, device=torch.device("cpu"))
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen))
+    pool = random.Random(1).sample(range(nblocks), nblocks)
+    tables, start = [], 0
+    for n in [*lengths, 3]:
+        tables.append(pool[start : start + -(-n // bs)])
+        start += len(tables[-1])
+    spans = [SeqSpan(0, 3, tables[-1])] + [SeqSpan(n - 1, 1, t) for n, t in zip(lengths, tables, strict=False)]
+    meta = AttentionMetadata.build(spans, bs, torch.device("cpu"), num_kv_heads=kvh, kernels=kernels)
+    assert len(meta.decodes) == 1 and meta.decodes[0].num_rows == len(lengths)
+    t = 3 + len(lengths)
+    qkv = torch.randn(t, kvh * g + 2 * kvh, d, generator=gen).to(torch.bfloat16)
+    q, kv_new = qkv[:, : kvh * g], qkv[:, kvh * g :].unflatten(1, (2, kvh))
+    out = paged_attention(q, kv_new, cache.layer(0), meta)
+    layer = cache.layer(0).double()
+    for i, (n, table) in enumerate(zip(lengths, tables, strict=False)):
+        pos = torch.arange(n)
+        ctx = layer[:, :, torch.tensor(table)[pos // bs], pos % bs]  # [2, KVH, n, D]
+        for head in range(kvh * g):
+            k, v = ctx[0, head // g], ctx[1, head // g]
+            p = torch.softmax(k @ q[3 + i, head].double() / d**0.5, dim=0)
+            torch.testing.assert_close(out[3 + i, head].double(), p @ v, atol=2e-2, rtol=0)
+    # A row's output is the same alone: nothing in the kernel depends on the other rows.
+    one = AttentionMetadata.build([SeqSpan(lengths[5] - 1, 1, tables[5])], bs, torch.device("cpu"),
+                                  num_kv_heads=kvh, kernels=kernels)
+    alone = paged_attention(q[8:9], kv_new[8:9], cache.layer(0), one)
+    assert torch.equal(alone[0], out[8])

@@ -119,7 +119,8 @@ class ModelRunner:
             if r.sample:
                 last_rows.append(len(ids) - 1)
         spans = [SeqSpan(r.start_pos, r.num_tokens, r.block_table) for r in order]
-        meta = AttentionMetadata.build(spans, self.kv_cache.block_size, self.device, self.arch.num_kv_heads)
+        meta = AttentionMetadata.build(spans, self.kv_cache.block_size, self.device, self.arch.num_kv_heads,
+                                       self.model.decode_kernels)
         return FlatBatch(
             order=order,
             input_ids=to_device(torch.tensor(ids, dtype=torch.long), self.device),

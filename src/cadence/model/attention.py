@@ -21,6 +21,11 @@ Decode rows are grouped by context length. One batched matmul pads every context
 with 32 chat streams and one 600-token answer among 100-token ones, that is 5x the work, and it was
 the largest cost of a served step. Each extra group costs a fixed few ops per layer, so
 `decode_groups` splits the (sorted) lengths where the padding saved outweighs that overhead.
+
+bfloat16 on a CPU with AVX512-BF16: decode rows skip all of that. cadence's decode kernel
+(model/cpu_kernels.py) reads each context where it lies, block by block through the block table,
+with an online softmax: no gather copy, no padding, no groups (`PagedDecode`), 1.5x the step
+throughput at 8 and 32 streams of 200-token contexts. Prefill chunks keep the torch path.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from cadence.model.cpu_kernels import CpuKernels
 
 # Decode groups of up to this many (KV head, request) pairs, e.g. 10 streams with 3 KV heads, go
 # through torch's fused attention kernel: measured 1.5x (8 streams) to 5x (one stream) faster on
@@ -127,18 +134,37 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
+class PagedDecode:
+    """All single-token rows at once, for cadence's CPU decode kernel, which reads each context
+    where it lies in the paged cache: no grouping, no padding, no gather."""
+
+    row_start: int
+    num_rows: int
+    tables: torch.Tensor  # [B, W] int64 block ids (zero-padded past each request's blocks)
+    lens: torch.Tensor  # [B] int64 context lengths, this step's token included
+    total_len: int
+    kernels: CpuKernels
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [T] position of each token of the flat batch
     slot_mapping: torch.Tensor  # [T] cache slot each new K/V is written to
     prefills: tuple[PrefillChunk, ...]
-    decodes: tuple[DecodeBatch, ...]  # consecutive groups of single-token rows, in row order
+    decodes: tuple[DecodeBatch, ...] | tuple[PagedDecode]  # the single-token rows, in row order
 
     @classmethod
     def build(
-        cls, seqs: Sequence[SeqSpan], block_size: int, device: torch.device, num_kv_heads: int
+        cls,
+        seqs: Sequence[SeqSpan],
+        block_size: int,
+        device: torch.device,
+        num_kv_heads: int,
+        kernels: CpuKernels | None = None,
     ) -> AttentionMetadata:
         """Index tensors for one step. Multi-token spans must come before single-token ones; single-token
-        spans sorted by length group best (any order is correct)."""
+        spans sorted by length group best (any order is correct). With `kernels` (bfloat16 on a CPU
+        that has them), decode rows go to the paged decode kernel instead of batched torch ops."""
         if not seqs:
             raise ValueError("a step needs at least one sequence")
         tables = _padded_block_tables(seqs, block_size)  # [R, max_blocks] on CPU
@@ -159,8 +185,12 @@ class AttentionMetadata:
             row += s.num_tokens
         decode_seqs = seqs[first_decode:]
         assert all(s.num_tokens == 1 for s in decode_seqs), "single-token spans must come last"
-        decodes = []
-        nbs = [-(-s.end_pos // block_size) for s in decode_seqs]
+        decodes: list[DecodeBatch] | list[PagedDecode] = []
+        if kernels is not None and decode_seqs:
+            lens = [s.end_pos for s in decode_seqs]
+            decodes = [PagedDecode(row, len(decode_seqs), tables[first_decode:].contiguous(), torch.tensor(lens),
+                                   sum(lens), kernels)]
+        nbs = [] if decodes else [-(-s.end_pos // block_size) for s in decode_seqs]
         for lo, hi in decode_groups(nbs):
             rows = first_decode + lo, first_decode + hi
             decodes.append(
@@ -269,7 +299,11 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta
     cache.flatten(2, 3).index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
     parts = [_prefill_attention(q, kv, cache, p) for p in meta.prefills]
     for d in meta.decodes:
-        parts.append(_decode_attention(q[d.row_start : d.row_start + d.num_rows], cache, d))
+        rows = q[d.row_start : d.row_start + d.num_rows]
+        if isinstance(d, PagedDecode):
+            parts.append(d.kernels.decode_attention(rows, cache, d.tables, d.lens, d.total_len))
+        else:
+            parts.append(_decode_attention(rows, cache, d))
     # One part (a lone prefill, or decodes only) is the common case: no concatenation copy.
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 

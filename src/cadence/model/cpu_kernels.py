@@ -45,7 +45,10 @@ _SIGNATURES = {
     "cadence_add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _INT],
     "cadence_silu_mul": [_P, _P, _I64, _I64, _INT],
     "cadence_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
+    "cadence_decode_attention": [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
+                                 _I64, _INT],
 }
+MAX_GROUP, MAX_HEAD_DIM = 8, 256  # the decode attention kernel's limits (MAX_GROUP, MAX_DIM in the C)
 
 
 def _bf16_rows(x: torch.Tensor) -> bool:
@@ -65,6 +68,7 @@ class CpuKernels:
         self._add_rms_norm = lib.cadence_add_rms_norm
         self._silu_mul = lib.cadence_silu_mul
         self._rope = lib.cadence_rope
+        self._decode_attention = lib.cadence_decode_attention
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -122,6 +126,32 @@ class CpuKernels:
         assert cos.is_contiguous() and sin.is_contiguous()
         self._rope(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, rot_heads, d,
                    torch.get_num_threads())
+
+
+    @staticmethod
+    def supports_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+                and head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM)
+
+    def decode_attention(self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                         total_len: int) -> torch.Tensor:
+        """One query token per row against its context in the paged cache, read in place.
+
+        q: [B, H, D] bfloat16, rows may be strided (a view into the fused qkv output); cache: one
+        layer [2, KVH, num_blocks, block_size, D]; tables: [B, W] int64 block ids; lens: [B] int64
+        context lengths (this step's K/V already written); total_len = sum(lens). -> [B, H, D].
+        Block ids and lengths are the caller's to check (the runner validates every block table).
+        """
+        b, h, d = q.shape
+        _, kvh, num_blocks, bs, _ = cache.shape
+        assert q.dtype == cache.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == d
+        assert cache.is_contiguous() and tables.dtype == lens.dtype == torch.int64
+        assert tables.is_contiguous() and lens.is_contiguous() and tables.shape[0] == lens.shape[0] == b
+        out = torch.empty(b, h, d, dtype=torch.bfloat16)
+        self._decode_attention(q.data_ptr(), q.stride(0), cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+                               lens.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, num_blocks, d**-0.5, total_len,
+                               torch.get_num_threads())
+        return out
 
 
 def _cpu_has_avx512_bf16() -> bool:

@@ -196,6 +196,9 @@ class LlamaModel:
         self.cos, self.sin = rope_tables(arch, self.device)
         # Norms, SwiGLU and RoPE through cadence's CPU kernels where its linear layers use them.
         self.kernels = self.lm_head.kernel
+        # ... and decode attention, where the kernel handles the head layout.
+        self.decode_kernels = self.kernels if self.kernels is not None and CpuKernels.supports_decode_attention(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim) else None
         self.q_size = arch.num_heads * arch.head_dim
 
     def forward(

@@ -205,3 +205,78 @@ void cadence_rope(uint16_t *qkv, const int64_t *pos, const float *cos, const flo
         }
     }
 }
+
+/* ---- decode attention over the paged cache -------------------------------------------------- */
+
+#define MAX_GROUP 8   /* query heads per KV head */
+#define MAX_DIM 256   /* head_dim, a multiple of 32 */
+
+/* One query token per request, attending to its whole context where it lies in the paged cache,
+ * without gathering it into a contiguous copy first.
+ *
+ * q: row r's head h at q + r * q_row_stride + h * d (a view into the fused qkv output).
+ * cache: one layer, [2, kvh, num_blocks, bs, d] contiguous (K then V). tables: [rows, table_width]
+ * block ids; lens: [rows] context length including this step's token (already written).
+ * out: [rows, heads, d]. For each (row, KV head) pair, the G = heads / kvh query heads that share
+ * that KV head run together, and the context is read block by block with an online softmax (a
+ * running max and sum, rescaled once per block), all in float32; scores use vdpbf16ps on the
+ * bfloat16 q and K. Each (row, KV head) is computed alone, so batching changes nothing. */
+void cadence_decode_attention(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
+                              const int64_t *tables, int64_t table_width, const int64_t *lens,
+                              uint16_t *out, int64_t rows, int64_t heads, int64_t kvh, int64_t d,
+                              int64_t bs, int64_t num_blocks, float scale, int64_t total_len, int threads) {
+    const int64_t g_n = heads / kvh, v_offset = kvh * num_blocks * bs * d;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (total_len * kvh >= 2048)
+    for (int64_t task = 0; task < rows * kvh; task++) {
+        const int64_t r = task / kvh, j = task % kvh, len = lens[r];
+        float acc[MAX_GROUP][MAX_DIM], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][16];
+        for (int64_t g = 0; g < g_n; g++) {
+            m[g] = -INFINITY;
+            l[g] = 0.0f;
+            for (int64_t c = 0; c < d; c++) acc[g][c] = 0.0f;
+        }
+        const uint16_t *qh = q + r * q_row_stride + j * g_n * d;
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+            const int64_t n = len - t0 < 16 ? len - t0 : 16;
+            /* scores of up to 16 positions (they may straddle blocks when bs < 16) */
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t pos = t0 + t, blk = tables[r * table_width + pos / bs];
+                const uint16_t *k = cache + ((j * num_blocks + blk) * bs + pos % bs) * d;
+                for (int64_t g = 0; g < g_n; g++) {
+                    __m512 dot = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < d; c += 32)
+                        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qh + g * d + c),
+                                               (__m512bh)_mm512_loadu_si512(k + c));
+                    s[g][t] = _mm512_reduce_add_ps(dot) * scale;
+                }
+            }
+            const __mmask16 mask = tail_mask(n);
+            for (int64_t g = 0; g < g_n; g++) {
+                __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask, s[g]);
+                const float new_m = fmaxf(m[g], _mm512_reduce_max_ps(sv));
+                const float corr = expf(m[g] - new_m); /* 0 on the first block: m = -inf */
+                __m512 p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(new_m))));
+                l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
+                m[g] = new_m;
+                _mm512_storeu_ps(s[g], p);
+                if (corr != 1.0f)
+                    for (int64_t c = 0; c < d; c += 16)
+                        _mm512_storeu_ps(acc[g] + c, _mm512_mul_ps(_mm512_loadu_ps(acc[g] + c), _mm512_set1_ps(corr)));
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t pos = t0 + t, blk = tables[r * table_width + pos / bs];
+                const uint16_t *v = cache + v_offset + ((j * num_blocks + blk) * bs + pos % bs) * d;
+                for (int64_t c = 0; c < d; c += 16) {
+                    __m512 vv = load_bf16(v + c, 0xFFFF);
+                    for (int64_t g = 0; g < g_n; g++)
+                        _mm512_storeu_ps(acc[g] + c, _mm512_fmadd_ps(_mm512_set1_ps(s[g][t]), vv, _mm512_loadu_ps(acc[g] + c)));
+                }
+            }
+        }
+        for (int64_t g = 0; g < g_n; g++) {
+            __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+            for (int64_t c = 0; c < d; c += 16)
+                store_bf16(out + (r * heads + j * g_n + g) * d + c, _mm512_mul_ps(_mm512_loadu_ps(acc[g] + c), inv), 0xFFFF);
+        }
+    }
+}
