@@ -18,6 +18,7 @@ from cadence.bench.report import (
     meets_slos,
     parse_slos,
     percentile,
+    pooled_itls,
     summarize,
     summarize_records,
 )
@@ -172,3 +173,22 @@ def test_plots_write_png(tmp_path: Path) -> None:
     assert p.read_bytes()[:4] == b"\x89PNG"
     points = [(1.0, summarize(records, {"ttft": 0.5})), (2.0, summarize(records[:2], {"ttft": 0.5}))]
     assert plot_sweep(points, tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pooled_itls_equal_each_records_gaps_concatenated() -> None:
+    rng = random.Random(3)
+    for _ in range(50):
+        recs = []
+        for i in range(rng.randint(0, 6)):
+            t = sorted(rng.uniform(0, 10) for _ in range(rng.choice([0, 1, 1, 2, 5])))
+            recs.append(RequestRecord(index=i, token_times=t))
+        expected = [g for r in recs for g in r.itls]
+        assert pooled_itls(recs).tolist() == expected  # exactly: the same subtractions
+
+
+def test_distribution_takes_an_array_and_agrees_with_percentile() -> None:
+    xs = [0.3, 0.1, 0.25, 0.9, 0.5, 0.05, 0.7]
+    d, a = distribution(xs), distribution(np.array(xs))
+    assert d == a
+    assert all(d[f"p{q}"] == percentile(xs, q) for q in (50, 90, 95, 99))
+    assert d["max"] == 0.9 and d["mean"] == pytest.approx(sum(xs) / len(xs))
