@@ -154,6 +154,12 @@ class SamplingParams:
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         )
 
+    @cached_property
+    def plain_decode(self) -> bool:
+        """True when a decode step needs only the last token and returns only the next one: no
+        history and no logprobs, so it can travel in a `DecodeBatch` row. Cached like `needs_history`."""
+        return not self.needs_history and self.logprobs is None
+
 
 @dataclass
 class Request:

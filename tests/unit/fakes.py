@@ -35,7 +35,8 @@ class FakeExecutor:
 
     `script[request_id]` lists tokens to return for that request's outputs in order (then the
     deterministic function takes over); `fail_steps` makes execute raise on those step numbers;
-    `step_cost(out)` seconds are added to `clock` (when given) per execute.
+    `step_cost(out)` seconds are added to `clock` (when given) per execute. With
+    `accepts_decode_batch` it takes plain decodes as a `DecodeBatch`, as the simulator's executor does.
     """
 
     def __init__(
@@ -48,7 +49,9 @@ class FakeExecutor:
         step_cost: float = 0.01,
         cost_per_token: float = 0.0,
         verify_kv: bool = True,
+        accepts_decode_batch: bool = False,
     ) -> None:
+        self.accepts_decode_batch = accepts_decode_batch
         self.bytes_per_token = bytes_per_token
         self.script = dict(script or {})
         self.fail_steps = set(fail_steps)
@@ -76,7 +79,7 @@ class FakeExecutor:
         if out.step in self.fail_steps:
             raise RuntimeError(f"scripted failure at step {out.step}")
         sampled: dict[str, int] = {}
-        for sr in out.scheduled:
+        for sr in out.rows():
             if self.verify_kv:
                 self._write(sr.block_table, sr.start_pos, sr.token_ids, sr.request_id)
             if not sr.sample:

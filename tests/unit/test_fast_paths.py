@@ -15,13 +15,13 @@ import hashlib
 import random
 
 import pytest
-from fakes import make_engine, make_request
+from fakes import FakeExecutor, make_engine, make_request
 
 from cadence.errors import AdmissionError
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, SamplingParams
 from cadence.sched import queue as queues
-from cadence.sched.output import RequestDelta, ScheduledRequest, SchedulerOutput
+from cadence.sched.output import NO_DECODES, RequestDelta, ScheduledRequest, SchedulerOutput
 from cadence.sched.records import scheduled_request, token_delta
 from cadence.sched.scheduler import Scheduler
 
@@ -131,16 +131,20 @@ def test_integrity_catches_a_filled_block_that_was_not_published() -> None:
 
 
 # ----------------------------------------------------------------------------- whole runs
-def _drive(seed: int, **options) -> tuple[list[SchedulerOutput], list[RequestDelta], Scheduler]:
-    """A random stream of adds, steps and aborts; every step's records checked against the reference."""
+def _drive(seed: int, batch: bool = False, **options) -> tuple[list[SchedulerOutput], list[RequestDelta], Scheduler]:
+    """A random stream of adds, steps and aborts; every step's records checked against the reference.
+
+    With `batch`, the executor takes plain decodes as a `DecodeBatch`; the outputs come back with
+    every row as a record, and the deltas with one per plain decode, in the order the plain mode
+    gives them, so both modes compare (and fingerprint) alike."""
     rng = random.Random(seed)
-    engine, ex, clock = make_engine(**options)
+    engine, ex, clock = make_engine(executor=FakeExecutor(accepts_decode_batch=batch), **options)
     sched = engine.scheduler
     plain_schedule = sched.schedule
 
     def checked_schedule(now: float) -> SchedulerOutput:
         out = plain_schedule(now)
-        for sr in out.scheduled:
+        for sr in out.rows():
             req = sched.requests[sr.request_id]
             assert sr == reference_record(req, sr.num_tokens, engine.kv.block_table(sr.request_id))
         return out
@@ -148,6 +152,11 @@ def _drive(seed: int, **options) -> tuple[list[SchedulerOutput], list[RequestDel
     sched.schedule = checked_schedule  # type: ignore[method-assign]
     shared = [rng.randrange(1, 999) for _ in range(12)]
     deltas: list[RequestDelta] = []
+
+    def step() -> list[RequestDelta]:
+        got = engine.step()
+        return _with_plain_decodes(got, ex.outputs[-1] if ex.outputs else None, engine) if batch else got
+
     live: list[str] = []
     for i in range(60):
         if rng.random() < 0.5:
@@ -162,14 +171,30 @@ def _drive(seed: int, **options) -> tuple[list[SchedulerOutput], list[RequestDel
         if live and rng.random() < 0.05:
             deltas += engine.abort_requests([live.pop(rng.randrange(len(live)))])
         for _ in range(rng.randint(0, 3)):
-            deltas += engine.step()
+            deltas += step()
             assert sched.stats().num_live_tokens == sum(r.num_computed_tokens for r in sched.running)
     for _ in range(2000):
         if not engine.has_unfinished_requests():
             break
-        deltas += engine.step()
+        deltas += step()
     assert not engine.has_unfinished_requests() and not ex.violations
-    return ex.outputs, deltas, sched
+    outputs = [dataclasses.replace(o, scheduled=o.rows(), decodes=NO_DECODES, decodes_before=()) for o in ex.outputs]
+    return outputs, deltas, sched
+
+
+def _with_plain_decodes(got: list[RequestDelta], out: SchedulerOutput | None, engine) -> list[RequestDelta]:
+    """Batch mode: the step's deltas plus the plain decodes that went on (as the deltas the plain
+    mode makes for them), in the plain mode's order: deltas decided inside schedule first, then
+    one per row in scheduling order."""
+    if not engine.last_decoded:
+        return got
+    assert out is not None
+    order = {sr.request_id: i for i, sr in enumerate(out.rows())}
+    reqs = engine.scheduler.requests
+    plain = [token_delta(reqs[rid], reqs[rid].output_token_ids[-1], ()) for rid in engine.last_decoded]
+    early = [d for d in got if d.request_id not in order]
+    assert got[: len(early)] == early
+    return early + sorted(got[len(early):] + plain, key=lambda d: order[d.request_id])
 
 
 RUNS = {
@@ -211,6 +236,34 @@ def test_decisions_match_the_recorded_fingerprints(name: str) -> None:
     outputs, deltas, sched = _drive(7, **RUNS[name])
     assert sum(o.num_batched_tokens for o in outputs) > 0
     assert fingerprint(outputs, deltas) == EXPECTED[name]
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_decode_batches_give_the_same_decisions_and_deltas(name: str) -> None:
+    """Batch mode (the simulator's executor) against the plain records: the same steps, block
+    tables and deltas, and so the fingerprint recorded for the plain mode."""
+    plain_outputs, plain_deltas, _ = _drive(7, **RUNS[name])
+    outputs, deltas, _ = _drive(7, batch=True, **RUNS[name])
+    assert outputs == plain_outputs
+    assert deltas == plain_deltas
+    assert fingerprint(outputs, deltas) == EXPECTED[name]
+
+
+def test_batch_mode_batches_the_plain_decodes() -> None:
+    """In batch mode the plain decodes leave the records (else the test above proves little), and
+    requests with penalties or logprobs stay records."""
+    engine, ex, _ = make_engine(executor=FakeExecutor(accepts_decode_batch=True))
+    a, b = make_request(max_tokens=6), make_request(params=SamplingParams(max_tokens=6, logprobs=2))
+    c = make_request(params=SamplingParams(max_tokens=6, repetition_penalty=1.2))
+    for r in (a, b, c):
+        engine.add_request(r)
+    deltas = engine.step() + engine.step()
+    last = ex.outputs[-1]
+    assert last.decodes.request_ids == (a.request_id,) and engine.last_decoded == [a.request_id]
+    assert {sr.request_id for sr in last.scheduled} == {b.request_id, c.request_id}
+    assert [d.request_id for d in deltas[3:]] == [b.request_id, c.request_id]  # no delta for a's decode
+    assert [sr.request_id for sr in last.rows()] == [a.request_id, b.request_id, c.request_id]  # scheduling order
+    assert last.rows()[0].token_ids == (a.output_token_ids[0],) and last.num_scheduled == 3
 
 
 def test_runs_exercise_preemption_and_prefix_hits() -> None:

@@ -49,7 +49,9 @@ class EngineCore:
         num_blocks = self._size_kv_cache()
         executor.initialize_kv_cache(num_blocks, cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, cache, self.kv, max_model_len)
+        # An executor that takes plain decodes as one batch (the simulator's) gets them so.
+        batch = bool(getattr(executor, "accepts_decode_batch", False))
+        self.scheduler = Scheduler(config.scheduler, cache, self.kv, max_model_len, batch_decodes=batch)
         self.last_stats = IterationStats()
         self.scheduler_stats = self.scheduler.stats()
         logger.info(
@@ -86,6 +88,13 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def last_decoded(self) -> list[str]:
+        """With an executor that accepts a `DecodeBatch`: the requests whose plain decode in the
+        last step gave one token and went on. `step` returns no delta for them; each one's new
+        token is its last output token. Empty otherwise."""
+        return self.scheduler.last_decoded
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -129,7 +138,7 @@ class EngineCore:
             try:
                 result = self.executor.execute(out)
             except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
-                logger.exception("step %d failed; finishing its %d requests with an error", out.step, len(out.scheduled))
+                logger.exception("step %d failed; finishing its %d requests with an error", out.step, out.num_scheduled)
                 deltas = sched.fail_step(out, f"engine step failed: {type(e).__name__}: {e}", self.clock.now())
             else:
                 now = self.clock.now()

@@ -12,6 +12,10 @@ class Executor(Protocol):
 
     `kv_bytes_per_block` lets the engine size the KV cache from a memory budget before any
     blocks exist; `initialize_kv_cache` is then called once with the resulting block count.
+
+    An executor may also set `accepts_decode_batch = True`: it then gets the step's plain decodes
+    as one `SchedulerOutput.decodes` batch of columns rather than in `scheduled` (see
+    `sched/output.py`). Without the attribute, every request comes as a `ScheduledRequest`.
     """
 
     def kv_bytes_per_block(self, block_size: int) -> int: ...

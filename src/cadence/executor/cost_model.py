@@ -72,7 +72,7 @@ class StepFeatures:
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> StepFeatures:
         pt = ps = ds = sm = dc = dmax = pa = 0
-        for r in out.scheduled:
+        for r in out.rows():
             n = len(r.token_ids)
             if n == 1:
                 ds += 1
@@ -274,7 +274,11 @@ class StepCostModel:
 class SimExecutor:
     """`Executor` for the simulator: a scripted token for every row that samples, and the step's
     modelled cost added to the virtual clock (when given one), so the engine core reads the time
-    after the step just as it would after a real forward pass."""
+    after the step just as it would after a real forward pass.
+
+    It takes plain decodes as one `DecodeBatch`: their features are sums and a max over a column."""
+
+    accepts_decode_batch = True
 
     def __init__(self, cost_model: StepCostModel, *, clock: Any | None = None,
                  token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None) -> None:
@@ -304,7 +308,15 @@ class SimExecutor:
         # tests/unit/test_cost_model.py compares the two past every knee.
         pt = ps = ds = dc = dmax = pa = 0
         tok = self.token_id
-        sampled: dict[str, int] = {}
+        batch = scheduler_output.decodes
+        if batch.request_ids:  # decode rows of context start + 1, all sampled
+            starts = batch.start_pos
+            ds = len(starts)
+            dc = sum(starts) + ds
+            dmax = max(starts) + 1
+            sampled = dict.fromkeys(batch.request_ids, tok)
+        else:
+            sampled = {}
         for r in scheduler_output.scheduled:
             n = len(r.token_ids)
             if n == 1:
@@ -319,7 +331,7 @@ class SimExecutor:
                 pa += n * r.start_pos + n * (n + 1) // 2
             if r.sample:
                 sampled[r.request_id] = tok
-        if not scheduler_output.scheduled:
+        if scheduler_output.is_empty:
             cost = 0.0
         else:
             w = self._w

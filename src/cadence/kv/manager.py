@@ -18,6 +18,7 @@ This module logs nothing; the engine logs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cadence.kv.block_pool import Block, BlockPool
@@ -82,6 +83,12 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         return self._table_ids.get(request_id, ())
+
+    @property
+    def block_tables(self) -> Mapping[str, tuple[int, ...]]:
+        """Every request's block-id table (read only; kept up to date in place). For per-step
+        loops: `block_tables.get` costs less than a `block_table` call."""
+        return self._table_ids
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

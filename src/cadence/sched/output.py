@@ -2,6 +2,11 @@
 
 The executor sees only `SchedulerOutput` (never the mutable `Request`); the stream sees only
 `RequestDelta`.
+
+An executor that sets `accepts_decode_batch` (the simulator's) gets a step's plain decodes as one
+`DecodeBatch` of columns instead of a `ScheduledRequest` each, and the engine reports their tokens
+as a list of request ids instead of a `RequestDelta` each: a simulation's steps are mostly plain
+decodes, and two Python objects per generated token were most of its cost.
 """
 
 from __future__ import annotations
@@ -42,7 +47,47 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class DecodeBatch:
+    """A step's plain decodes as columns: one record for all of them (see the module doc).
+
+    A plain decode feeds a request's last sampled token at `start_pos` (its context length minus
+    one) and samples, with no token history and no logprobs. Row i says what
+    `ScheduledRequest(request_ids[i], (token_ids[i],), start_pos[i], block_tables[i], True,
+    sampling_params[i], num_output_tokens[i], None, eos_token_ids[i])` would; `records()` builds
+    exactly those.
+    """
+
+    request_ids: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    start_pos: tuple[int, ...] = ()
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    sampling_params: tuple[SamplingParams, ...] = ()
+    num_output_tokens: tuple[int, ...] = ()
+    eos_token_ids: tuple[frozenset[int], ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def records(self, lo: int = 0, hi: int | None = None) -> tuple[ScheduledRequest, ...]:
+        """Rows lo..hi as the `ScheduledRequest`s they stand for."""
+        rows = range(lo, len(self.request_ids) if hi is None else hi)
+        return tuple(
+            ScheduledRequest(self.request_ids[i], (self.token_ids[i],), self.start_pos[i], self.block_tables[i], True,
+                             self.sampling_params[i], self.num_output_tokens[i], None, self.eos_token_ids[i])
+            for i in rows
+        )
+
+
+NO_DECODES = DecodeBatch()
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
+    """One step's plan. `scheduled` holds every scheduled request, in scheduling order, unless the
+    executor accepts a `DecodeBatch`: then the plain decodes are in `decodes` instead, and
+    `decodes_before[i]` says how many of them were scheduled before `scheduled[i]`; `rows()`
+    gives the whole step as records in scheduling order either way."""
+
     step: int
     scheduled: tuple[ScheduledRequest, ...] = ()
     preempted_ids: tuple[str, ...] = ()
@@ -50,10 +95,29 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    decodes: DecodeBatch = NO_DECODES
+    decodes_before: tuple[int, ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.decodes.request_ids
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self.scheduled) + len(self.decodes.request_ids)
+
+    def rows(self) -> tuple[ScheduledRequest, ...]:
+        """Every scheduled request as a record, in scheduling order (plain decodes built from the batch)."""
+        if not self.decodes.request_ids:
+            return self.scheduled
+        out: list[ScheduledRequest] = []
+        done = 0
+        for sr, before in zip(self.scheduled, self.decodes_before, strict=True):
+            out += self.decodes.records(done, before)
+            out.append(sr)
+            done = before
+        out += self.decodes.records(done)
+        return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,12 @@ back as a `ModelOutput`. One step is `schedule(now)`, the executor, then `update
 
 `num_computed_tokens` advances in `update`, once the executor has written the KV, so a step
 planned in `schedule` can be undone (a victim preempted later in the same plan) by forgetting it.
+
+With `batch_decodes` (set when the executor accepts a `DecodeBatch`), plain decodes leave
+`schedule` as one batch of columns and come back from `update` as ids in `last_decoded` instead of
+a `RequestDelta` each. Every decision is the same either way: only the records differ, and
+`update` still walks the step in scheduling order (the order requests finish in is the order
+their blocks return to the pool).
 """
 
 from __future__ import annotations
@@ -25,39 +31,55 @@ from cadence.kv.manager import KVCacheManager
 from cadence.metrics.stats import IterationStats, SchedulerStats
 from cadence.request import Request, RequestStatus
 from cadence.sched.admission import AdmissionControl
-from cadence.sched.output import ModelOutput, RequestDelta, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from cadence.sched.output import (
+    NO_DECODES,
+    DecodeBatch,
+    ModelOutput,
+    RequestDelta,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
-from cadence.sched.records import final_delta, finished_stats, scheduled_request, token_delta
+from cadence.sched.records import decode_batch, final_delta, finished_stats, scheduled_request, token_delta
 
 _RUNNING = RequestStatus.RUNNING
 
 
 @dataclass
 class _Plan:
-    """One step being planned: each scheduled request's record (in scheduling order) and what is left.
+    """One step being planned: each scheduled request's row (in scheduling order) and what is left.
 
-    Records are built as requests are scheduled: nothing that goes into one (progress, outputs, the
-    request's own block table) changes later in the same `schedule`, and a request preempted later
-    in the plan has its record dropped.
+    A row is the request's record, or (batch mode) the `Request` itself for a plain decode, whose
+    columns are read when the step's `DecodeBatch` is built. Either way nothing read (progress,
+    outputs, the request's own block table) changes later in the same `schedule`, and a request
+    preempted later in the plan has its row dropped.
     """
 
     budget: int
-    records: dict[str, ScheduledRequest] = field(default_factory=dict)
+    rows: dict[str, ScheduledRequest | Request] = field(default_factory=dict)
     num_prefill: int = 0  # tokens of the records that are prefill (prompt chunks and recompute)
     preempted: list[str] = field(default_factory=list)
 
     def add(self, req: Request, n: int, block_table: tuple[int, ...]) -> None:
-        self.records[req.request_id] = scheduled_request(req, n, block_table)
+        self.rows[req.request_id] = scheduled_request(req, n, block_table)
         if _is_prefill(req, n):
             self.num_prefill += n
         self.budget -= n
 
+    def num_tokens(self, rid: str) -> int:
+        """Tokens planned for request `rid` (0 if none)."""
+        row = self.rows.get(rid)
+        if row is None:
+            return 0
+        return len(row.token_ids) if type(row) is ScheduledRequest else 1
+
     def undo(self, req: Request) -> None:
         """Forget `req`'s share of the plan (it was just preempted), if it had one."""
-        sr = self.records.pop(req.request_id, None)
-        if sr is not None:
-            n = len(sr.token_ids)
+        n = self.num_tokens(req.request_id)
+        if n:
+            del self.rows[req.request_id]
             if _is_prefill(req, n):
                 self.num_prefill -= n
             self.budget += n
@@ -70,7 +92,8 @@ def _is_prefill(req: Request, n: int) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager, max_model_len: int, *,
+                 batch_decodes: bool = False) -> None:
         config.validate()
         if max_model_len < 1:
             raise ValueError("max_model_len: must be >= 1")
@@ -84,6 +107,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.last_iteration_stats = IterationStats()
         self._static = config.scheduler == "static"
+        self._batch_decodes = batch_decodes
+        # Batch mode: requests whose plain decode gave one token in the last `update` and went on.
+        # They get no RequestDelta; each one's new token is its last output token.
+        self.last_decoded: list[str] = []
         self._salt_with_tenant = cache.tenant_isolation
         self._tenant_running: Counter[str] = Counter()
         self._deadlines: list[tuple[float, str]] = []
@@ -145,9 +172,10 @@ class Scheduler:
         return n
 
     def _schedule_running(self, plan: _Plan) -> None:
-        allocate, table = self.kv.allocate_slots, self.kv.block_table
+        allocate, table = self.kv.allocate_slots, self.kv.block_tables.get
         block_size = self.kv.block_size
-        records = plan.records
+        rows = plan.rows
+        batch = self._batch_decodes
         for req in list(self.running):
             if plan.budget <= 0:
                 break
@@ -161,7 +189,7 @@ class Scheduler:
             n = 1 if remaining == 1 else self._chunk(req, start, plan.budget)
             if n == 0:
                 continue
-            ids = table(rid)
+            ids = table(rid, ())
             # Most steps the tokens fit in the blocks the request holds (a decode needs a new block
             # every `block_size` steps): then allocate_slots would return at once, so skip the call.
             if start + n > len(ids) * block_size:
@@ -171,13 +199,17 @@ class Scheduler:
                     if victim is req:
                         break
                 else:
-                    ids = table(rid)
+                    ids = table(rid, ())
                 if req.status is not _RUNNING:
                     continue  # it was its own victim
             # plan.add, inlined: this is the per-decode, per-step path.
-            records[rid] = scheduled_request(req, n, ids)
             if n != 1 or start < num_prompt:
+                rows[rid] = scheduled_request(req, n, ids)
                 plan.num_prefill += n
+            elif batch and req.sampling_params.plain_decode:
+                rows[rid] = req  # a row of the step's DecodeBatch
+            else:
+                rows[rid] = scheduled_request(req, n, ids)
             plan.budget -= n
 
     def _schedule_waiting(self, plan: _Plan) -> None:
@@ -215,8 +247,8 @@ class Scheduler:
 
     def _num_partial(self, plan: _Plan) -> int:
         """Running requests that will still be mid-prefill after this step."""
-        planned = {rid: len(sr.token_ids) for rid, sr in plan.records.items()}
-        return sum(1 for r in self.running if r.num_computed_tokens + planned.get(r.request_id, 0) < r.num_tokens)
+        planned = plan.num_tokens
+        return sum(1 for r in self.running if r.num_computed_tokens + planned(r.request_id) < r.num_tokens)
 
     def _admit(self, req: Request, num_cached: int, n: int, plan: _Plan) -> None:
         self.waiting.remove(req)
@@ -251,72 +283,161 @@ class Scheduler:
         self.kv.free(req)
 
     def _build_output(self, plan: _Plan) -> SchedulerOutput:
-        scheduled = tuple(plan.records.values())
+        decodes, before = NO_DECODES, ()
+        if self._batch_decodes:
+            scheduled, decodes, before = self._split_rows(plan)
+        else:
+            scheduled = tuple(plan.rows.values())  # every row is a record
         num_prefill = plan.num_prefill
         self._preempted_ids.extend(plan.preempted)
         num_tokens = self.config.max_num_batched_tokens - plan.budget
         out = SchedulerOutput(
             step=self._step,
-            scheduled=scheduled,
+            scheduled=scheduled,  # type: ignore[arg-type]
             preempted_ids=tuple(self._preempted_ids),
             finished_ids=tuple(self._finished_ids),
             num_batched_tokens=num_tokens,
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_tokens - num_prefill,
+            decodes=decodes,
+            decodes_before=before,
         )
-        if scheduled:  # an empty output is never executed: keep the ids for the next one
+        if plan.rows:  # an empty output is never executed: keep the ids for the next one
             self._preempted_ids.clear()
             self._finished_ids.clear()
         return out
 
+    def _split_rows(self, plan: _Plan) -> tuple[tuple[ScheduledRequest, ...], DecodeBatch, tuple[int, ...]]:
+        """Batch mode: the records, the plain decodes as one batch, and how many decodes precede each record."""
+        records: list[ScheduledRequest] = []
+        before: list[int] = []
+        decodes: list[Request] = []
+        for row in plan.rows.values():
+            if type(row) is ScheduledRequest:
+                records.append(row)
+                before.append(len(decodes))
+            else:
+                decodes.append(row)  # type: ignore[arg-type]
+        batch = decode_batch(decodes, self.kv.block_tables) if decodes else NO_DECODES
+        return tuple(records), batch, tuple(before)
+
     # ------------------------------------------------------------------ results
     def update(self, out: SchedulerOutput, model_output: ModelOutput, now: float) -> list[RequestDelta]:
-        """Apply a step's results: advance progress, append sampled tokens, stop what is done."""
+        """Apply a step's results: advance progress, append sampled tokens, stop what is done.
+
+        Walks the step in scheduling order. In batch mode, the plain decodes that go on are listed
+        in `last_decoded` rather than returned as deltas."""
         deltas, self._pending_deltas = self._pending_deltas, []
-        sampled, logprobs = model_output.sampled_token_ids, model_output.logprobs
-        requests, cache = self.requests, self.kv.cache_computed_blocks
-        account = self.waiting.account if self.waiting.tracks_service else None  # a no-op call per token otherwise
-        block_size, append_token = self.kv.block_size, self._append_token
-        num_prompt_tokens = num_computed = num_sampled = 0
-        for sr in out.scheduled:
-            rid = sr.request_id
+        self.last_decoded = []
+        sampled = model_output.sampled_token_ids
+        decodes = out.decodes
+        if not decodes.request_ids:
+            for sr in out.scheduled:
+                self._update_record(sr, model_output, now, deltas)
+        else:
+            done = 0
+            for sr, before in zip(out.scheduled, out.decodes_before, strict=True):
+                if before > done:
+                    self._update_decodes(decodes, done, before, sampled, now, deltas)
+                    done = before
+                self._update_record(sr, model_output, now, deltas)
+            self._update_decodes(decodes, done, len(decodes.request_ids), sampled, now, deltas)
+        self._close_stats()
+        return deltas
+
+    def _update_record(self, sr: ScheduledRequest, model_output: ModelOutput, now: float,
+                       deltas: list[RequestDelta]) -> None:
+        """One scheduled record's result: its progress, and its sampled token if it samples."""
+        rid = sr.request_id
+        req = self.requests.get(rid)
+        if req is None or req.status is not _RUNNING:
+            return  # ended between schedule and update
+        start, n = sr.start_pos, len(sr.token_ids)
+        assert req.num_computed_tokens == start, f"{rid}: progress out of step"
+        req.num_computed_tokens = start + n
+        # Added before a possible finish below, which takes the request's (updated) tokens off.
+        self._num_live_tokens += n
+        # Blocks fill only where a step crosses a block boundary (every `block_size` decodes):
+        # the KV manager has published every block full before this step, so skip the call otherwise.
+        if start % self.kv.block_size + n >= self.kv.block_size:
+            self.kv.cache_computed_blocks(req)
+        prompt_tokens = 0 if n == 1 and start >= len(req.prompt_token_ids) else n  # decode: 0
+        self._stats.num_prompt_tokens += prompt_tokens
+        account = self.waiting.account if self.waiting.tracks_service else None  # a no-op call otherwise
+        if not sr.sample:
+            if account is not None:
+                account(req, prompt_tokens, 0)
+            return
+        token = model_output.sampled_token_ids.get(rid)
+        if token is None:
+            self._finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
+            deltas.append(final_delta(req))
+            return
+        if account is not None:
+            account(req, prompt_tokens, 1)
+        self._stats.num_generation_tokens += 1
+        logprobs = model_output.logprobs
+        deltas.append(self._append_token(req, token, logprobs.get(rid) if logprobs else None, now))
+
+    def _update_decodes(self, batch: DecodeBatch, lo: int, hi: int, sampled: dict[str, int], now: float,
+                        deltas: list[RequestDelta]) -> None:
+        """Rows lo..hi of a decode batch: one token each. What `_update_record` and `_append_token`
+        do for a plain decode, written flat (a simulation runs this for nearly every token), with
+        the ids of the requests that go on collected in `last_decoded` instead of a delta each."""
+        requests, cache, block_size = self.requests, self.kv.cache_computed_blocks, self.kv.block_size
+        account = self.waiting.account if self.waiting.tracks_service else None
+        latencies = self._stats.token_latencies
+        max_len = self.max_model_len
+        went_on = self.last_decoded
+        ids, starts = batch.request_ids, batch.start_pos
+        num_computed = num_sampled = 0
+        for i in range(lo, hi):
+            rid = ids[i]
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING:
                 continue  # ended between schedule and update
-            start, n = sr.start_pos, len(sr.token_ids)
+            start = starts[i]
             assert req.num_computed_tokens == start, f"{rid}: progress out of step"
-            req.num_computed_tokens = start + n
-            num_computed += n
-            # Blocks fill only where a step crosses a block boundary (every `block_size` decodes):
-            # the KV manager has published every block full before this step, so skip the call otherwise.
-            if start % block_size + n >= block_size:
+            req.num_computed_tokens = start + 1
+            num_computed += 1
+            if (start + 1) % block_size == 0:
                 cache(req)
-            prompt_tokens = 0 if n == 1 and start >= len(req.prompt_token_ids) else n  # decode: 0
-            num_prompt_tokens += prompt_tokens
-            if not sr.sample:
-                if account is not None:
-                    account(req, prompt_tokens, 0)
-                continue
             token = sampled.get(rid)
             if token is None:
                 self._finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
                 deltas.append(final_delta(req))
                 continue
             if account is not None:
-                account(req, prompt_tokens, 1)
+                account(req, 0, 1)
             num_sampled += 1
-            deltas.append(append_token(req, token, logprobs.get(rid) if logprobs else None, now))
-        # Summed here, not per row: a request finished above already took its (updated) tokens off.
+            last = req.last_token_time
+            if last is None:  # not for a decode (it feeds a sampled token); kept exact all the same
+                deltas.append(self._append_token(req, token, None, now))
+                continue
+            outputs = req.output_token_ids
+            outputs.append(token)
+            latencies.append((req.tenant, now - last))
+            req.last_token_time = now
+            sp = req.sampling_params
+            # Context after this token: start + 2 (the token fed, then the one just sampled).
+            if (len(outputs) < sp.max_tokens and start + 2 < max_len and token not in req.eos_token_ids
+                    and token not in sp.stop_token_ids):
+                went_on.append(rid)
+                continue
+            status, stop_reason = self._stop_status(req, token)
+            if status is None:
+                went_on.append(rid)
+                continue
+            self._finish(req, status, now, stop_reason=stop_reason)
+            deltas.append(final_delta(req, (token,)))
+        # Summed once: a request finished above took its updated tokens off, so the total is exact.
         self._num_live_tokens += num_computed
-        self._stats.num_prompt_tokens += num_prompt_tokens
         self._stats.num_generation_tokens += num_sampled
-        self._close_stats()
-        return deltas
 
     def fail_step(self, out: SchedulerOutput, error: str, now: float) -> list[RequestDelta]:
         """The executor raised: every request of the step ends with FINISHED_ERROR."""
         deltas, self._pending_deltas = self._pending_deltas, []
-        for sr in out.scheduled:
+        for sr in out.rows():
             req = self.requests.get(sr.request_id)
             if req is not None and req.status is _RUNNING:
                 self._finish(req, RequestStatus.FINISHED_ERROR, now, error=error)

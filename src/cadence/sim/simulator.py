@@ -168,6 +168,7 @@ class Simulator:
             self.replicas.append(_Replica(i, core, clock, ex))
         self._params: dict[int, SamplingParams] = {}
         self._live: dict[str, tuple[RequestRecord, _Replica]] = {}
+        self._times: dict[str, list[float]] = {}  # each live request's token times (its record's list)
         self._steps = 0
 
     # -- requests in -------------------------------------------------------------------------------
@@ -200,6 +201,7 @@ class Simulator:
         self._outstanding[rep.index] += 1
         rep.stats.requests += 1
         self._live[req.request_id] = (rec, rep)
+        self._times[req.request_id] = rec.token_times
         if not rep.in_heap:
             # An idle replica may still be finishing its last step (its clock is ahead of t).
             rep.in_heap = True
@@ -223,26 +225,34 @@ class Simulator:
         st.prefix_cache_queries += ls.prefix_cache_queries
         st.prefix_cache_hits += ls.prefix_cache_hits
         rel = t - self._t0
+        # The engine streams one token per request per step: one time each, and the token count
+        # is the number of times (set when the request ends). Plain decodes that went on come as
+        # ids (most tokens of a run), the rest as deltas.
+        times = self._times
+        decoded = rep.core.last_decoded
+        for rid in decoded:
+            times[rid].append(rel)
         live = self._live
         for d in deltas:
             rec = live[d.request_id][0]
             if d.new_token_ids:
+                assert len(d.new_token_ids) == 1, "one token per request per step"
                 if rec.first_token_time is None:
                     rec.first_token_time = rel
                 rec.token_times.append(rel)
-                rec.output_tokens += len(d.new_token_ids)
             if d.finish_reason is not None:
                 self._finish(d, rec, rep, rel)
         if self.on_step is not None:
             self.on_step(rep.index, rep.core, t)
-        if rep.core.has_unfinished_requests() and (ex.last_step_cost or deltas):
+        if rep.core.has_unfinished_requests() and (ex.last_step_cost or deltas or decoded):
             heapq.heappush(self._heap, (t, rep.index))
         else:
             # Idle, or stalled (nothing could be scheduled): it re-enters when a request arrives.
             rep.in_heap = False
 
     def _finish(self, d: Any, rec: RequestRecord, rep: _Replica, rel: float) -> None:
-        del self._live[d.request_id]
+        del self._live[d.request_id], self._times[d.request_id]
+        rec.output_tokens = len(rec.token_times)
         reason = d.finish_reason.value
         rec.finish_reason = reason
         rec.end_time = rel
@@ -287,7 +297,8 @@ class Simulator:
         """Requests left when nothing can run any more never finish: report them as errors."""
         for rid, (rec, _rep) in list(self._live.items()):
             rec.status, rec.error = 503, "stalled: the engine could not schedule it"
-            del self._live[rid]
+            rec.output_tokens = len(rec.token_times)
+            del self._live[rid], self._times[rid]
 
 
 def simulate(workload: Workload, config: EngineConfig, cost_model: StepCostModel,
