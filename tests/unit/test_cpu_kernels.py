@@ -194,3 +194,17 @@ def test_paged_decode_attention_matches_float64(kernels, kvh, g, d, bs):
                                   num_kv_heads=kvh, kernels=kernels)
     alone = paged_attention(q[8:9], kv_new[8:9], cache.layer(0), one)
     assert torch.equal(alone[0], out[8])
+
+
+@needs_kernels
+def test_build_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
+    """An unwritable cache (here a path under a regular file) must not cost the kernels."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setattr(ck, "_cache_dir", lambda: blocker / "kernels")
+    monkeypatch.setattr(ck.tempfile, "gettempdir", lambda: str(tmp_path))
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    built = ck._build(compiler)
+    assert built.parent.parent == tmp_path and built.exists()
+    assert ck._build(compiler) == built  # found again, not rebuilt

@@ -168,26 +168,33 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    """Compile once per source and flags; concurrent builders each write a temporary file and
-    rename it into place, so no one ever loads a half-written library."""
+    """Compile once per source and flags, into the user's cache (or, where that is not writable, the
+    temporary directory); concurrent builders each write a temporary file and rename it into place,
+    so no one ever loads a half-written library."""
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_bf16-{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                              timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-400:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    name = f"cpu_bf16-{digest}.so"
+    fallback = Path(tempfile.gettempdir()) / f"cadence-kernels-{os.getuid()}"
+    for directory in (_cache_dir(), fallback):
+        if (directory / name).exists():
+            return directory / name
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+        except OSError:
+            continue
+        os.close(fd)
+        try:
+            proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                                  timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-400:]}")
+            os.replace(tmp, directory / name)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return directory / name
+    raise RuntimeError(f"no writable directory for the compiled kernels ({_cache_dir()}, {fallback})")
 
 
 def _probe(kernel: CpuKernels) -> str | None:
