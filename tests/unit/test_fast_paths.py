@@ -15,9 +15,10 @@ import hashlib
 import random
 
 import pytest
-from fakes import FakeExecutor, make_engine, make_request
+from fakes import FakeExecutor, make_engine, make_request, run_until_done
 
 from cadence.errors import AdmissionError
+from cadence.kv.hashing import hash_full_blocks
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, SamplingParams
 from cadence.sched import queue as queues
@@ -272,3 +273,18 @@ def test_runs_exercise_preemption_and_prefix_hits() -> None:
     assert any(o.preempted_ids for o in outputs)
     assert any(d.num_cached_tokens for d in deltas)
     assert any(sr.num_tokens > 1 and sr.start_pos > 0 for o in outputs for sr in o.scheduled)  # chunks
+
+
+def test_a_preempted_request_keeps_its_block_hashes() -> None:
+    """Preemption keeps the hash memo (values as a fresh hashing gives); finishing drops it."""
+    engine, _, _ = make_engine(num_kv_blocks=32)
+    req = make_request(prompt_len=10, max_tokens=8)
+    engine.add_request(req)
+    for _ in range(4):
+        engine.step()
+    kv = engine.kv
+    assert engine.scheduler.force_preempt(req.request_id)
+    kept = kv._hashes[req.request_id]
+    assert kept == hash_full_blocks(req.all_token_ids, BS)[: len(kept)] and kept
+    run_until_done(engine)
+    assert req.request_id not in kv._hashes

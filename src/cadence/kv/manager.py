@@ -189,13 +189,17 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i])
         self._num_cached[rid] = num_full
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first. Safe to call for a request holding none."""
+    def free(self, request: Request, *, keep_hashes: bool = False) -> None:
+        """Release the request's blocks, tail first. Safe to call for a request holding none.
+
+        `keep_hashes` keeps the request's block hashes (a preempted request comes back with the
+        same tokens and more: its next prefix lookup would otherwise hash its whole context again)."""
         rid = request.request_id
         table = self._tables.pop(rid, None)
         self._table_ids.pop(rid, None)
         self._num_cached.pop(rid, None)
-        self._hashes.pop(rid, None)
+        if not keep_hashes:
+            self._hashes.pop(rid, None)
         if table:
             self.pool.free(reversed(table))
 

@@ -265,7 +265,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, plan: _Plan) -> None:
         """Recompute preemption: free the blocks, forget progress, back to the queue's head."""
-        self._leave_running(victim)
+        self._leave_running(victim, keep_hashes=True)
         plan.undo(victim)  # before its progress is reset: the undo reads where its chunk started
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -274,13 +274,13 @@ class Scheduler:
         self._stats.num_preemptions += 1
         self.waiting.push_front(victim)
 
-    def _leave_running(self, req: Request) -> None:
+    def _leave_running(self, req: Request, *, keep_hashes: bool = False) -> None:
         self.running.remove(req)
         self._num_live_tokens -= req.num_computed_tokens
         self._tenant_running[req.tenant] -= 1
         if not self._tenant_running[req.tenant]:
             del self._tenant_running[req.tenant]
-        self.kv.free(req)
+        self.kv.free(req, keep_hashes=keep_hashes)
 
     def _build_output(self, plan: _Plan) -> SchedulerOutput:
         decodes, before = NO_DECODES, ()
