@@ -14,6 +14,7 @@ times reproduces the same scheduling decisions. No torch here.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import time
@@ -276,6 +277,21 @@ class Simulator:
         self._outstanding = [0] * len(self.replicas)
         self._heap: list[tuple[float, int]] = []
         self._t0 = t0 = self.replicas[0].clock.now()
+        # What exists now (the engines' block pools, the workload) lives for the whole run: frozen,
+        # the cyclic collector stops rescanning it at every full collection.
+        gc.freeze()
+        try:
+            self._loop(client, t0)
+        finally:
+            gc.unfreeze()
+        self._fail_stalled()
+        records = sorted(self._records, key=lambda r: r.index)
+        end = max((r.clock.now() for r in self.replicas), default=t0)
+        return SimResult(records, [r.stats for r in self.replicas], time.perf_counter() - wall0, end - t0,
+                         self._steps, t0)
+
+    def _loop(self, client: _Client, t0: float) -> None:
+        """Step replicas and send requests in virtual-time order until nothing is left to do."""
         heap, replicas = self._heap, self.replicas
         while True:
             a = client.next_time()  # relative to t0, as the workload's arrival times are
@@ -288,10 +304,6 @@ class Simulator:
                     self._send(i, ta)
             else:
                 break
-        self._fail_stalled()
-        records = sorted(self._records, key=lambda r: r.index)
-        end = max((r.clock.now() for r in replicas), default=t0)
-        return SimResult(records, [r.stats for r in replicas], time.perf_counter() - wall0, end - t0, self._steps, t0)
 
     def _fail_stalled(self) -> None:
         """Requests left when nothing can run any more never finish: report them as errors."""
