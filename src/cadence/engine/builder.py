@@ -16,6 +16,7 @@ from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
 from cadence.executor.model_runner import ModelRunner
 from cadence.model.arch import ModelArchConfig
+from cadence.model.cpu_kernels import cpu_flags
 from cadence.model.loader import default_model_path, load_checkpoint
 from cadence.model.tokenizer import Tokenizer
 
@@ -47,11 +48,7 @@ def resolve_device(name: str) -> torch.device:
 
 def cpu_has_fast_bf16() -> bool:
     """True on CPUs with native bf16 dot products (AVX512-BF16 or AMX), where bf16 matmuls are ~4x fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

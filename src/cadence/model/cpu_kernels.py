@@ -154,12 +154,21 @@ class CpuKernels:
         return out
 
 
-def _cpu_has_avx512_bf16() -> bool:
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (its first `flags` line); empty where unreadable."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx512_bf16" in flags and " avx512bw" in flags
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    return {"avx512_bf16", "avx512bw"} <= cpu_flags()
 
 
 def _cache_dir() -> Path:
