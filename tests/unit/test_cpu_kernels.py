@@ -208,3 +208,18 @@ def test_build_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
     built = ck._build(compiler)
     assert built.parent.parent == tmp_path and built.exists()
     assert ck._build(compiler) == built  # found again, not rebuilt
+
+
+@needs_kernels
+def test_rope_positions_checked_before_the_kernel_reads_the_table(kernels):
+    """The kernel indexes the RoPE tables unchecked: the model refuses a position past them, once per step."""
+    from cadence.model.llama import LlamaModel
+
+    hf, arch = tiny_hf()
+    model = LlamaModel(arch, weights_of(hf), dtype=torch.bfloat16)
+    assert isinstance(model.kernels, ck.CpuKernels)  # (a fresh load after the fallback test cleared the cache)
+    rope = model._rope_for(torch.tensor([0, model.cos.shape[0] - 1]))  # the last row is fine
+    qkv = bf16(2, 8, 16, seed=11)
+    rope(qkv, 6)
+    with pytest.raises(ValueError, match="beyond the RoPE table"):
+        model._rope_for(torch.tensor([0, model.cos.shape[0]]))

@@ -190,12 +190,12 @@ class AttentionMetadata:
             lens = [s.end_pos for s in decode_seqs]
             decodes = [PagedDecode(row, len(decode_seqs), tables[first_decode:].contiguous(), torch.tensor(lens),
                                    sum(lens), kernels)]
-        nbs = [] if decodes else [-(-s.end_pos // block_size) for s in decode_seqs]
-        for lo, hi in decode_groups(nbs):
-            rows = first_decode + lo, first_decode + hi
-            decodes.append(
-                _decode_batch(seqs[rows[0] : rows[1]], row + lo, tables[rows[0] : rows[1]], block_size, device, num_kv_heads)
-            )
+        else:
+            nbs = [-(-s.end_pos // block_size) for s in decode_seqs]
+            for lo, hi in decode_groups(nbs):
+                rows = first_decode + lo, first_decode + hi
+                decodes.append(_decode_batch(seqs[rows[0] : rows[1]], row + lo, tables[rows[0] : rows[1]], block_size,
+                                             device, num_kv_heads))
         return cls(
             positions=to_device(positions, device),
             slot_mapping=to_device(slot_mapping, device),

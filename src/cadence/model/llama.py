@@ -88,12 +88,9 @@ class Linear:
         self.shape = tuple(weight.shape)  # (out, in)
         self.bias = bias
         self.kernel = cpu_kernels() if CpuKernels.supports(weight) else None
-        self.packed: torch.Tensor | None = None
-        if self.kernel is not None:
-            self.packed = self.kernel.pack(weight)
-            self.kernel_bias = None if bias is None else bias.float().contiguous()
-        else:
-            self.packed = _pack_for_cpu(weight.contiguous(), bias)
+        # The kernel adds a float32 bias; torch's paths take `bias` as it is.
+        self.kernel_bias = None if self.kernel is None or bias is None else bias.float().contiguous()
+        self.packed = self.kernel.pack(weight) if self.kernel is not None else _pack_for_cpu(weight.contiguous(), bias)
         # Keep only one copy of the weight: the packed one when there is one.
         self.weight = weight.contiguous() if self.packed is None else None
 
@@ -245,10 +242,11 @@ class LlamaModel:
     def _rope_for(self, positions: torch.Tensor) -> Callable[[torch.Tensor, int], None]:
         """This step's rotary embedding: f(qkv [T, heads, D], n) rotates heads [0, n) in place.
         The per-step work (a table lookup or a bounds check) is done here, once for all layers."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            raise ValueError(f"position {int(positions.max())} beyond the RoPE table ({self.cos.shape[0]})")
         kernels = self.kernels
         if kernels is not None:
+            # The kernel reads the tables by position unchecked (a table lookup in torch would raise).
+            if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+                raise ValueError(f"position {int(positions.max())} beyond the RoPE table ({self.cos.shape[0]})")
             pos = positions.contiguous()
             return lambda qkv, n: kernels.rope_(qkv, n, pos, self.cos, self.sin)
         cos = self.cos[positions].to(self.dtype)[:, None, :]  # [T, 1, D]
