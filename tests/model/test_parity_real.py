@@ -201,3 +201,28 @@ def test_bfloat16_stays_close(ref: Reference):
     # bf16 keeps ~3 significant digits through 30 layers: the top choice survives and errors stay small.
     assert int(logits.argmax()) == int(want.argmax())
     assert (logits - want).abs().max() < 1.5
+
+
+def test_q4_1_kernels_stay_close_and_batch_invariant(ref: Reference):
+    """bfloat16 on the GGUF's four-bit values (the default on CPUs with the kernels): close to the
+    float32 reference, and each request's greedy tokens the same alone and in a mixed batch."""
+    from cadence.model import cpu_kernels as ck
+
+    if ck.cpu_kernels() is None:
+        pytest.skip("no CPU kernels on this machine: the Q4_1 path does not exist here")
+    assert ref.ckpt.q4_1, "the default GGUF is Q4_1: the loader must keep its blocks"
+    runner = ModelRunner(ref.ckpt.arch, ref.ckpt.weights, dtype=torch.bfloat16, q4_1=ref.ckpt.q4_1)
+    assert runner.model.layers[0].gate_up.q4_1 is not None
+    runner.initialize_kv_cache(160, BLOCK)
+    prompt = ref.prompts[1]
+    logits = one_step(runner, "q", prompt, 0, range(8))
+    want = hf_logits(ref, prompt)[-1]
+    assert int(logits.argmax()) == int(want.argmax())
+    assert (logits - want).abs().max() < 1.5
+    alone = {}
+    for i, p in enumerate(ref.prompts):
+        alone.update(run_jobs(runner, [Job(f"p{i}", p, max_new=12)], seed=i))
+    jobs = [Job(f"p{i}", p, max_new=12, arrive=i, chunk=6 + 5 * i) for i, p in enumerate(ref.prompts)]
+    mixed = run_jobs(runner, jobs, seed=7)
+    for rid, solo in alone.items():
+        assert_same_or_near_tie(mixed[rid].out, solo.out, mixed[rid].top2, solo.top2, f"{rid} q4_1 batched vs alone")

@@ -58,6 +58,54 @@ def test_linear_matches_float64_and_is_batch_invariant(kernels, n, k):
     assert kernels.linear(x[:0], packed, n, None).shape == (0, n)
 
 
+def q4_1_matrix(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random [n, k] matrix quantised by gguf's own Q4_1 code: (its blocks, uint8 [n, k/32*20];
+    the float64 weights they stand for, d * q + m)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy() * 0.05
+    raw = quantize(w.astype("float32"), GGMLQuantizationType.Q4_1)
+    exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1).astype("float64"))
+    return torch.from_numpy(raw.copy()).view(torch.uint8).reshape(n, -1), exact
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k", [(960, 576), (100, 64), (64, 1536), (17, 32)])
+def test_q4_1_linear_matches_float64_and_is_batch_invariant(kernels, n, k):
+    raw, w = q4_1_matrix(n, k, seed=6)
+    x = bf16(40, k, seed=7)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    packed = kernels.pack_q4_1(raw, n, k)
+    got = kernels.linear_q4_1(x, packed, n, bias)
+    want = x.double() @ w.T + bias.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (40, n)
+    # The checkpoint's exact weights, float32 sums, one rounding to bfloat16 at the end.
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-3 * k**0.5).all()
+    # Small batches (3-row tiles over 64 columns) and large ones (6-row tiles over 32 columns, from
+    # 12 rows): every row bit-identical whatever the batch.
+    for m in (1, 2, 3, 4, 5, 11, 12, 13, 17, 25, 39):
+        assert torch.equal(kernels.linear_q4_1(x[:m], packed, n, bias), got[:m]), f"{m}-row batch differs"
+    assert torch.equal(kernels.linear_q4_1(x[29:30], packed, n, bias)[0], got[29])
+    assert kernels.linear_q4_1(x[:0], packed, n, None).shape == (0, n)
+
+
+@needs_kernels
+def test_q4_1_linear_layer_and_its_switch(kernels, monkeypatch):
+    raw, w = q4_1_matrix(96, 64, seed=9)
+    layer = Linear(w.to(torch.bfloat16), None, raw)
+    assert layer.q4_1 is not None and layer.packed is None and layer.weight is None
+    x = bf16(5, 64, seed=10)
+    assert torch.equal(layer(x), kernels.linear_q4_1(x, layer.q4_1, 96, None))
+    assert Linear(w.float(), None, raw).q4_1 is None  # float32 keeps torch's path
+    monkeypatch.setenv("CADENCE_Q4_KERNELS", "0")
+    off = Linear(w.to(torch.bfloat16), None, raw)
+    assert off.q4_1 is None and off.packed is not None  # the dequantised bfloat16 weight, as before
+    torch.testing.assert_close(off(x), layer(x), rtol=2e-2, atol=2e-2)
+    with pytest.raises(AssertionError):
+        kernels.pack_q4_1(raw[:, :-1], 96, 64)  # not whole blocks
+
+
 @needs_kernels
 def test_linear_layer_uses_the_kernel_for_bfloat16_only(kernels):
     w = bf16(128, 64, seed=4)

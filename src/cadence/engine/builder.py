@@ -116,13 +116,14 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
     tokenizer = Tokenizer.from_model_path(path)
+    q4_1: dict[str, torch.Tensor] = {}
     if tiny:
         arch = tiny_arch(tokenizer.vocab_size)
         weights = random_weights(arch, seed=config.model.seed)
     else:
         ckpt = load_checkpoint(path, dtype)
-        arch, weights = ckpt.arch, ckpt.weights
-    runner = ModelRunner(arch, weights, dtype=dtype, device=device)
+        arch, weights, q4_1 = ckpt.arch, ckpt.weights, ckpt.q4_1
+    runner = ModelRunner(arch, weights, dtype=dtype, device=device, q4_1=q4_1)
     max_len = config.model.max_model_len or min(arch.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_len > arch.max_position_embeddings:
         raise ValueError(

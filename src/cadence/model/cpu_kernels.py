@@ -36,12 +36,16 @@ SOURCE = Path(__file__).with_name("kernels") / "cpu_bf16.c"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
          "-shared", "-fPIC"]
 BLOCK_COLS = 64  # output columns per packed block (NB in the C source)
+Q4_1_BLOCK, Q4_1_BYTES = 32, 20  # GGUF's Q4_1: 32 weights in 20 bytes (float16 d and m, 16 bytes of nibbles)
+Q4_1_PACKED_BYTES = Q4_1_BLOCK // 2 * BLOCK_COLS + BLOCK_COLS * 4  # per 64 columns x 32 k (Q4_BYTES in the C)
 
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "cadence_pack": [_P, _P, _I64, _I64],
     "cadence_linear": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "cadence_pack_q4_1": [_P, _P, _I64, _I64],
+    "cadence_linear_q4_1": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "cadence_add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _INT],
     "cadence_silu_mul": [_P, _P, _I64, _I64, _INT],
     "cadence_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
@@ -63,8 +67,11 @@ class CpuKernels:
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
+        lib.cadence_linear_q4_1.restype = ctypes.c_int
         self._pack = lib.cadence_pack
         self._linear = lib.cadence_linear
+        self._pack_q4_1 = lib.cadence_pack_q4_1
+        self._linear_q4_1 = lib.cadence_linear_q4_1
         self._add_rms_norm = lib.cadence_add_rms_norm
         self._silu_mul = lib.cadence_silu_mul
         self._rope = lib.cadence_rope
@@ -94,6 +101,29 @@ class CpuKernels:
         if m:
             self._linear(x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                          y.data_ptr(), m, n, k, torch.get_num_threads())
+        return y.view(*x.shape[:-1], n)
+
+    def pack_q4_1(self, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """GGUF Q4_1 blocks of an [N, K] weight (uint8 [N, K/32*20], rows in the model's order) ->
+        the layout `linear_q4_1` reads (columns padded to a multiple of 64 with zeros)."""
+        assert k % Q4_1_BLOCK == 0, "pack_q4_1: K must be a multiple of 32"
+        assert raw.dtype == torch.uint8 and tuple(raw.shape) == (n, k // Q4_1_BLOCK * Q4_1_BYTES)
+        raw = raw.contiguous()
+        packed = torch.empty(-(-n // BLOCK_COLS) * (k // Q4_1_BLOCK) * Q4_1_PACKED_BYTES, dtype=torch.uint8)
+        self._pack_q4_1(raw.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+
+    def linear_q4_1(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """As `linear`, on `pack_q4_1`'s layout: bit-identical to `linear` on the weight that GGUF's
+        dequantisation gives, rounded to bfloat16."""
+        assert x.dtype == torch.bfloat16 and x.device.type == "cpu", "linear: a bfloat16 CPU input"
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k).contiguous()
+        m = x2.shape[0]
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        if m and self._linear_q4_1(x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                   y.data_ptr(), m, n, k, torch.get_num_threads()):
+            raise MemoryError("linear_q4_1: no memory for the kernel's scratch block")
         return y.view(*x.shape[:-1], n)
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -218,6 +248,12 @@ def _probe(kernel: CpuKernels) -> str | None:
     if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
         return f"probe mismatch (max error {(got - want).abs().max().item():.3g})"
     return None
+
+
+def q4_1_kernels_enabled() -> bool:
+    """Whether Q4_1 layers compute on their four-bit values (CADENCE_Q4_KERNELS=0: on the dequantised
+    bfloat16 weights, as before; the outputs differ in the last bits, not in quality)."""
+    return os.environ.get("CADENCE_Q4_KERNELS", "1") != "0"
 
 
 @cache

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import AttentionMetadata, PagedKVCache, paged_attention
-from cadence.model.cpu_kernels import CpuKernels, cpu_kernels
+from cadence.model.cpu_kernels import CpuKernels, cpu_kernels, q4_1_kernels_enabled
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks
@@ -84,17 +84,28 @@ class Linear:
     F.linear.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, q4_1: torch.Tensor | None = None) -> None:
         self.shape = tuple(weight.shape)  # (out, in)
         self.bias = bias
         self.kernel = cpu_kernels() if CpuKernels.supports(weight) else None
         # The kernel adds a float32 bias; torch's paths take `bias` as it is.
         self.kernel_bias = None if self.kernel is None or bias is None else bias.float().contiguous()
-        self.packed = self.kernel.pack(weight) if self.kernel is not None else _pack_for_cpu(weight.contiguous(), bias)
+        # A Q4_1 checkpoint's matrix, when the kernels are on: computed from its four-bit values.
+        self.q4_1 = (self.kernel.pack_q4_1(q4_1, *self.shape)
+                     if self.kernel is not None and q4_1 is not None and q4_1_kernels_enabled() else None)
+        if self.q4_1 is not None:
+            self.packed = None
+        elif self.kernel is not None:
+            self.packed = self.kernel.pack(weight)
+        else:
+            self.packed = _pack_for_cpu(weight.contiguous(), bias)
         # Keep only one copy of the weight: the packed one when there is one.
-        self.weight = weight.contiguous() if self.packed is None else None
+        self.weight = weight.contiguous() if self.packed is None and self.q4_1 is None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q4_1 is not None:
+            assert self.kernel is not None
+            return self.kernel.linear_q4_1(x, self.q4_1, self.shape[0], self.kernel_bias)
         if self.kernel is not None:
             assert self.packed is not None
             return self.kernel.linear(x, self.packed, self.shape[0], self.kernel_bias)
@@ -135,12 +146,21 @@ def _take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 
 def _load_layer(
-    arch: ModelArchConfig, weights: dict[str, torch.Tensor], i: int, dtype: torch.dtype, device: torch.device
+    arch: ModelArchConfig, weights: dict[str, torch.Tensor], i: int, dtype: torch.dtype, device: torch.device,
+    q4_1: dict[str, torch.Tensor],
 ) -> LayerWeights:
     p = f"model.layers.{i}."
 
     def w(name: str) -> torch.Tensor:
         return _take(weights, p + name).to(device=device, dtype=dtype)
+
+    def raw(*names: str) -> torch.Tensor | None:
+        """The Q4_1 blocks of these matrices, rows concatenated as the fused weight's; None unless
+        every part is Q4_1 (on CPU)."""
+        parts = [q4_1.get(p + name) for name in names]
+        if device.type != "cpu" or any(x is None for x in parts):
+            return None
+        return torch.cat(parts)  # type: ignore[arg-type]
 
     qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
     expected = ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, arch.hidden_size)
@@ -151,11 +171,12 @@ def _load_layer(
         bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
     return LayerWeights(
         input_norm=w("input_layernorm.weight"),
-        qkv=Linear(qkv, bias),
-        o=Linear(w("self_attn.o_proj.weight")),
+        qkv=Linear(qkv, bias, raw("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+        o=Linear(w("self_attn.o_proj.weight"), None, raw("self_attn.o_proj.weight")),
         post_norm=w("post_attention_layernorm.weight"),
-        gate_up=Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])),
-        down=Linear(w("mlp.down_proj.weight")),
+        gate_up=Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None,
+                       raw("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+        down=Linear(w("mlp.down_proj.weight"), None, raw("mlp.down_proj.weight")),
     )
 
 
@@ -174,14 +195,17 @@ class LlamaModel:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        q4_1: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """`q4_1`: a GGUF checkpoint's Q4_1 matrices as stored (`Checkpoint.q4_1`); in bfloat16 with
+        the CPU kernels, those layers compute on them rather than on the dequantised `weights`."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
         self.embed = _take(weights, "model.embed_tokens.weight").to(self.device, dtype).contiguous()  # [V, E]
         if tuple(self.embed.shape) != (arch.vocab_size, arch.hidden_size):
             raise ValueError(f"embed_tokens shape {tuple(self.embed.shape)} does not match the architecture")
-        self.layers = [_load_layer(arch, weights, i, dtype, self.device) for i in range(arch.num_layers)]
+        self.layers = [_load_layer(arch, weights, i, dtype, self.device, q4_1 or {}) for i in range(arch.num_layers)]
         self.norm = _take(weights, "model.norm.weight").to(self.device, dtype)
         if arch.tie_word_embeddings or "lm_head.weight" not in weights:
             # Tied: the output projection is the embedding table (SmolLM2 and small Qwen2).

@@ -14,7 +14,7 @@ import importlib.util
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,9 @@ class Checkpoint:
     weights: dict[str, torch.Tensor]
     path: Path
     format: str  # "gguf" | "safetensors"
+    # GGUF Q4_1 matrices as stored (uint8 [rows, K/32 * 20], rows in Hugging Face order), beside
+    # their dequantised copy in `weights`: the CPU kernels compute on the four-bit values directly.
+    q4_1: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -250,6 +253,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     expected = expected_shapes(arch)
     permuted = _GGUF_PERMUTED[arch.architecture]
     weights: dict[str, torch.Tensor] = {}
+    q4_1: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
@@ -258,8 +262,18 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         _check_tensor(path, name, shape, expected)
         heads = permuted.get(name.split(".", 3)[-1])  # keyed by the per-layer part of the name
         weights[name] = _dequantize(path, t, dtype, heads, arch)
+        if t.tensor_type.name == "Q4_1" and len(shape) == 2 and shape[1] % 32 == 0:
+            q4_1[name] = _raw_rows(t, shape, heads, arch)
     _check_complete(path, weights, expected)
-    return Checkpoint(arch, weights, path, "gguf")
+    return Checkpoint(arch, weights, path, "gguf", q4_1)
+
+
+def _raw_rows(t: Any, shape: tuple[int, ...], heads: Any, arch: ModelArchConfig) -> torch.Tensor:
+    """A quantised matrix's blocks as they are stored, one row of blocks per output row."""
+    raw = np.array(t.data, copy=True).view(np.uint8).reshape(shape[0], -1)
+    if heads is not None:
+        raw = _unpermute_rows(raw, heads(arch))
+    return torch.from_numpy(np.ascontiguousarray(raw))
 
 
 def _dequantize(path: Path, t: Any, dtype: torch.dtype, heads: Any, arch: ModelArchConfig) -> torch.Tensor:
