@@ -19,6 +19,7 @@ from cadence.metrics.stats import IterationStats, SchedulerStats
 from cadence.request import Request, RequestStatus
 from cadence.sched.output import ModelOutput, RequestDelta
 from cadence.sched.scheduler import Scheduler
+from cadence.sched.stretch import DecodeStretch
 
 logger = logging.getLogger(__name__)
 _NO_OUTPUT = ModelOutput()
@@ -52,6 +53,15 @@ class EngineCore:
         # An executor that takes plain decodes as one batch (the simulator's) gets them so.
         batch = bool(getattr(executor, "accepts_decode_batch", False))
         self.scheduler = Scheduler(config.scheduler, cache, self.kv, max_model_len, batch_decodes=batch)
+        # An executor that costs whole decode runs on this core's clock (the simulator's) lets the
+        # caller fast-forward stretches of identical decode steps; see plan_decode_stretch. Such an
+        # executor sets `accepts_decode_runs`, samples `token_id` for every plain decode, advances
+        # `clock` by each step's cost, and has `decode_run_costs(DecodeRun) -> list[float]` (each
+        # step's cost, charging nothing) and `charge_decode_run(costs)` (those steps ran). The
+        # model runner has none of it.
+        self._decode_runs = bool(getattr(executor, "accepts_decode_runs", False)) and (
+            getattr(executor, "clock", None) is self.clock)
+        self._stretch: DecodeStretch | None = None  # planned, not yet applied
         self.last_stats = IterationStats()
         self.scheduler_stats = self.scheduler.stats()
         logger.info(
@@ -99,6 +109,7 @@ class EngineCore:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
         """Queue a request; raises AdmissionError (the server maps its kind to an HTTP status)."""
+        self._check_no_stretch()
         now = self.clock.now()
         if request.arrival_time == 0.0:
             request.arrival_time = now
@@ -108,6 +119,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestDelta]:
         """Abort requests (a client went away); frees their blocks at once. Unknown ids are ignored."""
+        self._check_no_stretch()
         deltas = self.scheduler.abort(tuple(request_ids), self.clock.now())
         # Refresh the snapshot the gauges read: with nothing left to run, no step would.
         self.scheduler_stats = self.scheduler.stats()
@@ -121,6 +133,7 @@ class EngineCore:
         stop_reason: str | int | None = None,
     ) -> list[RequestDelta]:
         """End requests for a reason found outside the engine, e.g. a stop string in the detokenized text."""
+        self._check_no_stretch()
         deltas = self.scheduler.finish_requests(tuple(request_ids), status, self.clock.now(), stop_reason=stop_reason)
         self.scheduler_stats = self.scheduler.stats()
         return deltas
@@ -128,6 +141,7 @@ class EngineCore:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestDelta]:
         """One iteration: schedule, execute, update. Returns what happened to each request."""
+        self._check_no_stretch()
         sched = self.scheduler
         out = sched.schedule(self.clock.now())
         step_time = 0.0
@@ -155,4 +169,58 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    # ------------------------------------------------------------------ decode stretches (simulator)
+    def plan_decode_stretch(self, max_steps: int) -> DecodeStretch | None:
+        """The next steps, if at least two of them would each schedule the same plain decodes and
+        nothing else (sched/stretch.py says when), with their costs and end times on this core's
+        clock; None otherwise, or if the executor does not cost decode runs. Changes nothing: the
+        caller then applies some leading part of it with `apply_decode_stretch` before anything
+        else touches this core (a request added, a step). Steps that would start at or after a
+        pending deadline are left out."""
+        if not self._decode_runs:
+            return None
+        self._check_no_stretch()
+        now = self.clock.now()
+        stretch = self.scheduler.plan_decode_stretch(now, self.executor.token_id, max_steps)  # type: ignore[attr-defined]
+        if stretch is None:
+            return None
+        costs = self.executor.decode_run_costs(stretch.run)  # type: ignore[attr-defined]
+        ends: list[float] = []
+        t = now
+        for cost in costs:
+            if t >= stretch.not_after:
+                break
+            t += cost  # as the clock advances by each step's cost
+            ends.append(t)
+        if len(ends) < 2:
+            return None
+        stretch.num_steps, stretch.start_time = len(ends), now
+        stretch.costs, stretch.step_ends = costs[: len(ends)], ends
+        self._stretch = stretch
+        return stretch
+
+    def apply_decode_stretch(self, stretch: DecodeStretch, num_steps: int) -> None:
+        """Run the first `num_steps` steps of the stretch just planned (0 drops it): the same state
+        as that many `step` calls, which would each have returned no delta. `last_decoded` lists the
+        stretch's requests, and `last_stats` sums its steps (see `Scheduler.apply_decode_stretch`)."""
+        if stretch is not self._stretch:
+            raise RuntimeError("not the decode stretch planned last on this core")
+        self._stretch = None
+        if not num_steps:
+            return
+        self.executor.charge_decode_run(stretch.costs[:num_steps])  # type: ignore[attr-defined]
+        end = stretch.step_ends[num_steps - 1]
+        assert self.clock.now() == end, "the clock did not follow the planned step costs"
+        sched = self.scheduler
+        sched.apply_decode_stretch(stretch, num_steps)
+        self.last_stats = sched.last_iteration_stats
+        self.last_stats.step_time = end - stretch.start_time
+        self.scheduler_stats = sched.stats()
+        if self.check_integrity:
+            sched.check_integrity()
+
+    def _check_no_stretch(self) -> None:
+        if self._stretch is not None:
+            raise RuntimeError("a planned decode stretch must be applied (or dropped) first")
 

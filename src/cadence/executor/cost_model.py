@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from cadence.sched.output import ModelOutput, SchedulerOutput
+from cadence.sched.output import DecodeRun, ModelOutput, SchedulerOutput
 
 PROFILE_FORMAT = 1
 # Base quantities every feature set is linear in; the fitted model folds into one weight per base.
@@ -276,9 +276,13 @@ class SimExecutor:
     modelled cost added to the virtual clock (when given one), so the engine core reads the time
     after the step just as it would after a real forward pass.
 
-    It takes plain decodes as one `DecodeBatch`: their features are sums and a max over a column."""
+    It takes plain decodes as one `DecodeBatch`: their features are sums and a max over a column.
+    It also costs a `DecodeRun` (steps of the same plain decodes) in one call: the simulator
+    fast-forwards such stretches without building a step each (see `EngineCore.plan_decode_run`).
+    Every plain decode samples `token_id`."""
 
     accepts_decode_batch = True
+    accepts_decode_runs = True
 
     def __init__(self, cost_model: StepCostModel, *, clock: Any | None = None,
                  token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None) -> None:
@@ -331,22 +335,47 @@ class SimExecutor:
                 pa += n * r.start_pos + n * (n + 1) // 2
             if r.sample:
                 sampled[r.request_id] = tok
-        if scheduler_output.is_empty:
-            cost = 0.0
-        else:
-            w = self._w
-            pad = ds * dmax
-            cost = (w[0] + w[1] * pt + w[2] * ps + w[3] * ds + w[4] * len(sampled) + w[5] * dc + w[6] * pad
-                    + w[10] * pa)
-            if pad > _K1:  # the hinges (see KNEES)
-                cost += w[7] * (pad - _K1) + w[8] * max(0, pad - _K2) + w[9] * max(0, pad - _K3)
-            cost = max(cost, self._min_cost)
+        cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, len(sampled), dc, ds * dmax, pa)
+        self._charge(cost)
+        return ModelOutput(sampled_token_ids=sampled)
+
+    def _cost(self, pt: int, ps: int, ds: int, sm: int, dc: int, pad: int, pa: int) -> float:
+        """One step's cost from its features (the names of `StepFeatures`, in `bases()` order)."""
+        w = self._w
+        cost = w[0] + w[1] * pt + w[2] * ps + w[3] * ds + w[4] * sm + w[5] * dc + w[6] * pad + w[10] * pa
+        if pad > _K1:  # the hinges (see KNEES)
+            cost += w[7] * (pad - _K1) + w[8] * max(0, pad - _K2) + w[9] * max(0, pad - _K3)
+        return max(cost, self._min_cost)
+
+    def _charge(self, cost: float) -> None:
+        """A step of `cost` seconds ran: count it and move the clock past it."""
         self.last_step_cost = cost
         self.total_cost += cost
         self.num_steps += 1
         if self.clock is not None and cost:
             self.clock.advance(cost)
-        return ModelOutput(sampled_token_ids=sampled)
+
+    # -- decode runs (see DecodeRun): steps of the same plain decodes, costed and charged in bulk ----
+
+    def decode_run_costs(self, run: DecodeRun) -> list[float]:
+        """What `execute` would charge for each step of `run`, in order (charges nothing).
+
+        Step j decodes `run.num_seqs` rows, each at its first step's position plus j: the features
+        of `execute`'s batch path, summed from the run's totals instead of read off the columns."""
+        n, cost = run.num_seqs, self._cost
+        dc = run.start_sum + n  # keys read by the first step: every row's context is its start + 1
+        dmax = run.start_max + 1
+        out = []
+        for _ in range(run.num_steps):
+            out.append(cost(0, 0, n, n, dc, n * dmax, 0))
+            dc += n
+            dmax += 1
+        return out
+
+    def charge_decode_run(self, costs: Sequence[float]) -> None:
+        """The first steps of a decode run ran (`decode_run_costs`' leading `costs`): charge each in turn."""
+        for cost in costs:
+            self._charge(cost)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ cached-free block takes it out of the queue wherever it sits (O(1)), so hot pref
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from itertools import islice
 
 from cadence.kv.hashing import BlockHash
 
@@ -68,6 +69,14 @@ class BlockPool:
 
     def lookup(self, block_hash: BlockHash) -> Block | None:
         return self._by_hash.get(block_hash)
+
+    def free_rank(self, block_ids: Collection[int], limit: int) -> int:
+        """How many blocks allocations take before the first of `block_ids` in the free queue
+        (`limit` if none is among the first `limit`)."""
+        for rank, block_id in enumerate(islice(self._free, limit)):
+            if block_id in block_ids:
+                return rank
+        return limit
 
     def free_block_ids(self) -> list[int]:
         """Free block ids in eviction order (first = next evicted). For tests and debugging."""

@@ -139,11 +139,7 @@ class KVCacheManager:
         elif computed_blocks and table:
             raise ValueError("computed_blocks: only a request without blocks can take a prefix hit")
         hit = [self.pool.blocks[i] for i in computed_blocks.block_ids]
-        held = len(table) if table else 0
-        num_computed = request.num_computed_tokens + len(hit) * self.block_size
-        num_new_blocks = max(0, self.num_blocks_needed(num_computed + num_new_tokens) - held - len(hit))
-        # Hit blocks sitting in the free queue leave it, so they compete with new ones for room.
-        num_reclaimed = sum(1 for b in hit if b.ref_cnt == 0)
+        num_new_blocks, num_reclaimed = self._blocks_to_take(request, num_new_tokens, hit, table)
         if num_new_blocks + num_reclaimed > self.pool.num_free_blocks:
             return None
         if table is None:
@@ -163,6 +159,21 @@ class KVCacheManager:
             table.extend(new_blocks)
             self._table_ids[rid] = self._table_ids.get(rid, ()) + computed_blocks.block_ids + new_ids
         return KVBlocks(new_ids) if new_blocks else _EMPTY
+
+    def blocks_to_take(self, request: Request, num_new_tokens: int, computed_blocks: KVBlocks = _EMPTY) -> int:
+        """Free-queue blocks `allocate_slots` with these arguments would take (it fails when fewer are free)."""
+        hit = [self.pool.blocks[i] for i in computed_blocks.block_ids]
+        return sum(self._blocks_to_take(request, num_new_tokens, hit, self._tables.get(request.request_id)))
+
+    def _blocks_to_take(self, request: Request, num_new_tokens: int, hit: list[Block],
+                        table: list[Block] | None) -> tuple[int, int]:
+        """New blocks, and hit blocks reclaimed from the free queue, that an allocation needs."""
+        held = len(table) if table else 0
+        num_computed = request.num_computed_tokens + len(hit) * self.block_size
+        num_new_blocks = max(0, self.num_blocks_needed(num_computed + num_new_tokens) - held - len(hit))
+        # Hit blocks sitting in the free queue leave it, so they compete with new ones for room.
+        num_reclaimed = sum(1 for b in hit if b.ref_cnt == 0)
+        return num_new_blocks, num_reclaimed
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Hash and publish every block that `request.num_computed_tokens` has filled."""

@@ -6,7 +6,8 @@ The executor sees only `SchedulerOutput` (never the mutable `Request`); the stre
 An executor that sets `accepts_decode_batch` (the simulator's) gets a step's plain decodes as one
 `DecodeBatch` of columns instead of a `ScheduledRequest` each, and the engine reports their tokens
 as a list of request ids instead of a `RequestDelta` each: a simulation's steps are mostly plain
-decodes, and two Python objects per generated token were most of its cost.
+decodes, and two Python objects per generated token were most of its cost. Such an executor may
+also cost a whole `DecodeRun` at once, for the simulator's fast-forward (`sched/stretch.py`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,19 @@ class DecodeBatch:
 
 
 NO_DECODES = DecodeBatch()
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """`num_steps` consecutive steps that each schedule the same `num_seqs` plain decodes and
+    nothing else: row i decodes at its first step's position plus the step's index. What an
+    executor that sets `accepts_decode_runs` (the simulator's) needs to cost the steps: the
+    rows' first positions summed and their maximum."""
+
+    num_seqs: int
+    start_sum: int
+    start_max: int
+    num_steps: int
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ their blocks return to the pool).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cadence.config import CacheConfig, SchedulerConfig
@@ -43,6 +45,7 @@ from cadence.sched.output import (
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
 from cadence.sched.records import decode_batch, final_delta, finished_stats, scheduled_request, token_delta
+from cadence.sched.stretch import DecodeStretch, allocation_counts, steps_within
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -212,9 +215,13 @@ class Scheduler:
                 rows[rid] = scheduled_request(req, n, ids)
             plan.budget -= n
 
-    def _schedule_waiting(self, plan: _Plan) -> None:
+    def _eligible(self) -> Callable[[Request], bool] | None:
+        """Which waiting requests may be admitted now (None: all): the per-tenant running cap."""
         cap = self.config.tenant_max_running
-        eligible = (lambda r: self._tenant_running[r.tenant] < cap) if cap is not None else None
+        return (lambda r: self._tenant_running[r.tenant] < cap) if cap is not None else None
+
+    def _schedule_waiting(self, plan: _Plan) -> None:
+        eligible = self._eligible()
         while self.waiting and (plan.budget > 0 or self._static):
             req = self.waiting.peek(eligible)
             if req is None:
@@ -320,6 +327,150 @@ class Scheduler:
                 decodes.append(row)  # type: ignore[arg-type]
         batch = decode_batch(decodes, self.kv.block_tables) if decodes else NO_DECODES
         return tuple(records), batch, tuple(before)
+
+    # ------------------------------------------------------------------ decode stretches (simulator)
+    def plan_decode_stretch(self, now: float, token: int, max_steps: int) -> DecodeStretch | None:
+        """The steps from `now` on that would each schedule the running requests' plain decodes and
+        nothing else, every decode sampling `token` (up to `max_steps`; None if fewer than two).
+        Changes nothing (see sched/stretch.py)."""
+        running = self.running
+        if not running or len(running) > self.config.max_num_batched_tokens or self._pending_deltas:
+            return None  # with more running requests than the token budget, some wait their turn
+        not_after = self._deadlines[0][0] if self._deadlines else math.inf
+        num_steps = self._decode_steps_left(token, max_steps) if now < not_after else 0
+        if num_steps < 2:
+            return None
+        kv = self.kv
+        tables = kv.block_tables
+        starts = tuple(r.num_computed_tokens for r in running)
+        held = [len(tables.get(r.request_id, ())) for r in running]
+        # Steps the free blocks last (nothing is freed in a stretch); a step short of blocks preempts.
+        counts = allocation_counts(starts, held, kv.block_size, num_steps, kv.num_free_blocks)
+        if len(counts) < 2:
+            return None
+        if self.waiting and not self._static:  # (a static batch admits only when it is empty)
+            limits = self._waiting_limits(starts, counts)
+            if limits is None:
+                return None
+            num_blocks, num_steps = limits
+            counts = counts[: steps_within(counts[:num_steps], num_blocks)]
+            if len(counts) < 2:
+                return None
+        return DecodeStretch(self._step, tuple(running), starts, token, len(counts), not_after)
+
+    def _decode_steps_left(self, token: int, max_steps: int) -> int:
+        """Steps (up to `max_steps`) in which every running request decodes and goes on; 0 unless
+        each is a plain decode that `token` does not stop."""
+        steps = max_steps
+        max_len = self.max_model_len
+        for req in reversed(self.running):  # newest first: the likeliest to be mid-prefill
+            outputs = req.output_token_ids
+            start = req.num_computed_tokens
+            sp = req.sampling_params
+            if (not outputs or start != len(req.prompt_token_ids) + len(outputs) - 1 or not sp.plain_decode
+                    or req.last_token_time is None or token in req.eos_token_ids or token in sp.stop_token_ids):
+                return 0
+            # Step j appends output len(outputs) + j + 1 at context start + j + 2 (see _update_decodes).
+            steps = min(steps, sp.max_tokens - len(outputs) - 1, max_len - start - 2)
+        return steps
+
+    def _waiting_limits(self, starts: tuple[int, ...], counts: list[int]) -> tuple[float, int] | None:
+        """With requests waiting: (blocks, steps) a stretch of the steps whose allocations `counts`
+        gives may take while the waiting loop gives up on the same request for the same reason
+        every step (see sched/stretch.py); None if the first step would admit it or preempt for it."""
+        cfg, running = self.config, self.running
+        none = math.inf, len(counts)  # no limit
+        budget = cfg.max_num_batched_tokens - len(running)
+        if budget <= 0:
+            return none  # the loop never looks
+        if not self.waiting.peek_is_stable():
+            return None
+        head = self.waiting.peek(self._eligible())
+        if head is None:
+            return none
+        if self.preemption.victim_for(head, running) is not None:
+            return None  # the policy would preempt for it, for a seat or for blocks
+        if len(running) >= cfg.max_num_seqs:
+            return none  # no seat, and none will be taken from a running request
+        kv = self.kv
+        computed, num_cached = kv.get_computed_blocks(head)
+        n = self._chunk(head, num_cached, budget)  # (no partial prefill runs beside a stretch)
+        if n and kv.blocks_to_take(head, n, computed) <= kv.num_free_blocks - counts[0]:
+            return None  # the first step admits it
+        return self._hit_limits(head, computed.block_ids, starts, counts)
+
+    def _hit_limits(self, head: Request, hit: tuple[int, ...], starts: tuple[int, ...],
+                    counts: list[int]) -> tuple[float, int]:
+        """(blocks, steps) before `head`'s prefix-cache hit (`hit`, its first blocks) could change: an
+        allocation evicting a hit block from the free queue, or a running request publishing the
+        block that the hit would continue with (it could be the same content)."""
+        kv = self.kv
+        steps = len(counts)
+        if not kv.enable_prefix_caching:
+            return math.inf, steps
+        pool = kv.pool
+        free_hits = {b for b in hit if pool.blocks[b].ref_cnt == 0}
+        blocks: float = pool.free_rank(free_hits, sum(counts) + 1) if free_hits else math.inf
+        bs = kv.block_size
+        if len(hit) < (head.num_tokens - 1) // bs:  # the hit could still grow
+            last = (len(hit) + 1) * bs - 1  # the position whose decode fills block len(hit)
+            for start in starts:
+                if start <= last:  # it fills that block in step last - start: the stretch ends there
+                    steps = min(steps, last - start + 1)
+        return blocks, steps
+
+    def apply_decode_stretch(self, stretch: DecodeStretch, num_steps: int) -> None:
+        """Apply the first `num_steps` steps of `stretch`, planned on this very state, as that many
+        single steps would; `stretch.step_ends[j]` is the clock reading after step j (the `now`
+        its update sees). The iteration stats of those steps come as one: their counters summed,
+        without the per-token latencies (one entry per token is what a stretch exists to avoid)."""
+        assert stretch.step == self._step, "the scheduler moved since the stretch was planned"
+        assert 0 < num_steps <= stretch.num_steps
+        reqs, starts = stretch.requests, stretch.starts
+        tokens = [stretch.token] * num_steps
+        for req in reqs:
+            req.output_token_ids.extend(tokens)  # first: the blocks published below hash them
+        self._stretch_blocks(reqs, starts, num_steps)
+        end = stretch.step_ends[num_steps - 1]
+        for req, start in zip(reqs, starts, strict=True):
+            req.num_computed_tokens = start + num_steps
+            req.last_token_time = end
+        if self.waiting.tracks_service:
+            self.waiting.account_decodes(reqs, num_steps)
+        num_tokens = len(reqs) * num_steps
+        self._num_live_tokens += num_tokens
+        self._step += num_steps
+        self._now = stretch.step_ends[num_steps - 2] if num_steps > 1 else stretch.start_time
+        # The first step's output would have carried these to the executor.
+        self._finished_ids.clear()
+        self._preempted_ids.clear()
+        self.last_decoded = [r.request_id for r in reqs]
+        stats = self._stats
+        stats.step, stats.now = self._step, self._now
+        stats.num_generation_tokens += num_tokens
+        self._close_stats()
+
+    def _stretch_blocks(self, reqs: tuple[Request, ...], starts: tuple[int, ...], num_steps: int) -> None:
+        """The block operations of a stretch's first `num_steps` steps, in single-step order: each step
+        allocates for the rows entering a new block, then publishes the blocks rows filled, both in
+        scheduling order. Rows are grouped by position within a block, so a step visits only the
+        rows at a boundary."""
+        kv = self.kv
+        bs = kv.block_size
+        by_offset: list[list[int]] = [[] for _ in range(bs)]
+        for i, start in enumerate(starts):
+            by_offset[start % bs].append(i)
+        allocate, publish = kv.allocate_slots, kv.cache_computed_blocks
+        for j in range(num_steps):
+            for i in by_offset[-j % bs]:  # position starts[i] + j begins a block
+                req = reqs[i]
+                req.num_computed_tokens = starts[i] + j
+                if allocate(req, 1) is None:
+                    raise AssertionError(f"{req.request_id}: the stretch ran out of blocks")
+            for i in by_offset[(-j - 1) % bs]:  # position starts[i] + j ends one
+                req = reqs[i]
+                req.num_computed_tokens = starts[i] + j + 1
+                publish(req)
 
     # ------------------------------------------------------------------ results
     def update(self, out: SchedulerOutput, model_output: ModelOutput, now: float) -> list[RequestDelta]:

@@ -14,6 +14,7 @@ times reproduces the same scheduling decisions. No torch here.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 import math
@@ -30,6 +31,7 @@ from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError, ErrorKind
 from cadence.executor.cost_model import SimExecutor, StepCostModel
 from cadence.request import Request, SamplingParams
+from cadence.sched.stretch import DecodeStretch
 from cadence.sim.router import Router, make_router
 from cadence.sim.synth import PromptSynth
 from cadence.workload import Workload, WorkloadRequest
@@ -39,6 +41,9 @@ _STATUS = {ErrorKind.INVALID_REQUEST: 400, ErrorKind.QUEUE_FULL: 429, ErrorKind.
            ErrorKind.DEADLINE: 408, ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500}
 _OK_REASONS = ("stop", "length")
 _INF = math.inf
+# Longest decode stretch planned at once: its step times are a list, and a request arriving early
+# wastes the rest of the plan.
+MAX_STRETCH_STEPS = 512
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,9 @@ class SimOptions:
 
     `concurrency` with `closed_loop`: that many users, each sending its next request when the
     previous one ends. Without `closed_loop`: an open loop capped at that many requests in flight.
+
+    `fast_forward`: run stretches of identical decode steps in one go (the same results; off, every
+    step runs alone, which tests compare against).
     """
 
     replicas: int = 1
@@ -55,6 +63,7 @@ class SimOptions:
     seed: int = 0
     concurrency: int | None = None
     closed_loop: bool = False
+    fast_forward: bool = True
 
     def validate(self) -> SimOptions:
         if self.replicas < 1:
@@ -90,13 +99,16 @@ class SimResult:
 
 
 class _Replica:
-    __slots__ = ("index", "core", "clock", "executor", "stats", "in_heap", "last_end")
+    __slots__ = ("index", "core", "clock", "executor", "stats", "in_heap", "last_end", "stretch")
 
     def __init__(self, index: int, core: EngineCore, clock: Any, executor: Any) -> None:
         self.index, self.core, self.clock, self.executor = index, core, clock, executor
         self.last_end = -_INF  # clock reading after its last step
         self.stats = ReplicaStats(index)
         self.in_heap = False
+        # Decode steps planned and not yet applied (see Simulator._coast); its heap entry is the
+        # end of the last of them, where the next single step starts.
+        self.stretch: DecodeStretch | None = None
 
 
 class _Client:
@@ -171,6 +183,10 @@ class Simulator:
         self._live: dict[str, tuple[RequestRecord, _Replica]] = {}
         self._times: dict[str, list[float]] = {}  # each live request's token times (its record's list)
         self._steps = 0
+        # A step hook must see every step, so it turns the fast-forward off.
+        self._fast_forward = options.fast_forward and on_step is None
+        self.fast_forwarded_steps = 0  # steps applied as parts of stretches
+        self.stretches_cut = 0  # stretches cut short by an arrival
 
     # -- requests in -------------------------------------------------------------------------------
 
@@ -188,6 +204,8 @@ class Simulator:
                             scheduled_time=wr.arrival_time, send_time=t - self._t0, output_count_source="usage")
         self._records.append(rec)
         rep = self.replicas[self.router.choose(wr, self._outstanding)] if len(self.replicas) > 1 else self.replicas[0]
+        if rep.stretch is not None:
+            self._cut(rep, t)
         if not rep.in_heap:  # idle: its clock jumps to the arrival
             rep.clock.advance_to(t)
         req = Request(str(i), self._synth.prompt(i, wr), self._sampling(wr.output_tokens), arrival_time=t,
@@ -251,6 +269,66 @@ class Simulator:
             # Idle, or stalled (nothing could be scheduled): it re-enters when a request arrives.
             rep.in_heap = False
 
+    # -- decode stretches --------------------------------------------------------------------------
+    #
+    # A replica whose next steps would each schedule the same plain decodes (EngineCore.
+    # plan_decode_stretch) coasts: its heap entry moves to the end of the stretch and the steps are
+    # applied when it comes up there, or, when a request reaches it sooner, up to the first step
+    # that starts at or after that arrival. Nothing else can reach into a replica, and its stretch
+    # steps reach nothing outside it (nothing finishes in them; the finishing step runs alone, in
+    # its place in the order), so applying them late changes no result: the records, the routing,
+    # the closed loop's sends and every replica's stats are those of stepping one by one.
+
+    def _coast(self, rep: _Replica) -> bool:
+        """Plan a stretch of decode steps on `rep` (its turn has come); False if none."""
+        stretch = rep.core.plan_decode_stretch(MAX_STRETCH_STEPS)
+        if stretch is None:
+            return False
+        rep.stretch = stretch
+        heapq.heappush(self._heap, (stretch.step_ends[-1], rep.index))
+        return True
+
+    def _cut(self, rep: _Replica, t: float) -> None:
+        """A request reaches coasting `rep` at `t`: apply the stretch's steps that start before it
+        (they ran first) and drop the rest; the replica's next step starts where they end."""
+        stretch = rep.stretch
+        assert stretch is not None
+        ends = stretch.step_ends
+        last = len(ends) - 1
+        # Step 0 starts at start_time and step j at ends[j - 1].
+        m = 1 + bisect.bisect_left(ends, t, 0, last) if stretch.start_time < t else 0
+        if m <= last:
+            self.stretches_cut += 1
+            heap = self._heap
+            heap.remove((ends[-1], rep.index))
+            heapq.heapify(heap)
+            heapq.heappush(heap, (ends[m - 1] if m else stretch.start_time, rep.index))
+        self._land(rep, m)
+
+    def _land(self, rep: _Replica, m: int) -> None:
+        """Apply the first `m` steps of `rep`'s stretch, and record them as `_step` would have."""
+        stretch = rep.stretch
+        assert stretch is not None
+        rep.stretch = None
+        rep.core.apply_decode_stretch(stretch, m)
+        if not m:
+            return
+        st = rep.stats
+        st.steps += m
+        self._steps += m
+        self.fast_forwarded_steps += m
+        t0, t_before, busy = self._t0, stretch.start_time, st.busy_s
+        rels = []
+        for t in stretch.step_ends[:m]:
+            busy += t - t_before  # step by step: the same sums as one step at a time
+            t_before = t
+            rels.append(t - t0)
+        st.busy_s = busy
+        rep.last_end = t_before
+        times = self._times
+        for rid in stretch.request_ids:
+            times[rid].extend(rels)
+
     def _finish(self, d: Any, rec: RequestRecord, rep: _Replica, rel: float) -> None:
         del self._live[d.request_id], self._times[d.request_id]
         rec.output_tokens = len(rec.token_times)
@@ -292,13 +370,17 @@ class Simulator:
 
     def _loop(self, client: _Client, t0: float) -> None:
         """Step replicas and send requests in virtual-time order until nothing is left to do."""
-        heap, replicas = self._heap, self.replicas
+        heap, replicas, ff = self._heap, self.replicas, self._fast_forward
         while True:
             a = client.next_time()  # relative to t0, as the workload's arrival times are
             ta = t0 + a
             if heap and heap[0][0] < ta:
                 _, i = heapq.heappop(heap)
-                self._step(replicas[i])
+                rep = replicas[i]
+                if rep.stretch is not None:  # it coasted to here: its stretch ran whole
+                    self._land(rep, rep.stretch.num_steps)
+                if not (ff and self._coast(rep)):
+                    self._step(rep)
             elif a < _INF:
                 for i in client.pop_due(a):
                     self._send(i, ta)

@@ -1,0 +1,94 @@
+"""Decode stretches: steps ahead that would each schedule the same plain decodes and nothing else.
+
+The simulator's fast-forward. When every running request is a plain decode, no waiting request can
+be admitted and nothing is about to end, the next steps are all alike: each feeds every running
+request its last token, gives a block to those whose next position starts one, and publishes the
+blocks they fill. `Scheduler.plan_decode_stretch` finds how many such steps lie ahead, changing
+nothing; the executor costs them in one call (`DecodeRun`); `Scheduler.apply_decode_stretch` then
+applies the first m of them at once: per request once, per block boundary once, per step a few
+operations. The block pool sees the same operations in the same order as m single steps (each
+step's allocations in scheduling order, then its publications), so block ids, evictions and
+published hashes come out identical, and so does everything else the steps change.
+
+A stretch ends before the first step in which anything could differ:
+
+- a request would finish: its output length limit or `max_model_len` (a run is only planned
+  when the executor's scripted token is no stop token of any running request);
+- the blocks the steps allocate would outrun the free queue (the single step then preempts);
+- a deadline falls due (the engine core checks the step times against the earliest deadline);
+- the waiting queue's next request could be admitted or preempt a running one. With requests
+  waiting, the scheduler looks at the policy's next one every step and gives up on it; it gives
+  up for the same reason at every step of a stretch as long as the request, its prefix-cache hit
+  and the running set stay the same, since the free blocks only shrink (nothing is freed). So a
+  stretch needs the policy's choice not to move with service (fair share with one tenant waiting
+  at most), and stops short of allocating a free block that the request's hit counts on, and of
+  a step where a running request publishes the block that would extend the hit.
+
+Anything else (a request not yet decoding, penalties or logprobs, more running requests than the
+token budget) plans no stretch: the single step runs. Arrivals are the caller's bound: the
+simulator applies a stretch only up to the first step that starts at or after a request reaches
+the replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cadence.request import Request
+from cadence.sched.output import DecodeRun
+
+
+@dataclass
+class DecodeStretch:
+    """Steps planned on one scheduler state; valid until that scheduler does anything else."""
+
+    step: int  # the scheduler's step count when planned (the stretch's first step is step + 1)
+    requests: tuple[Request, ...]  # the running requests, in scheduling order
+    starts: tuple[int, ...]  # each one's computed tokens before the first step
+    token: int  # what every decode samples
+    num_steps: int  # steps planned; the engine core may cut them at a deadline
+    not_after: float  # the earliest pending deadline: no step of the stretch may start at or after it
+    start_time: float = 0.0  # clock reading at the first step (set by the engine core)
+    costs: list[float] = field(default_factory=list)  # each step's cost (engine core)
+    step_ends: list[float] = field(default_factory=list)  # clock reading after each step (engine core)
+
+    @property
+    def run(self) -> DecodeRun:
+        return DecodeRun(len(self.starts), sum(self.starts), max(self.starts), self.num_steps)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
+
+
+def allocation_counts(starts: Sequence[int], blocks_held: Sequence[int], block_size: int, num_steps: int,
+                      max_blocks: int) -> list[int]:
+    """Blocks each decode step allocates, for the leading steps (at most `num_steps`) that together
+    take at most `max_blocks`: a row whose position (its start plus the step) is the first past
+    the blocks it holds takes one, and another every `block_size` steps. Its length is the number
+    of steps the blocks allow; the work is a few operations per step and per allocation."""
+    first: list[list[int]] = [[] for _ in range(block_size)]  # first allocation step of each row, by step mod size
+    for start, held in zip(starts, blocks_held, strict=True):
+        j = held * block_size - start
+        first[j % block_size].append(j)
+    counts: list[int] = []
+    total = 0
+    for j in range(num_steps):
+        rows = first[j % block_size]
+        n = sum(1 for k in rows if k <= j) if rows else 0
+        total += n
+        if total > max_blocks:
+            break
+        counts.append(n)
+    return counts
+
+
+def steps_within(counts: Sequence[int], num_blocks: float) -> int:
+    """Leading steps whose allocations, together, take no more than `num_blocks` blocks."""
+    total = 0
+    for j, n in enumerate(counts):
+        total += n
+        if total > num_blocks:
+            return j
+    return len(counts)

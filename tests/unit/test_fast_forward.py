@@ -1,0 +1,251 @@
+"""The simulator's fast-forward over decode stretches gives exactly what single steps give.
+
+Two levels. The engine: a random stream of requests through two engine cores on the simulator's
+executor, one stepping alone, the other applying planned stretches (a random leading part of each,
+as an early arrival cuts them), compared after every move on everything a step changes: requests,
+block tables, the pool's free queue and hash index, fair-share counters, clock, costs. The
+simulator: whole runs with `fast_forward` on and off, compared record by record (every token
+time) and replica by replica, over workloads and options that reach every bound of a stretch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections import Counter
+
+import pytest
+
+from cadence.clock import VirtualClock
+from cadence.config import EngineConfig
+from cadence.engine.core import EngineCore
+from cadence.errors import AdmissionError
+from cadence.executor.cost_model import SimExecutor, StepCostModel
+from cadence.request import Request, SamplingParams
+from cadence.sched.queue import FairQueue, RequestQueue
+from cadence.sched.stretch import allocation_counts
+from cadence.sim.simulator import SimOptions, SimResult, Simulator
+from cadence.workload import Workload, WorkloadRequest, assign_arrivals, builtin_workload
+
+META = {"kv_bytes_per_token": 1000, "max_model_len": 4096}
+# Every feature priced, so a step's cost depends on its whole shape; the context term crosses the
+# first hinge (16k keys) in the bigger batches.
+MODEL = StepCostModel("padded+knee16k", {"const": 0.004, "prefill_tokens": 2e-5, "decode_seqs": 3e-4,
+                                         "sampled": 1e-4, "decode_padded": 1e-7, "decode_over_16k": 3e-7,
+                                         "prefill_attention": 1e-9}, META)
+
+
+# ----------------------------------------------------------------------------- the engine
+def _engine(**options) -> EngineCore:
+    clock = VirtualClock()
+    config = EngineConfig.from_options(**options)
+    return EngineCore(config, SimExecutor(MODEL, clock=clock), clock=clock, max_model_len=256)
+
+
+def _state(engine: EngineCore) -> tuple:
+    """Everything a step can change, as plain values."""
+    sched, kv = engine.scheduler, engine.kv
+    pool = kv.pool
+    reqs = [(r.request_id, r.status, r.num_computed_tokens, tuple(r.output_token_ids), r.last_token_time,
+             r.first_token_time, r.first_scheduled_time, r.finished_time, r.num_preemptions)
+            for r in sorted(sched.requests.values(), key=lambda r: r.request_id)]
+    counters = dict(sched.waiting.counters) if isinstance(sched.waiting, FairQueue) else None
+    ex = engine.executor
+    return (sched._step, sched._num_live_tokens, [r.request_id for r in sched.running], reqs,
+            [r.request_id for r in sched.waiting], counters, dict(kv._table_ids), dict(kv._num_cached),
+            # (Of running requests only: a waiting one's hash memo is a cache that planning may fill first.)
+            {r.request_id: tuple(kv._hashes.get(r.request_id, ())) for r in sched.running}, pool.free_block_ids(),
+            {h: b.block_id for h, b in pool._by_hash.items()}, [b.ref_cnt for b in pool.blocks],
+            engine.clock.now(), ex.total_cost, ex.num_steps, ex.last_step_cost)
+
+
+def _request(rng: random.Random, i: int, shared: list[int]) -> Request:
+    prompt = (shared[: rng.choice((0, 8, 16, 24))] if rng.random() < 0.5 else []) + [
+        rng.randrange(1, 999) for _ in range(rng.randint(1, 40))]
+    params = SamplingParams(max_tokens=rng.randint(1, 90), ignore_eos=True, temperature=0.0)
+    return Request(f"r{i}", prompt, params, priority=rng.randint(0, 2), tenant=rng.choice("ab"),
+                   deadline=rng.uniform(0.5, 4.0) if rng.random() < 0.2 else None)
+
+
+ENGINES = {
+    "fcfs": dict(num_kv_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32),
+    "fcfs-tight": dict(num_kv_blocks=30, block_size=4, max_num_seqs=6, max_num_batched_tokens=24),
+    "priority": dict(policy="priority", num_kv_blocks=40, block_size=4, max_num_batched_tokens=24),
+    "fair": dict(policy="fair", num_kv_blocks=48, block_size=4, max_num_seqs=5, tenant_weights=(("a", 3.0),)),
+    "fair-capped": dict(policy="fair", tenant_max_running=2, num_kv_blocks=48, block_size=4),
+    "deadline": dict(policy="deadline", num_kv_blocks=40, block_size=8, max_num_batched_tokens=16),
+    "static": dict(scheduler="static", num_kv_blocks=64, block_size=4, max_num_seqs=4),
+    "unchunked-noprefix": dict(enable_chunked_prefill=False, enable_prefix_caching=False, num_kv_blocks=40,
+                               block_size=2, max_num_batched_tokens=48),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+@pytest.mark.parametrize("seed", [1, 2])
+def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
+    rng = random.Random(seed)
+    ref, ff = _engine(**ENGINES[name]), _engine(**ENGINES[name])
+    shared = [rng.randrange(1, 999) for _ in range(24)]
+    applied = cut = 0
+    for i in range(400):
+        if rng.random() < 0.15:
+            for engine in (ref, ff):
+                with contextlib.suppress(AdmissionError):  # refused by both alike
+                    engine.add_request(_request(random.Random(f"{seed}:{i}"), i, shared))
+        if not ref.has_unfinished_requests():
+            continue
+        stretch = ff.plan_decode_stretch(rng.choice((2, 5, 40)))
+        assert _state(ff) == _state(ref)  # planning changes nothing
+        if stretch is None:
+            assert ff.step() == ref.step()
+            assert ff.last_decoded == ref.last_decoded
+        else:
+            m = rng.choice((0, 1, stretch.num_steps, rng.randint(0, stretch.num_steps)))
+            for _ in range(m):
+                assert ref.step() == []  # a stretch step returns no delta
+                assert ref.last_decoded == stretch.request_ids
+            ff.apply_decode_stretch(stretch, m)
+            applied += m
+            cut += 0 < m < stretch.num_steps
+        assert _state(ff) == _state(ref)
+        ff.scheduler.check_integrity()
+    assert applied > 10 and cut  # the runs are worth comparing
+    assert not ref.has_unfinished_requests() or ref.scheduler._step > 100
+
+
+def test_a_planned_stretch_must_be_applied_first() -> None:
+    engine = _engine(num_kv_blocks=64)
+    engine.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)))
+    engine.step()
+    stretch = engine.plan_decode_stretch(10)
+    assert stretch is not None and stretch.num_steps == 10
+    with pytest.raises(RuntimeError, match="applied"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="applied"):
+        engine.add_request(Request("b", [1], SamplingParams(max_tokens=2)))
+    engine.apply_decode_stretch(stretch, 3)
+    with pytest.raises(RuntimeError, match="planned"):
+        engine.apply_decode_stretch(stretch, 1)
+    assert engine.scheduler.requests["a"].num_output_tokens == 4
+
+
+def test_no_stretch_where_a_step_would_differ() -> None:
+    """The planner's bounds: the finishing step, a stop token, a deadline, logprobs."""
+    engine = _engine(num_kv_blocks=64)
+    engine.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True)))
+    engine.step()  # the first token: 5 to go, the last of which finishes
+    stretch = engine.plan_decode_stretch(100)
+    assert stretch is not None and stretch.num_steps == 4
+    engine.apply_decode_stretch(stretch, 0)
+    tok = engine.executor.token_id
+    for params in (SamplingParams(max_tokens=9, stop_token_ids=(tok,)), SamplingParams(max_tokens=9, logprobs=1)):
+        other = _engine(num_kv_blocks=64)
+        other.add_request(Request("b", [1, 2, 3], params))
+        other.step()
+        assert other.plan_decode_stretch(100) is None
+    late = _engine(num_kv_blocks=64)
+    late.add_request(Request("c", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), deadline=0.05))
+    late.step()
+    stretch = late.plan_decode_stretch(100)
+    assert stretch is not None and stretch.step_ends[-2] < 0.05 <= stretch.step_ends[-1]
+
+
+# ----------------------------------------------------------------------------- pieces
+def test_allocation_counts_match_stepping_by_hand() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        bs = rng.choice((1, 2, 4, 16))
+        starts = [rng.randrange(0, 100) for _ in range(rng.randint(1, 6))]
+        held = [-(-(s + rng.choice((0, 1))) // bs) + rng.choice((0, 0, 1)) for s in starts]
+        steps, budget = rng.randint(1, 60), rng.randint(0, 40)
+        want, room, total = [], [h * bs for h in held], 0
+        for j in range(steps):
+            n = 0
+            for i, s in enumerate(starts):
+                if s + j + 1 > room[i]:
+                    room[i] += bs
+                    n += 1
+            total += n
+            if total > budget:
+                break
+            want.append(n)
+        assert allocation_counts(starts, held, bs, steps, budget) == want
+
+
+def test_fair_share_accounts_decodes_in_bulk_exactly() -> None:
+    reqs = [Request(f"q{i}", [1], tenant=t) for i, t in enumerate("aabca")]
+    bulk, single = FairQueue({"a": 3.0, "b": 0.7}), FairQueue({"a": 3.0, "b": 0.7})
+    for q in (bulk, single):
+        q.counters.update({"a": 0.1, "c": 1e9})
+    bulk.account_decodes(reqs, 37)
+    RequestQueue.account_decodes(single, reqs, 37)  # the definition: one account() per token
+    assert bulk.counters == single.counters and set(bulk.counters) == {"a", "b", "c"}
+
+
+# ----------------------------------------------------------------------------- the simulator
+def _run(workload: Workload, fast_forward: bool, opts: dict, **engine) -> tuple[SimResult, Simulator]:
+    config = EngineConfig.from_options(**{"num_kv_blocks": 2048, **engine})
+    sim = Simulator(config, MODEL, SimOptions(fast_forward=fast_forward, **opts))
+    return sim.run(workload), sim
+
+
+def _chat(n: int, rate: float, seed: int = 1, name: str = "chat") -> Workload:
+    return assign_arrivals(builtin_workload(name, n, seed=seed), "poisson", rate, seed=seed)
+
+
+SIMS = {
+    "chat": (lambda: _chat(300, 6.0), {}, {}),
+    "chat-preempting": (lambda: _chat(200, 20.0), {}, dict(num_kv_blocks=160, max_num_seqs=32)),
+    "shared-prefix": (lambda: _chat(200, 10.0, name="shared-prefix"), {}, {}),
+    "shared-prefix-tight": (lambda: _chat(200, 30.0, name="shared-prefix"), {}, dict(num_kv_blocks=300)),
+    "fair-mixed-tenants": (lambda: _chat(300, 15.0, name="mixed-tenants"), {},
+                           dict(policy="fair", num_kv_blocks=400, tenant_weights=(("alpha", 2.0),))),
+    "priority-deadlines": (lambda: _chat(300, 25.0, name="mixed-tenants"), {}, dict(policy="priority", num_kv_blocks=300)),
+    "deadline-policy": (lambda: _chat(300, 25.0, name="mixed-tenants"), {}, dict(policy="deadline", num_kv_blocks=300)),
+    "round-robin": (lambda: _chat(300, 20.0), dict(replicas=3, router="round-robin"), {}),
+    "least-loaded": (lambda: _chat(300, 20.0), dict(replicas=3, router="least-loaded"), dict(num_kv_blocks=300)),
+    "prefix-affinity": (lambda: _chat(300, 20.0, name="shared-prefix"), dict(replicas=3, router="prefix-affinity"), {}),
+    "closed-loop": (lambda: builtin_workload("chat", 200, seed=2), dict(concurrency=12, closed_loop=True, replicas=2),
+                    dict(num_kv_blocks=400)),
+    "open-loop-capped": (lambda: _chat(200, 40.0), dict(concurrency=10), {}),
+    "static": (lambda: _chat(150, 10.0), {}, dict(scheduler="static", max_num_seqs=8)),
+    "unchunked-noprefix": (lambda: _chat(200, 10.0), {}, dict(enable_chunked_prefill=False, enable_prefix_caching=False,
+                                                            max_num_batched_tokens=2048)),
+    "deadlines-one-by-one": (lambda: Workload("d", tuple(
+        WorkloadRequest(arrival_time=i * 0.3, prompt_tokens=30 + i, output_tokens=60 + 7 * i, deadline=0.2 + 0.05 * i)
+        for i in range(40))), {}, {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIMS))
+def test_simulations_match_with_and_without_fast_forward(name: str) -> None:
+    make, opts, engine = SIMS[name]
+    workload = make()
+    single, _ = _run(workload, False, opts, **engine)
+    fast, sim = _run(workload, True, opts, **engine)
+    assert fast.records == single.records  # every token time, queue time, finish reason
+    assert fast.replicas == single.replicas  # steps, busy time, preemptions, prefix-cache hits
+    assert (fast.steps, fast.virtual_s) == (single.steps, single.virtual_s)
+    assert sim.fast_forwarded_steps > fast.steps // 10  # the fast path carried a fair share
+
+
+def test_the_simulations_reach_what_they_compare() -> None:
+    """Preemptions, prefix hits, deadline expiries and cut stretches all happen somewhere."""
+    seen: Counter[str] = Counter()
+    for name in ("chat-preempting", "shared-prefix", "priority-deadlines", "least-loaded", "deadlines-one-by-one"):
+        make, opts, engine = SIMS[name]
+        res, sim = _run(make(), True, opts, **engine)
+        seen["preemptions"] += sum(r.preemptions for r in res.replicas)
+        seen["prefix_hits"] += sum(r.prefix_cache_hits for r in res.replicas)
+        seen["deadline"] += sum(r.finish_reason == "deadline" for r in res.records)
+        seen["cut"] += sim.stretches_cut
+        seen["ok"] += sum(r.ok for r in res.records)
+    assert all(seen[k] > 0 for k in ("preemptions", "prefix_hits", "deadline", "cut", "ok")), seen
+
+
+def test_a_step_hook_turns_fast_forward_off() -> None:
+    seen = []
+    config = EngineConfig.from_options(num_kv_blocks=512)
+    sim = Simulator(config, MODEL, SimOptions(), on_step=lambda i, core, t: seen.append(t))
+    res = sim.run(_chat(30, 5.0))
+    assert sim.fast_forwarded_steps == 0 and len(seen) == res.steps
