@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+from array import array
 
 import pytest
 from fakes import FakeExecutor, make_engine, make_request, run_until_done
 
 from cadence.errors import AdmissionError
-from cadence.kv.hashing import hash_full_blocks
+from cadence.kv.hashing import hash_block, hash_full_blocks
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, SamplingParams
 from cadence.sched import queue as queues
@@ -89,6 +90,32 @@ def test_only_policies_that_account_for_service_are_called() -> None:
 
 
 # ----------------------------------------------------------------------------- KV manager
+def reference_block_hash(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
+    """The block hash as first written: one SHA-256 update per part."""
+    h = hashlib.sha256()
+    h.update(b"cadence-kv-root" if parent is None else parent)
+    h.update(b"\x00" if salt is None else b"\x01" + len(salt.encode()).to_bytes(4, "little") + salt.encode())
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def test_block_hashes_equal_the_reference() -> None:
+    """hash_full_blocks encodes a prompt once; the digests stay those of one hash per block."""
+    rng = random.Random(5)
+    for _ in range(100):
+        bs = rng.choice((1, 2, 4, 16))
+        tokens = [rng.randrange(0, 2**40) for _ in range(rng.randint(0, 70))]
+        salt = rng.choice((None, "", "tenant-é"))
+        want, parent = [], None
+        for i in range(len(tokens) // bs):
+            parent = reference_block_hash(parent, tokens[i * bs : (i + 1) * bs], salt)
+            want.append(parent)
+        parents = [None, *want[:-1]]
+        assert [hash_block(parents[i], tokens[i * bs : (i + 1) * bs], salt) for i in range(len(want))] == want
+        known = rng.randint(0, len(want))
+        assert hash_full_blocks(tokens, bs, salt, want[:known]) == want
+
+
 def test_block_id_table_follows_growth_hits_and_free() -> None:
     kv = KVCacheManager(32, BS)
     a = make_request(prompt=list(range(1, 11)))

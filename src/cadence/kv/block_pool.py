@@ -87,15 +87,16 @@ class BlockPool:
         """Take `n` blocks from the head of the free queue (ref 1 each), or None if fewer are free."""
         if n < 0:
             raise ValueError("n: must be >= 0")
-        if n > len(self._free):
+        free = self._free
+        if n > len(free):
             return None
+        blocks, by_hash, pop = self.blocks, self._by_hash, free.popitem
         out: list[Block] = []
         for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
+            block = blocks[pop(last=False)[0]]
             if block.block_hash is not None:
                 # Reused for other content: it can no longer answer for this hash.
-                del self._by_hash[block.block_hash]
+                del by_hash[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -131,6 +132,15 @@ class BlockPool:
         block.block_hash = block_hash
         self._by_hash[block_hash] = block
         return True
+
+    def cache_blocks(self, blocks: Iterable[Block], hashes: Iterable[BlockHash]) -> None:
+        """`cache` each block with its hash, in order (a request's newly filled blocks)."""
+        by_hash = self._by_hash
+        for block, block_hash in zip(blocks, hashes, strict=True):
+            assert block.ref_cnt > 0, "only a block in use can be cached"
+            if block.block_hash is None and block_hash not in by_hash:
+                block.block_hash = block_hash
+                by_hash[block_hash] = block
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (e.g. after new weights are loaded); blocks in use are unaffected."""

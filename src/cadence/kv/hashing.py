@@ -17,6 +17,7 @@ BlockHash = bytes  # a SHA-256 digest
 
 # The parent of a request's first block; distinct from any digest (digests are 32 bytes).
 _ROOT = b"cadence-kv-root"
+_sha256 = hashlib.sha256
 
 
 @lru_cache(maxsize=4096)  # one salt per tenant, encoded for every block hashed
@@ -30,12 +31,9 @@ def _encode_salt(salt: str | None) -> bytes:
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
     """SHA-256 over (parent hash, salt, token ids). `parent` is None for a request's first block."""
-    h = hashlib.sha256()
-    h.update(_ROOT if parent is None else parent)
-    h.update(_encode_salt(salt))
     # Fixed-width 64-bit encoding: token lists of different lengths or values cannot alias.
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+    data = array("q", token_ids).tobytes()
+    return _sha256((_ROOT if parent is None else parent) + _encode_salt(salt) + data).digest()
 
 
 def hash_full_blocks(
@@ -51,8 +49,15 @@ def hash_full_blocks(
     if len(known) > num_full:
         raise ValueError("known: more hashes than full blocks")
     hashes = list(known)
-    parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), num_full):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
+    if len(hashes) == num_full:
+        return hashes
+    # hash_block for each block, with the tokens encoded once: a prompt is hashed block by block
+    # at its first prefix lookup, and encoding each block apart took half the time.
+    parent = hashes[-1] if hashes else _ROOT
+    salt_bytes = _encode_salt(salt)
+    data = array("q", token_ids[len(hashes) * block_size : num_full * block_size]).tobytes()
+    width = 8 * block_size
+    for offset in range(0, len(data), width):
+        parent = _sha256(parent + salt_bytes + data[offset : offset + width]).digest()
         hashes.append(parent)
     return hashes

@@ -134,9 +134,19 @@ class KVCacheManager:
         table = self._tables.get(rid)
         if table is not None and computed_blocks is _EMPTY:
             # Fast path, once per running request per step: the table already has room.
-            if request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(table) * self.block_size:
                 return _EMPTY
-        elif computed_blocks and table:
+            # A table growing without a prefix hit (a decode entering a block, a prompt's next
+            # chunk): the general path below, with the terms that are zero here left out.
+            new_blocks = self.pool.allocate(self.num_blocks_needed(num_tokens) - len(table))
+            if new_blocks is None:
+                return None
+            table.extend(new_blocks)
+            new_ids = tuple(b.block_id for b in new_blocks)
+            self._table_ids[rid] = self._table_ids.get(rid, ()) + new_ids
+            return KVBlocks(new_ids)
+        if computed_blocks and table:
             raise ValueError("computed_blocks: only a request without blocks can take a prefix hit")
         hit = [self.pool.blocks[i] for i in computed_blocks.block_ids]
         num_new_blocks, num_reclaimed = self._blocks_to_take(request, num_new_tokens, hit, table)
@@ -195,9 +205,8 @@ class KVCacheManager:
             for i in range(len(hashes), num_full):
                 parent = hash_block(parent, request.token_ids_slice(i * bs, (i + 1) * bs), salt)
                 hashes.append(parent)
-        for i in range(start, num_full):
-            # A duplicate (the same prefix computed twice at once) stays unhashed: harmless.
-            self.pool.cache(table[i], hashes[i])
+        # A duplicate (the same prefix computed twice at once) stays unhashed: harmless.
+        self.pool.cache_blocks(table[start:num_full], hashes[start:num_full])
         self._num_cached[rid] = num_full
 
     def free(self, request: Request, *, keep_hashes: bool = False) -> None:
