@@ -22,8 +22,9 @@ from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError
 from cadence.executor.cost_model import SimExecutor, StepCostModel
 from cadence.request import Request, SamplingParams
+from cadence.sched.output import DecodeBatch, DecodeRun, SchedulerOutput
 from cadence.sched.queue import FairQueue, RequestQueue
-from cadence.sched.stretch import allocation_counts
+from cadence.sched.stretch import blocks_allocated, first_allocations, steps_within
 from cadence.sim.simulator import SimOptions, SimResult, Simulator
 from cadence.workload import Workload, WorkloadRequest, assign_arrivals, builtin_workload
 
@@ -151,25 +152,42 @@ def test_no_stretch_where_a_step_would_differ() -> None:
 
 
 # ----------------------------------------------------------------------------- pieces
-def test_allocation_counts_match_stepping_by_hand() -> None:
+def test_block_counts_match_stepping_by_hand() -> None:
     rng = random.Random(3)
-    for _ in range(200):
+    for _ in range(300):
         bs = rng.choice((1, 2, 4, 16))
         starts = [rng.randrange(0, 100) for _ in range(rng.randint(1, 6))]
         held = [-(-(s + rng.choice((0, 1))) // bs) + rng.choice((0, 0, 1)) for s in starts]
         steps, budget = rng.randint(1, 60), rng.randint(0, 40)
-        want, room, total = [], [h * bs for h in held], 0
+        totals, room, total = [0], [h * bs for h in held], 0  # blocks taken by the first k steps
         for j in range(steps):
-            n = 0
             for i, s in enumerate(starts):
                 if s + j + 1 > room[i]:
                     room[i] += bs
-                    n += 1
-            total += n
-            if total > budget:
-                break
-            want.append(n)
-        assert allocation_counts(starts, held, bs, steps, budget) == want
+                    total += 1
+            totals.append(total)
+        first = first_allocations(starts, held, bs)
+        assert [blocks_allocated(first, bs, k) for k in range(steps + 1)] == totals
+        assert steps_within(first, bs, steps, budget) == max(k for k, t in enumerate(totals) if t <= budget)
+
+
+def test_decode_run_costs_are_what_execute_charges() -> None:
+    """Bit for bit, past every knee, with every weight in play (randomised folded weights)."""
+    rng = random.Random(4)
+    widest = 0
+    for _ in range(30):
+        ex = SimExecutor(MODEL, clock=VirtualClock())
+        ex._w = tuple(rng.uniform(0, 1e-3) for _ in ex._w)
+        n = rng.randint(1, 40)
+        starts = [rng.randrange(0, 4000) for _ in range(n)]
+        run = DecodeRun(n, sum(starts), max(starts), 30)
+        costs = ex.decode_run_costs(run)
+        for j, cost in enumerate(costs):
+            batch = DecodeBatch(request_ids=tuple(f"r{i}" for i in range(n)), start_pos=tuple(s + j for s in starts))
+            ex.execute(SchedulerOutput(step=j, decodes=batch))
+            assert ex.last_step_cost == cost
+        widest = max(widest, n * (max(starts) + 30))
+    assert widest > 65536  # past the last knee
 
 
 def test_fair_share_accounts_decodes_in_bulk_exactly() -> None:

@@ -9,7 +9,9 @@ engine runs this in a background thread and calls `add_request` / `abort_request
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from collections.abc import Iterable
+from itertools import accumulate
 
 from cadence.clock import Clock, RealClock
 from cadence.config import EngineConfig
@@ -186,17 +188,14 @@ class EngineCore:
         if stretch is None:
             return None
         costs = self.executor.decode_run_costs(stretch.run)  # type: ignore[attr-defined]
-        ends: list[float] = []
-        t = now
-        for cost in costs:
-            if t >= stretch.not_after:
-                break
-            t += cost  # as the clock advances by each step's cost
-            ends.append(t)
-        if len(ends) < 2:
+        # Clock readings at each step's start, then after the last: one addition per step, as the
+        # clock advances by each cost. Steps that would start at or after the deadline are dropped.
+        times = list(accumulate(costs, initial=now))
+        num_steps = bisect_left(times, stretch.not_after, 0, len(costs))
+        if num_steps < 2:
             return None
-        stretch.num_steps, stretch.start_time = len(ends), now
-        stretch.costs, stretch.step_ends = costs[: len(ends)], ends
+        stretch.num_steps, stretch.start_time = num_steps, now
+        stretch.costs, stretch.step_ends = costs[:num_steps], times[1 : num_steps + 1]
         self._stretch = stretch
         return stretch
 

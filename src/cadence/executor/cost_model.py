@@ -18,6 +18,8 @@ import platform
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
+from operator import add
 from pathlib import Path
 from typing import Any
 
@@ -361,21 +363,31 @@ class SimExecutor:
         """What `execute` would charge for each step of `run`, in order (charges nothing).
 
         Step j decodes `run.num_seqs` rows, each at its first step's position plus j: the features
-        of `execute`'s batch path, summed from the run's totals instead of read off the columns."""
-        n, cost = run.num_seqs, self._cost
-        dc = run.start_sum + n  # keys read by the first step: every row's context is its start + 1
-        dmax = run.start_max + 1
-        out = []
-        for _ in range(run.num_steps):
-            out.append(cost(0, 0, n, n, dc, n * dmax, 0))
-            dc += n
-            dmax += 1
-        return out
+        of `execute`'s batch path, from the run's totals instead of the columns, for all steps at
+        once. Each cost is `_cost(0, 0, n, n, dc, pad, 0)`: the same additions in the same order,
+        element by element (numpy neither reorders nor fuses them), so the same rounding."""
+        w, n = self._w, run.num_seqs
+        head = w[0] + w[1] * 0 + w[2] * 0 + w[3] * n + w[4] * n  # the terms no step changes
+        step = np.arange(run.num_steps, dtype=np.int64)
+        dc = run.start_sum + n + n * step  # keys read: every row's context is its position + 1
+        pad = n * (run.start_max + 1 + step)
+        cost = head + w[5] * dc + w[6] * pad + w[10] * 0
+        knee = pad > _K1
+        if knee.any():  # the hinges (see KNEES)
+            hinge = w[7] * (pad - _K1) + w[8] * np.maximum(0, pad - _K2) + w[9] * np.maximum(0, pad - _K3)
+            cost = np.where(knee, cost + hinge, cost)
+        return np.maximum(cost, self._min_cost).tolist()
 
     def charge_decode_run(self, costs: Sequence[float]) -> None:
-        """The first steps of a decode run ran (`decode_run_costs`' leading `costs`): charge each in turn."""
-        for cost in costs:
-            self._charge(cost)
+        """The first steps of a decode run ran (`decode_run_costs`' leading `costs`): charge them
+        as that many `execute` calls would, one addition at a time."""
+        if not costs:
+            return
+        self.last_step_cost = costs[-1]
+        self.total_cost = reduce(add, costs, self.total_cost)
+        self.num_steps += len(costs)
+        if self.clock is not None:
+            self.clock.advance_to(reduce(add, costs, self.clock.now()))
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from cadence.sched.output import (
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
 from cadence.sched.records import decode_batch, final_delta, finished_stats, scheduled_request, token_delta
-from cadence.sched.stretch import DecodeStretch, allocation_counts, steps_within
+from cadence.sched.stretch import DecodeStretch, blocks_allocated, first_allocations, steps_within
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -343,20 +343,20 @@ class Scheduler:
         kv = self.kv
         tables = kv.block_tables
         starts = tuple(r.num_computed_tokens for r in running)
-        held = [len(tables.get(r.request_id, ())) for r in running]
+        bs = kv.block_size
+        first = first_allocations(starts, [len(tables.get(r.request_id, ())) for r in running], bs)
         # Steps the free blocks last (nothing is freed in a stretch); a step short of blocks preempts.
-        counts = allocation_counts(starts, held, kv.block_size, num_steps, kv.num_free_blocks)
-        if len(counts) < 2:
+        num_steps = steps_within(first, bs, num_steps, kv.num_free_blocks)
+        if num_steps < 2:
             return None
         if self.waiting and not self._static:  # (a static batch admits only when it is empty)
-            limits = self._waiting_limits(starts, counts)
+            limits = self._waiting_limits(starts, first, num_steps)
             if limits is None:
                 return None
-            num_blocks, num_steps = limits
-            counts = counts[: steps_within(counts[:num_steps], num_blocks)]
-            if len(counts) < 2:
+            num_steps = steps_within(first, bs, limits[1], limits[0])
+            if num_steps < 2:
                 return None
-        return DecodeStretch(self._step, tuple(running), starts, token, len(counts), not_after)
+        return DecodeStretch(self._step, tuple(running), starts, first, token, num_steps, not_after)
 
     def _decode_steps_left(self, token: int, max_steps: int) -> int:
         """Steps (up to `max_steps`) in which every running request decodes and goes on; 0 unless
@@ -374,12 +374,13 @@ class Scheduler:
             steps = min(steps, sp.max_tokens - len(outputs) - 1, max_len - start - 2)
         return steps
 
-    def _waiting_limits(self, starts: tuple[int, ...], counts: list[int]) -> tuple[float, int] | None:
-        """With requests waiting: (blocks, steps) a stretch of the steps whose allocations `counts`
-        gives may take while the waiting loop gives up on the same request for the same reason
-        every step (see sched/stretch.py); None if the first step would admit it or preempt for it."""
+    def _waiting_limits(self, starts: tuple[int, ...], first: list[int], num_steps: int) -> tuple[float, int] | None:
+        """With requests waiting: (blocks, steps) a stretch of up to `num_steps` steps may take
+        while the waiting loop gives up on the same request for the same reason every step (see
+        sched/stretch.py); None if the first step would admit it or preempt for it. `first`: each
+        running request's first allocation step."""
         cfg, running = self.config, self.running
-        none = math.inf, len(counts)  # no limit
+        none = math.inf, num_steps  # no limit
         budget = cfg.max_num_batched_tokens - len(running)
         if budget <= 0:
             return none  # the loop never looks
@@ -393,24 +394,26 @@ class Scheduler:
         if len(running) >= cfg.max_num_seqs:
             return none  # no seat, and none will be taken from a running request
         kv = self.kv
+        bs = kv.block_size
         computed, num_cached = kv.get_computed_blocks(head)
         n = self._chunk(head, num_cached, budget)  # (no partial prefill runs beside a stretch)
-        if n and kv.blocks_to_take(head, n, computed) <= kv.num_free_blocks - counts[0]:
+        if n and kv.blocks_to_take(head, n, computed) <= kv.num_free_blocks - blocks_allocated(first, bs, 1):
             return None  # the first step admits it
-        return self._hit_limits(head, computed.block_ids, starts, counts)
+        return self._hit_limits(head, computed.block_ids, starts, num_steps, blocks_allocated(first, bs, num_steps))
 
-    def _hit_limits(self, head: Request, hit: tuple[int, ...], starts: tuple[int, ...],
-                    counts: list[int]) -> tuple[float, int]:
+    def _hit_limits(self, head: Request, hit: tuple[int, ...], starts: tuple[int, ...], num_steps: int,
+                    num_blocks: int) -> tuple[float, int]:
         """(blocks, steps) before `head`'s prefix-cache hit (`hit`, its first blocks) could change: an
         allocation evicting a hit block from the free queue, or a running request publishing the
-        block that the hit would continue with (it could be the same content)."""
+        block that the hit would continue with (it could be the same content). The stretch
+        would have `num_steps` steps taking `num_blocks` blocks."""
         kv = self.kv
-        steps = len(counts)
+        steps = num_steps
         if not kv.enable_prefix_caching:
             return math.inf, steps
         pool = kv.pool
         free_hits = {b for b in hit if pool.blocks[b].ref_cnt == 0}
-        blocks: float = pool.free_rank(free_hits, sum(counts) + 1) if free_hits else math.inf
+        blocks: float = pool.free_rank(free_hits, num_blocks + 1) if free_hits else math.inf
         bs = kv.block_size
         if len(hit) < (head.num_tokens - 1) // bs:  # the hit could still grow
             last = (len(hit) + 1) * bs - 1  # the position whose decode fills block len(hit)
@@ -430,7 +433,7 @@ class Scheduler:
         tokens = [stretch.token] * num_steps
         for req in reqs:
             req.output_token_ids.extend(tokens)  # first: the blocks published below hash them
-        self._stretch_blocks(reqs, starts, num_steps)
+        self._stretch_blocks(stretch, num_steps)
         end = stretch.step_ends[num_steps - 1]
         for req, start in zip(reqs, starts, strict=True):
             req.num_computed_tokens = start + num_steps
@@ -450,27 +453,30 @@ class Scheduler:
         stats.num_generation_tokens += num_tokens
         self._close_stats()
 
-    def _stretch_blocks(self, reqs: tuple[Request, ...], starts: tuple[int, ...], num_steps: int) -> None:
+    def _stretch_blocks(self, stretch: DecodeStretch, num_steps: int) -> None:
         """The block operations of a stretch's first `num_steps` steps, in single-step order: each step
         allocates for the rows entering a new block, then publishes the blocks rows filled, both in
-        scheduling order. Rows are grouped by position within a block, so a step visits only the
-        rows at a boundary."""
+        scheduling order. Only those events are visited (one per row every `block_size` steps)."""
         kv = self.kv
         bs = kv.block_size
-        by_offset: list[list[int]] = [[] for _ in range(bs)]
-        for i, start in enumerate(starts):
-            by_offset[start % bs].append(i)
+        reqs, starts = stretch.requests, stretch.starts
+        events: list[tuple[int, int, int]] = []  # (step, 0 allocate | 1 publish, row)
+        for i, first in enumerate(stretch.first_allocations):
+            events += [(j, 0, i) for j in range(first, num_steps, bs)]
+        if kv.enable_prefix_caching:  # (publishing is a no-op otherwise)
+            for i, start in enumerate(starts):
+                events += [(j, 1, i) for j in range((-start - 1) % bs, num_steps, bs)]  # start + j + 1 fills a block
+        events.sort()
         allocate, publish = kv.allocate_slots, kv.cache_computed_blocks
-        for j in range(num_steps):
-            for i in by_offset[-j % bs]:  # position starts[i] + j begins a block
-                req = reqs[i]
+        for j, kind, i in events:
+            req = reqs[i]
+            if kind:
+                req.num_computed_tokens = starts[i] + j + 1
+                publish(req)
+            else:
                 req.num_computed_tokens = starts[i] + j
                 if allocate(req, 1) is None:
                     raise AssertionError(f"{req.request_id}: the stretch ran out of blocks")
-            for i in by_offset[(-j - 1) % bs]:  # position starts[i] + j ends one
-                req = reqs[i]
-                req.num_computed_tokens = starts[i] + j + 1
-                publish(req)
 
     # ------------------------------------------------------------------ results
     def update(self, out: SchedulerOutput, model_output: ModelOutput, now: float) -> list[RequestDelta]:

@@ -46,6 +46,7 @@ class DecodeStretch:
     step: int  # the scheduler's step count when planned (the stretch's first step is step + 1)
     requests: tuple[Request, ...]  # the running requests, in scheduling order
     starts: tuple[int, ...]  # each one's computed tokens before the first step
+    first_allocations: list[int]  # the step at which each one first takes a block (first_allocations)
     token: int  # what every decode samples
     num_steps: int  # steps planned; the engine core may cut them at a deadline
     not_after: float  # the earliest pending deadline: no step of the stretch may start at or after it
@@ -62,33 +63,26 @@ class DecodeStretch:
         return [r.request_id for r in self.requests]
 
 
-def allocation_counts(starts: Sequence[int], blocks_held: Sequence[int], block_size: int, num_steps: int,
-                      max_blocks: int) -> list[int]:
-    """Blocks each decode step allocates, for the leading steps (at most `num_steps`) that together
-    take at most `max_blocks`: a row whose position (its start plus the step) is the first past
-    the blocks it holds takes one, and another every `block_size` steps. Its length is the number
-    of steps the blocks allow; the work is a few operations per step and per allocation."""
-    first: list[list[int]] = [[] for _ in range(block_size)]  # first allocation step of each row, by step mod size
-    for start, held in zip(starts, blocks_held, strict=True):
-        j = held * block_size - start
-        first[j % block_size].append(j)
-    counts: list[int] = []
-    total = 0
-    for j in range(num_steps):
-        rows = first[j % block_size]
-        n = sum(1 for k in rows if k <= j) if rows else 0
-        total += n
-        if total > max_blocks:
-            break
-        counts.append(n)
-    return counts
+def first_allocations(starts: Sequence[int], blocks_held: Sequence[int], block_size: int) -> list[int]:
+    """The step at which each decode row first takes a block: when its position (its start plus
+    the step) is the first past the blocks it holds. It takes another every `block_size` steps."""
+    return [held * block_size - start for start, held in zip(starts, blocks_held, strict=True)]
 
 
-def steps_within(counts: Sequence[int], num_blocks: float) -> int:
-    """Leading steps whose allocations, together, take no more than `num_blocks` blocks."""
-    total = 0
-    for j, n in enumerate(counts):
-        total += n
-        if total > num_blocks:
-            return j
-    return len(counts)
+def blocks_allocated(first: Sequence[int], block_size: int, num_steps: int) -> int:
+    """Blocks the first `num_steps` steps take together (`first`: `first_allocations`)."""
+    return sum((num_steps - 1 - j) // block_size + 1 for j in first if j < num_steps)
+
+
+def steps_within(first: Sequence[int], block_size: int, num_steps: int, num_blocks: float) -> int:
+    """The most leading steps, up to `num_steps`, whose allocations together take at most `num_blocks`."""
+    if blocks_allocated(first, block_size, num_steps) <= num_blocks:
+        return num_steps
+    lo, hi = 0, num_steps  # lo steps fit, hi do not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if blocks_allocated(first, block_size, mid) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -22,6 +22,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import reduce
+from operator import add, sub
 from typing import Any
 
 from cadence.bench.report import RequestRecord
@@ -317,14 +319,12 @@ class Simulator:
         st.steps += m
         self._steps += m
         self.fast_forwarded_steps += m
-        t0, t_before, busy = self._t0, stretch.start_time, st.busy_s
-        rels = []
-        for t in stretch.step_ends[:m]:
-            busy += t - t_before  # step by step: the same sums as one step at a time
-            t_before = t
-            rels.append(t - t0)
-        st.busy_s = busy
-        rep.last_end = t_before
+        ends = stretch.step_ends[:m]
+        # Each step's time added in turn: the same sum as stepping one at a time.
+        st.busy_s = reduce(add, map(sub, ends, [stretch.start_time, *ends[:-1]]), st.busy_s)
+        rep.last_end = ends[-1]
+        t0 = self._t0
+        rels = [t - t0 for t in ends]
         times = self._times
         for rid in stretch.request_ids:
             times[rid].extend(rels)
