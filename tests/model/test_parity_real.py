@@ -213,6 +213,7 @@ def test_q4_1_kernels_stay_close_and_batch_invariant(ref: Reference):
     assert ref.ckpt.q4_1, "the default GGUF is Q4_1: the loader must keep its blocks"
     runner = ModelRunner(ref.ckpt.arch, ref.ckpt.weights, dtype=torch.bfloat16, q4_1=ref.ckpt.q4_1)
     assert runner.model.layers[0].gate_up.q4_1 is not None
+    assert runner.model.fused_decode is not None  # decode-only steps below run in one kernel call
     runner.initialize_kv_cache(160, BLOCK)
     prompt = ref.prompts[1]
     logits = one_step(runner, "q", prompt, 0, range(8))

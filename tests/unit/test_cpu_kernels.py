@@ -20,6 +20,10 @@ from cadence.executor.model_runner import ModelRunner
 from cadence.model import cpu_kernels as ck
 from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan, paged_attention
 from cadence.model.llama import Linear, apply_rope_, rope_tables
+from cadence.request import SamplingParams
+from cadence.sched.output import ScheduledRequest, SchedulerOutput
+
+GREEDY_SP = SamplingParams(temperature=0.0, max_tokens=64)
 
 CAN_BUILD = ck._cpu_has_avx512_bf16() and (shutil.which("cc") or shutil.which("gcc")) is not None
 needs_kernels = pytest.mark.skipif(not CAN_BUILD, reason="CPU without AVX512-BF16 or no C compiler: torch ops run")
@@ -271,3 +275,69 @@ def test_rope_positions_checked_before_the_kernel_reads_the_table(kernels):
     rope(qkv, 6)
     with pytest.raises(ValueError, match="beyond the RoPE table"):
         model._rope_for(torch.tensor([0, model.cos.shape[0]]))
+
+
+def _fused_pair(q4: bool, bias: bool) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners on the same random model (head_dim 32, so the decode kernel applies): one with
+    all-decode steps in one `decode_layers` call, one layer by layer in Python."""
+    from dataclasses import replace
+
+    from cadence.engine.builder import random_weights
+    from cadence.model.arch import ModelArchConfig
+
+    arch = ModelArchConfig(architecture="qwen2" if bias else "llama", vocab_size=300, hidden_size=128,
+                           intermediate_size=160, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
+                           rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True,
+                           attention_bias=bias, rms_norm_eps=1e-6)
+    weights = random_weights(replace(arch), seed=11)
+    g = torch.Generator().manual_seed(12)
+    for name in list(weights):
+        if "norm" in name:
+            weights[name] = 1.0 + 0.2 * torch.randn(weights[name].shape, generator=g)
+    if bias:
+        for i in range(arch.num_layers):
+            for part, rows in (("q", 128), ("k", 64), ("v", 64)):
+                weights[f"model.layers.{i}.self_attn.{part}_proj.bias"] = 0.3 * torch.randn(rows, generator=g)
+    q4_1 = {}
+    if q4:
+        for name, w in weights.items():
+            if name.endswith("proj.weight"):
+                raw, exact = q4_1_matrix(*w.shape, seed=len(q4_1))
+                q4_1[name], weights[name] = raw, exact.float()
+    runners = tuple(ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1) for _ in range(2))
+    assert runners[0].model.fused_decode is not None
+    if q4:
+        assert runners[0].model.layers[0].down.q4_1 is not None
+    runners[1].model.fused_decode = None
+    for r in runners:
+        r.initialize_kv_cache(64, 4)
+    return runners  # type: ignore[return-value]
+
+
+@needs_kernels
+@pytest.mark.parametrize("q4,bias", [(False, False), (True, False), (False, True)])
+def test_decode_layers_in_one_call_bit_identical(kernels, q4, bias, monkeypatch):
+    """Ragged contexts in shuffled blocks: a prefill step (layer by layer in both), then decode steps
+    (one call in the first runner): every step's logits and the whole KV cache identical, bit for bit."""
+    fused, plain = _fused_pair(q4, bias)
+    calls = []
+    real = fused.model.kernels.decode_layers
+    monkeypatch.setattr(fused.model.kernels, "decode_layers", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rng = random.Random(13)
+    free = rng.sample(range(64), 64)
+    reqs = {f"r{i}": ([rng.randrange(300) for _ in range(n)], []) for i, n in enumerate((3, 9, 17, 1, 6))}
+    for tokens, table in reqs.values():
+        table.extend(free.pop() for _ in range(-(-(len(tokens) + 12) // 4)))
+    pos = dict.fromkeys(reqs, 0)
+    for step in range(12):
+        scheduled = tuple(
+            ScheduledRequest(rid, tuple(tokens[pos[rid]:]), pos[rid], tuple(table), True, GREEDY_SP)
+            for rid, (tokens, table) in reqs.items())
+        got = fused.compute_logits(SchedulerOutput(step, scheduled))
+        want = plain.compute_logits(SchedulerOutput(step, scheduled))
+        for rid, (tokens, _) in reqs.items():
+            assert torch.equal(got[rid], want[rid]), f"step {step}, {rid}"
+            pos[rid] = len(tokens)
+            tokens.append(int(got[rid].argmax()))
+    assert torch.equal(fused.kv_cache.kv, plain.kv_cache.kv)
+    assert len(calls) == 11  # every step after the prefill, in the fused runner only

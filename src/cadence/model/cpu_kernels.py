@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -45,6 +46,7 @@ _SIGNATURES = {
     "cadence_pack": [_P, _P, _I64, _I64],
     "cadence_linear": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "cadence_pack_q4_1": [_P, _P, _I64, _I64],
+    "cadence_decode_layers": [_P] * 15 + [_I64, _P] + [_I64] * 10 + [_F32, _F32, _INT],
     "cadence_linear_q4_1": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "cadence_add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _INT],
     "cadence_silu_mul": [_P, _P, _I64, _I64, _INT],
@@ -53,6 +55,27 @@ _SIGNATURES = {
                                  _I64, _INT],
 }
 MAX_GROUP, MAX_HEAD_DIM = 8, 256  # the decode attention kernel's limits (MAX_GROUP, MAX_DIM in the C)
+
+
+@dataclass(frozen=True)
+class DecodeLayers:
+    """A model's decoder layers as `decode_layers` reads them: per layer the addresses of its input
+    norm, post norm, qkv, qkv bias (0: none), o, gate-up and down weights (`DL_*` in the C), and each
+    linear's kind (0: `pack`'s bfloat16 layout, 1: `pack_q4_1`'s). `keep` holds the tensors those
+    addresses point into, so they live as long as this does."""
+
+    pointers: torch.Tensor  # [layers, 7] int64
+    kinds: torch.Tensor  # [layers, 4] int64
+    cos: torch.Tensor  # RoPE tables, float32 [P, D]
+    sin: torch.Tensor
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    keep: tuple[torch.Tensor, ...]
 
 
 def _bf16_rows(x: torch.Tensor) -> bool:
@@ -68,6 +91,7 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
         lib.cadence_linear_q4_1.restype = ctypes.c_int
+        lib.cadence_decode_layers.restype = ctypes.c_int
         self._pack = lib.cadence_pack
         self._linear = lib.cadence_linear
         self._pack_q4_1 = lib.cadence_pack_q4_1
@@ -76,6 +100,7 @@ class CpuKernels:
         self._silu_mul = lib.cadence_silu_mul
         self._rope = lib.cadence_rope
         self._decode_attention = lib.cadence_decode_attention
+        self._decode_layers = lib.cadence_decode_layers
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -182,6 +207,34 @@ class CpuKernels:
                                lens.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, num_blocks, d**-0.5, total_len,
                                torch.get_num_threads())
         return out
+
+    def decode_layers(self, x: torch.Tensor, layers: DecodeLayers, cache: torch.Tensor, slots: torch.Tensor,
+                      positions: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, total_len: int) -> torch.Tensor:
+        """Every decoder layer of an all-decode step in one call (kernels/cpu_bf16.c,
+        `cadence_decode_layers`): x [T, E] (embedded tokens) becomes the residual stream in place;
+        returns the last layer's MLP output [T, E], for the caller to add. cache: the whole paged
+        cache [layers, 2, KVH, num_blocks, block_size, D]; slots, positions, tables, lens: int64, as
+        `decode_attention` and the runner's metadata have them (checked by the runner)."""
+        t, e = x.shape
+        assert _bf16_rows(x) and e == layers.hidden and cache.is_contiguous() and cache.dtype == torch.bfloat16
+        assert cache.shape[0] == layers.num_layers and tuple(cache.shape[1:3]) == (2, layers.kv_heads)
+        for v in (slots, positions, lens):
+            assert v.dtype == torch.int64 and v.is_contiguous() and v.shape == (t,)
+        assert tables.dtype == torch.int64 and tables.is_contiguous() and tables.shape[0] == t
+        d, f, h, kvh = layers.head_dim, layers.intermediate, layers.heads, layers.kv_heads
+        hid, delta = torch.empty(t, e, dtype=torch.bfloat16), torch.empty(t, e, dtype=torch.bfloat16)
+        qkv = torch.empty(t, (h + 2 * kvh) * d, dtype=torch.bfloat16)
+        attn = torch.empty(t, h * d, dtype=torch.bfloat16)
+        gu, act = torch.empty(t, 2 * f, dtype=torch.bfloat16), torch.empty(t, f, dtype=torch.bfloat16)
+        rc = self._decode_layers(
+            x.data_ptr(), hid.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(), act.data_ptr(),
+            delta.data_ptr(), layers.pointers.data_ptr(), layers.kinds.data_ptr(), cache.data_ptr(),
+            slots.data_ptr(), positions.data_ptr(), layers.cos.data_ptr(), layers.sin.data_ptr(), tables.data_ptr(),
+            tables.shape[1], lens.data_ptr(), total_len, t, layers.num_layers, e, h, kvh, d, f, cache.shape[4],
+            cache.shape[3], layers.eps, d**-0.5, torch.get_num_threads())
+        if rc:
+            raise MemoryError("decode_layers: a kernel could not allocate its buffer")
+        return delta
 
 
 @cache

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from cadence.model.arch import ModelArchConfig
-from cadence.model.attention import AttentionMetadata, PagedKVCache, paged_attention
-from cadence.model.cpu_kernels import CpuKernels, cpu_kernels, q4_1_kernels_enabled
+from cadence.model.attention import AttentionMetadata, PagedDecode, PagedKVCache, paged_attention
+from cadence.model.cpu_kernels import CpuKernels, DecodeLayers, cpu_kernels, q4_1_kernels_enabled
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks
@@ -221,6 +221,8 @@ class LlamaModel:
         self.decode_kernels = self.kernels if self.kernels is not None and CpuKernels.supports_decode_attention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim) else None
         self.q_size = arch.num_heads * arch.head_dim
+        # All-decode steps run every layer in one kernel call (same kernels, same order, same bits).
+        self.fused_decode = self._fused_decode_layers() if self.decode_kernels is not None else None
 
     def forward(
         self,
@@ -237,6 +239,8 @@ class LlamaModel:
 
     def hidden_states(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache) -> torch.Tensor:
         """Run every decoder layer over the flat batch. [T] -> [T, E] (before the final norm)."""
+        if self.fused_decode is not None and _all_decode(meta, input_ids.shape[0]):
+            return self._decode_step(input_ids, meta, kv_cache)
         rope = self._rope_for(meta.positions)
         x = F.embedding(input_ids, self.embed)  # [T, E]
         h = self._add_norm(x, None, self.layers[0].input_norm)
@@ -248,6 +252,40 @@ class LlamaModel:
             else:
                 x += self._mlp(h, layer)
         return x
+
+    def _decode_step(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache) -> torch.Tensor:
+        """`hidden_states` of a step of single-token rows, through `CpuKernels.decode_layers`."""
+        assert self.kernels is not None and self.fused_decode is not None
+        self._rope_for(meta.positions)  # the positions' bounds check
+        d = meta.decodes[0]
+        assert isinstance(d, PagedDecode)
+        x = F.embedding(input_ids, self.embed)  # [T, E]
+        x += self.kernels.decode_layers(x, self.fused_decode, kv_cache.kv, meta.slot_mapping, meta.positions,
+                                        d.tables, d.lens, d.total_len)
+        return x
+
+    def _fused_decode_layers(self) -> DecodeLayers | None:
+        """The layers' addresses for `decode_layers`; None where a layer is not all on the kernels."""
+        pointers, kinds, keep = [], [], []
+        for layer in self.layers:
+            row = [layer.input_norm, layer.post_norm]
+            kind = []
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                weight = lin.q4_1 if lin.q4_1 is not None else lin.packed if lin.kernel is not None else None
+                if weight is None or (lin is not layer.qkv and lin.kernel_bias is not None):
+                    return None
+                kind.append(1 if lin.q4_1 is not None else 0)
+                row.append(weight)
+            row.insert(3, layer.qkv.kernel_bias)  # after qkv: DL_QKV_BIAS
+            if any(t is not None and not t.is_contiguous() for t in row):
+                return None
+            pointers.append([0 if t is None else t.data_ptr() for t in row])
+            kinds.append(kind)
+            keep.extend(t for t in row if t is not None)
+        a = self.arch
+        return DecodeLayers(torch.tensor(pointers, dtype=torch.int64), torch.tensor(kinds, dtype=torch.int64),
+                            self.cos, self.sin, a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads,
+                            a.head_dim, a.intermediate_size, a.rms_norm_eps, tuple(keep))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, E] -> [S, V] float32: the sampler always works in float32."""
@@ -302,3 +340,9 @@ class LlamaModel:
             return layer.down(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
         return layer.down(F.silu(gate) * up)  # SwiGLU, [T, E]
+
+
+def _all_decode(meta: AttentionMetadata, num_rows: int) -> bool:
+    """Every row of the step a single-token decode, all read by the paged decode kernel."""
+    return (not meta.prefills and len(meta.decodes) == 1 and isinstance(meta.decodes[0], PagedDecode)
+            and meta.decodes[0].num_rows == num_rows)
