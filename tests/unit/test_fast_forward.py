@@ -87,7 +87,7 @@ def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
     rng = random.Random(seed)
     ref, ff = _engine(**ENGINES[name]), _engine(**ENGINES[name])
     shared = [rng.randrange(1, 999) for _ in range(24)]
-    applied = cut = 0
+    applied = cut = finished = 0
     for i in range(400):
         if rng.random() < 0.15:
             for engine in (ref, ff):
@@ -101,16 +101,18 @@ def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
             assert ff.step() == ref.step()
             assert ff.last_decoded == ref.last_decoded
         else:
-            m = rng.choice((0, 1, stretch.num_steps, rng.randint(0, stretch.num_steps)))
-            for _ in range(m):
-                assert ref.step() == []  # a stretch step returns no delta
-                assert ref.last_decoded == stretch.request_ids
-            ff.apply_decode_stretch(stretch, m)
+            m = rng.choice((0, 1, stretch.num_steps, stretch.num_steps, rng.randint(0, stretch.num_steps)))
+            deltas = [ref.step() for _ in range(m)]
+            assert ff.apply_decode_stretch(stretch, m) == (deltas[-1] if m else [])
+            assert all(not d for d in deltas[:-1])  # only the last step may finish requests
+            if m:
+                assert ff.last_decoded == ref.last_decoded
+                finished += len(deltas[-1])
             applied += m
             cut += 0 < m < stretch.num_steps
         assert _state(ff) == _state(ref)
         ff.scheduler.check_integrity()
-    assert applied > 10 and cut  # the runs are worth comparing
+    assert applied > 10 and cut and finished  # the runs are worth comparing
     assert not ref.has_unfinished_requests() or ref.scheduler._step > 100
 
 
@@ -131,13 +133,15 @@ def test_a_planned_stretch_must_be_applied_first() -> None:
 
 
 def test_no_stretch_where_a_step_would_differ() -> None:
-    """The planner's bounds: the finishing step, a stop token, a deadline, logprobs."""
+    """The planner's bounds: the finishing step (the last), a stop token, a deadline, logprobs."""
     engine = _engine(num_kv_blocks=64)
     engine.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True)))
     engine.step()  # the first token: 5 to go, the last of which finishes
     stretch = engine.plan_decode_stretch(100)
-    assert stretch is not None and stretch.num_steps == 4
-    engine.apply_decode_stretch(stretch, 0)
+    assert stretch is not None and stretch.num_steps == 5 and stretch.finishes
+    (done,) = engine.apply_decode_stretch(stretch, 5)
+    assert done.finish_reason == "length" and done.new_token_ids == (engine.executor.token_id,)
+    assert not engine.has_unfinished_requests() and engine.last_decoded == []
     tok = engine.executor.token_id
     for params in (SamplingParams(max_tokens=9, stop_token_ids=(tok,)), SamplingParams(max_tokens=9, logprobs=1)):
         other = _engine(num_kv_blocks=64)

@@ -199,25 +199,27 @@ class EngineCore:
         self._stretch = stretch
         return stretch
 
-    def apply_decode_stretch(self, stretch: DecodeStretch, num_steps: int) -> None:
+    def apply_decode_stretch(self, stretch: DecodeStretch, num_steps: int) -> list[RequestDelta]:
         """Run the first `num_steps` steps of the stretch just planned (0 drops it): the same state
-        as that many `step` calls, which would each have returned no delta. `last_decoded` lists the
-        stretch's requests, and `last_stats` sums its steps (see `Scheduler.apply_decode_stretch`)."""
+        as that many `step` calls. Returns what the last of them would have: the final deltas of
+        the requests it finishes (only the stretch's last step finishes any); `last_decoded` lists
+        the requests that went on, and `last_stats` sums the steps (see `Scheduler.apply_decode_stretch`)."""
         if stretch is not self._stretch:
             raise RuntimeError("not the decode stretch planned last on this core")
         self._stretch = None
         if not num_steps:
-            return
+            return []
         self.executor.charge_decode_run(stretch.costs[:num_steps])  # type: ignore[attr-defined]
         end = stretch.step_ends[num_steps - 1]
         assert self.clock.now() == end, "the clock did not follow the planned step costs"
         sched = self.scheduler
-        sched.apply_decode_stretch(stretch, num_steps)
+        deltas = sched.apply_decode_stretch(stretch, num_steps)
         self.last_stats = sched.last_iteration_stats
         self.last_stats.step_time = end - stretch.start_time
         self.scheduler_stats = sched.stats()
         if self.check_integrity:
             sched.check_integrity()
+        return deltas
 
     def _check_no_stretch(self) -> None:
         if self._stretch is not None:

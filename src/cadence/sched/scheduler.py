@@ -337,7 +337,9 @@ class Scheduler:
         if not running or len(running) > self.config.max_num_batched_tokens or self._pending_deltas:
             return None  # with more running requests than the token budget, some wait their turn
         not_after = self._deadlines[0][0] if self._deadlines else math.inf
-        num_steps = self._decode_steps_left(token, max_steps) if now < not_after else 0
+        # The steps in which every request goes on, then the step in which the first ones finish.
+        finish_step = self._decode_steps_left(token, max_steps) if now < not_after else -1
+        num_steps = min(finish_step + 1, max_steps)
         if num_steps < 2:
             return None
         kv = self.kv
@@ -356,10 +358,10 @@ class Scheduler:
             num_steps = steps_within(first, bs, limits[1], limits[0])
             if num_steps < 2:
                 return None
-        return DecodeStretch(self._step, tuple(running), starts, first, token, num_steps, not_after)
+        return DecodeStretch(self._step, tuple(running), starts, first, token, num_steps, not_after, finish_step)
 
     def _decode_steps_left(self, token: int, max_steps: int) -> int:
-        """Steps (up to `max_steps`) in which every running request decodes and goes on; 0 unless
+        """Steps (up to `max_steps`) in which every running request decodes and goes on; -1 unless
         each is a plain decode that `token` does not stop."""
         steps = max_steps
         max_len = self.max_model_len
@@ -369,7 +371,7 @@ class Scheduler:
             sp = req.sampling_params
             if (not outputs or start != len(req.prompt_token_ids) + len(outputs) - 1 or not sp.plain_decode
                     or req.last_token_time is None or token in req.eos_token_ids or token in sp.stop_token_ids):
-                return 0
+                return -1
             # Step j appends output len(outputs) + j + 1 at context start + j + 2 (see _update_decodes).
             steps = min(steps, sp.max_tokens - len(outputs) - 1, max_len - start - 2)
         return steps
@@ -422,11 +424,13 @@ class Scheduler:
                     steps = min(steps, last - start + 1)
         return blocks, steps
 
-    def apply_decode_stretch(self, stretch: DecodeStretch, num_steps: int) -> None:
+    def apply_decode_stretch(self, stretch: DecodeStretch, num_steps: int) -> list[RequestDelta]:
         """Apply the first `num_steps` steps of `stretch`, planned on this very state, as that many
         single steps would; `stretch.step_ends[j]` is the clock reading after step j (the `now`
-        its update sees). The iteration stats of those steps come as one: their counters summed,
-        without the per-token latencies (one entry per token is what a stretch exists to avoid)."""
+        its update sees). Returns the final deltas of the requests that finish in the last of
+        them (`stretch.finish_step`), in scheduling order; `last_decoded` lists the rest. The
+        iteration stats of those steps come as one: their counters summed, without the per-token
+        latencies (one entry per token is what a stretch exists to avoid)."""
         assert stretch.step == self._step, "the scheduler moved since the stretch was planned"
         assert 0 < num_steps <= stretch.num_steps
         reqs, starts = stretch.requests, stretch.starts
@@ -447,11 +451,27 @@ class Scheduler:
         # The first step's output would have carried these to the executor.
         self._finished_ids.clear()
         self._preempted_ids.clear()
-        self.last_decoded = [r.request_id for r in reqs]
+        deltas = self._finish_stretch(stretch, end) if num_steps == stretch.finish_step + 1 else []
+        self.last_decoded = [r.request_id for r in reqs if r.status is _RUNNING]
         stats = self._stats
         stats.step, stats.now = self._step, self._now
         stats.num_generation_tokens += num_tokens
         self._close_stats()
+        return deltas
+
+    def _finish_stretch(self, stretch: DecodeStretch, now: float) -> list[RequestDelta]:
+        """The stretch's last step ends some requests (length limits): what `_update_decodes` does
+        for them, in scheduling order. (Their blocks return to the pool after the step's
+        publications rather than between them: a free never touches a block's hash, a
+        publication never the free queue, so the order between the two changes nothing.)"""
+        deltas = []
+        token = stretch.token
+        for req in stretch.requests:
+            status, stop_reason = self._stop_status(req, token)
+            if status is not None:
+                self._finish(req, status, now, stop_reason=stop_reason)
+                deltas.append(final_delta(req, (token,)))
+        return deltas
 
     def _stretch_blocks(self, stretch: DecodeStretch, num_steps: int) -> None:
         """The block operations of a stretch's first `num_steps` steps, in single-step order: each step

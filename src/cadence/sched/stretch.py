@@ -10,10 +10,11 @@ operations. The block pool sees the same operations in the same order as m singl
 step's allocations in scheduling order, then its publications), so block ids, evictions and
 published hashes come out identical, and so does everything else the steps change.
 
-A stretch ends before the first step in which anything could differ:
+A stretch ends with the first step in which requests finish (their output length limit or
+`max_model_len`; a stretch is only planned when the executor's scripted token is no stop token of
+any running request): that step applies like the others, then finishes them in scheduling order.
+It ends before the first step in which anything else could differ:
 
-- a request would finish: its output length limit or `max_model_len` (a run is only planned
-  when the executor's scripted token is no stop token of any running request);
 - the blocks the steps allocate would outrun the free queue (the single step then preempts);
 - a deadline falls due (the engine core checks the step times against the earliest deadline);
 - the waiting queue's next request could be admitted or preempt a running one. With requests
@@ -50,9 +51,15 @@ class DecodeStretch:
     token: int  # what every decode samples
     num_steps: int  # steps planned; the engine core may cut them at a deadline
     not_after: float  # the earliest pending deadline: no step of the stretch may start at or after it
+    finish_step: int  # the step in which the first requests finish (by length), if the stretch reaches it
     start_time: float = 0.0  # clock reading at the first step (set by the engine core)
     costs: list[float] = field(default_factory=list)  # each step's cost (engine core)
     step_ends: list[float] = field(default_factory=list)  # clock reading after each step (engine core)
+
+    @property
+    def finishes(self) -> bool:
+        """Whether requests finish in the stretch's last step (so the step has effects beyond its replica)."""
+        return self.num_steps == self.finish_step + 1
 
     @property
     def run(self) -> DecodeRun:

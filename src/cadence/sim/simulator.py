@@ -7,6 +7,10 @@ to its next arrival. Several replicas sit behind a router and step in virtual-ti
 replica whose next step starts earliest goes next, and an arrival is routed before any step that
 starts after it.
 
+Most steps of a long run are alike: the same requests each decoding one token. A replica whose
+next steps are such a stretch plans them at once and applies them lazily (see "decode stretches"
+below and sched/stretch.py), with results identical to stepping one at a time.
+
 The loop decides only from arrival times and the clock readings after each step, so driving it
 with a real executor and a wall clock (see `sim/replay.py`) and then replaying that run's step
 times reproduces the same scheduling decisions. No torch here.
@@ -274,12 +278,14 @@ class Simulator:
     # -- decode stretches --------------------------------------------------------------------------
     #
     # A replica whose next steps would each schedule the same plain decodes (EngineCore.
-    # plan_decode_stretch) coasts: its heap entry moves to the end of the stretch and the steps are
-    # applied when it comes up there, or, when a request reaches it sooner, up to the first step
-    # that starts at or after that arrival. Nothing else can reach into a replica, and its stretch
-    # steps reach nothing outside it (nothing finishes in them; the finishing step runs alone, in
-    # its place in the order), so applying them late changes no result: the records, the routing,
-    # the closed loop's sends and every replica's stats are those of stepping one by one.
+    # plan_decode_stretch) coasts: its heap entry moves to where the stretch's effects outside the
+    # replica happen, and the steps are applied when it comes up there, or, when a request reaches
+    # it sooner, up to the first step that starts at or after that arrival. Nothing else reaches
+    # into a replica, and its stretch steps reach nothing outside it but through the requests its
+    # last step may finish; so that step keeps its place in the order (the entry is its start),
+    # and a stretch without one ends where the next step starts. Applying steps late then changes
+    # no result: the records, the routing, the closed loop's sends and every replica's stats are
+    # those of stepping one at a time.
 
     def _coast(self, rep: _Replica) -> bool:
         """Plan a stretch of decode steps on `rep` (its turn has come); False if none."""
@@ -287,8 +293,33 @@ class Simulator:
         if stretch is None:
             return False
         rep.stretch = stretch
-        heapq.heappush(self._heap, (stretch.step_ends[-1], rep.index))
+        heapq.heappush(self._heap, (self._entry(stretch), rep.index))
         return True
+
+    @staticmethod
+    def _entry(stretch: DecodeStretch) -> float:
+        """When a coasting replica comes up: its stretch's finishing step's start, or its end."""
+        ends = stretch.step_ends
+        return ends[-2] if stretch.finishes else ends[-1]
+
+    def _arrive(self, rep: _Replica) -> None:
+        """Coasting `rep` came up: apply its whole stretch, then step on as `_step` would."""
+        stretch = rep.stretch
+        assert stretch is not None
+        if not stretch.finishes:
+            self._land(rep, stretch.num_steps)
+            if not self._coast(rep):
+                self._step(rep)
+            return
+        deltas = self._land(rep, stretch.num_steps)
+        rel = rep.last_end - self._t0
+        live = self._live
+        for d in deltas:  # their last token's time is in already, with the others'
+            self._finish(d, live[d.request_id][0], rep, rel)
+        if rep.core.has_unfinished_requests():
+            heapq.heappush(self._heap, (rep.last_end, rep.index))
+        else:
+            rep.in_heap = False
 
     def _cut(self, rep: _Replica, t: float) -> None:
         """A request reaches coasting `rep` at `t`: apply the stretch's steps that start before it
@@ -302,19 +333,21 @@ class Simulator:
         if m <= last:
             self.stretches_cut += 1
             heap = self._heap
-            heap.remove((ends[-1], rep.index))
+            heap.remove((self._entry(stretch), rep.index))
             heapq.heapify(heap)
             heapq.heappush(heap, (ends[m - 1] if m else stretch.start_time, rep.index))
-        self._land(rep, m)
+        deltas = self._land(rep, m)
+        assert not deltas, "a finishing step starts after the arrivals that cut its stretch"
 
-    def _land(self, rep: _Replica, m: int) -> None:
-        """Apply the first `m` steps of `rep`'s stretch, and record them as `_step` would have."""
+    def _land(self, rep: _Replica, m: int) -> list[Any]:
+        """Apply the first `m` steps of `rep`'s stretch and record them as `_step` would have; the
+        deltas of the requests the last one finishes are the caller's to record."""
         stretch = rep.stretch
         assert stretch is not None
         rep.stretch = None
-        rep.core.apply_decode_stretch(stretch, m)
+        deltas = rep.core.apply_decode_stretch(stretch, m)
         if not m:
-            return
+            return deltas
         st = rep.stats
         st.steps += m
         self._steps += m
@@ -328,6 +361,7 @@ class Simulator:
         times = self._times
         for rid in stretch.request_ids:
             times[rid].extend(rels)
+        return deltas
 
     def _finish(self, d: Any, rec: RequestRecord, rep: _Replica, rel: float) -> None:
         del self._live[d.request_id], self._times[d.request_id]
@@ -377,9 +411,9 @@ class Simulator:
             if heap and heap[0][0] < ta:
                 _, i = heapq.heappop(heap)
                 rep = replicas[i]
-                if rep.stretch is not None:  # it coasted to here: its stretch ran whole
-                    self._land(rep, rep.stretch.num_steps)
-                if not (ff and self._coast(rep)):
+                if rep.stretch is not None:  # it coasted to here
+                    self._arrive(rep)
+                elif not (ff and self._coast(rep)):
                     self._step(rep)
             elif a < _INF:
                 for i in client.pop_due(a):
