@@ -4,8 +4,9 @@ Why kernels of our own: a decode step multiplies a few rows by every weight of t
 bound by how fast the weights stream from memory. oneDNN's bfloat16 GEMV reads them at about half
 the machine's bandwidth; `linear`, on a layout packed for it at load, reads them at about the
 bandwidth. The rest of a small step is per-op overhead (~1,000 torch ops): `add_rms_norm`,
-`silu_mul` and `rope_` do in one call what takes torch three to eight. docs/performance.md has
-the figures. Every kernel computes a row the same way whatever else is in the batch, so a
+`silu_mul` and `rope_` do in one call what takes torch three to eight. A GGUF's Q4_1 matrices
+run on their four-bit values (`pack_q4_1`, `linear_q4_1`), and a step of single-token decodes runs
+all decoder layers in one call (`decode_layers`). docs/performance.md has the figures. Every kernel computes a row the same way whatever else is in the batch, so a
 request's output does not depend on its neighbours.
 
 The C source ships in the package and is compiled on first use with the system's C compiler
