@@ -46,6 +46,7 @@ _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 _SIGNATURES = {
     "cadence_pack": [_P, _P, _I64, _I64],
     "cadence_linear": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "cadence_linear_f32": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "cadence_pack_q4_1": [_P, _P, _I64, _I64],
     "cadence_decode_layers": [_P] * 15 + [_I64, _P] + [_I64] * 10 + [_F32, _F32, _INT],
     "cadence_linear_q4_1": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
@@ -95,6 +96,7 @@ class CpuKernels:
         lib.cadence_decode_layers.restype = ctypes.c_int
         self._pack = lib.cadence_pack
         self._linear = lib.cadence_linear
+        self._linear_f32 = lib.cadence_linear_f32
         self._pack_q4_1 = lib.cadence_pack_q4_1
         self._linear_q4_1 = lib.cadence_linear_q4_1
         self._add_rms_norm = lib.cadence_add_rms_norm
@@ -127,6 +129,16 @@ class CpuKernels:
         if m:
             self._linear(x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                          y.data_ptr(), m, n, k, torch.get_num_threads())
+        return y.view(*x.shape[:-1], n)
+
+    def linear_f32(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """As `linear` (no bias), the output float32 and unrounded: the logits."""
+        assert x.dtype == torch.bfloat16 and x.device.type == "cpu", "linear: a bfloat16 CPU input"
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        if x2.shape[0]:
+            self._linear_f32(x2.data_ptr(), packed.data_ptr(), None, y.data_ptr(), x2.shape[0], n, x2.shape[1],
+                             torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
 
     def pack_q4_1(self, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -44,9 +44,10 @@ void cadence_pack(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
     }
 }
 
-/* One tile: rows m0..m0+mt of x against one block of 64 columns. */
+/* One tile: rows m0..m0+mt of x against one block of 64 columns; into y (bfloat16) or, when yf is
+ * given, into yf (float32, the sums unrounded). */
 static inline __attribute__((always_inline)) void tile(
-    const uint16_t *x, int64_t k, const uint16_t *wb, const float *bias, uint16_t *y, int64_t n,
+    const uint16_t *x, int64_t k, const uint16_t *wb, const float *bias, uint16_t *y, float *yf, int64_t n,
     int64_t col0, int64_t mt) {
     __m512 acc[MT][4];
     for (int m = 0; m < mt; m++)
@@ -71,24 +72,29 @@ static inline __attribute__((always_inline)) void tile(
         __mmask16 mask = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
         __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
         for (int m = 0; m < mt; m++) {
-            __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b));
-            _mm256_mask_storeu_epi16(y + m * n + c, mask, (__m256i)out);
+            __m512 sum = _mm512_add_ps(acc[m][j], b);
+            if (yf)
+                _mm512_mask_storeu_ps(yf + m * n + c, mask, sum);
+            else
+                _mm256_mask_storeu_epi16(y + m * n + c, mask, (__m256i)_mm512_cvtneps_pbh(sum));
         }
     }
 }
 
 static void block(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wb, const float *bias,
-                  uint16_t *y, int64_t n, int64_t col0) {
+                  uint16_t *y, float *yf, int64_t n, int64_t col0) {
     int64_t m0 = 0;
-    for (; m0 + MT <= m; m0 += MT) tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, MT);
+#define AT(r) x + (r) * k, k, wb, bias, y ? y + (r) * n : NULL, yf ? yf + (r) * n : NULL, n, col0
+    for (; m0 + MT <= m; m0 += MT) tile(AT(m0), MT);
     switch (m - m0) { /* constant tile heights, so each tile's loops unroll into registers */
-        case 5: tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, 5); break;
-        case 4: tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, 4); break;
-        case 3: tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, 3); break;
-        case 2: tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, 2); break;
-        case 1: tile(x + m0 * k, k, wb, bias, y + m0 * n, n, col0, 1); break;
+        case 5: tile(AT(m0), 5); break;
+        case 4: tile(AT(m0), 4); break;
+        case 3: tile(AT(m0), 3); break;
+        case 2: tile(AT(m0), 2); break;
+        case 1: tile(AT(m0), 1); break;
         default: break;
     }
+#undef AT
 }
 
 /* x [M, K] bfloat16 contiguous, packed from cadence_pack, bias float32 [N] or NULL, y [M, N].
@@ -100,7 +106,17 @@ void cadence_linear(const uint16_t *x, const uint16_t *packed, const float *bias
     int64_t blocks = (n + NB - 1) / NB;
 #pragma omp parallel for schedule(guided) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++)
-        block(x, m, k, packed + b * k * NB, bias, y, n, b * NB);
+        block(x, m, k, packed + b * k * NB, bias, y, NULL, n, b * NB);
+}
+
+/* As cadence_linear, the output float32 and unrounded: for the logits, where bfloat16's 8 bits
+ * (steps of 0.125 at a logit of 25) would decide near-ties and coarsen sampling. */
+void cadence_linear_f32(const uint16_t *x, const uint16_t *packed, const float *bias, float *y,
+                        int64_t m, int64_t n, int64_t k, int threads) {
+    int64_t blocks = (n + NB - 1) / NB;
+#pragma omp parallel for schedule(guided) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++)
+        block(x, m, k, packed + b * k * NB, bias, NULL, y, n, b * NB);
 }
 
 /* ---- Q4_1 weights, read as four-bit values ------------------------------------------------
