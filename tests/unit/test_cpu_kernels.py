@@ -68,12 +68,12 @@ def test_linear_f32_is_linear_unrounded(kernels):
     `linear`'s output bit for bit), every row the same alone and batched."""
     w, x = bf16(100, 64, seed=20), bf16(13, 64, seed=21)
     packed = kernels.pack(w)
-    got = kernels.linear_f32(x, packed, 100)
+    got = kernels.linear_f32(x, packed, 100, None)
     assert got.dtype == torch.float32 and got.shape == (13, 100)
     assert torch.equal(got.to(torch.bfloat16), kernels.linear(x, packed, 100, None))
     assert ((got.double() - x.double() @ w.double().T).abs() <= 1e-4).all()
     for m in (1, 5, 6, 7):
-        assert torch.equal(kernels.linear_f32(x[:m], packed, 100), got[:m])
+        assert torch.equal(kernels.linear_f32(x[:m], packed, 100, None), got[:m])
 
 
 def q4_1_matrix(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

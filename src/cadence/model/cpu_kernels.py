@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -121,25 +122,11 @@ class CpuKernels:
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x [.., K] bfloat16 -> [.., N] bfloat16; bias, when given, float32 [N]."""
-        assert x.dtype == torch.bfloat16 and x.device.type == "cpu", "linear: a bfloat16 CPU input"
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k).contiguous()
-        m = x2.shape[0]
-        y = torch.empty(m, n, dtype=torch.bfloat16)
-        if m:
-            self._linear(x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                         y.data_ptr(), m, n, k, torch.get_num_threads())
-        return y.view(*x.shape[:-1], n)
+        return self._matmul(self._linear, x, packed, n, bias, torch.bfloat16)
 
-    def linear_f32(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-        """As `linear` (no bias), the output float32 and unrounded: the logits."""
-        assert x.dtype == torch.bfloat16 and x.device.type == "cpu", "linear: a bfloat16 CPU input"
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        if x2.shape[0]:
-            self._linear_f32(x2.data_ptr(), packed.data_ptr(), None, y.data_ptr(), x2.shape[0], n, x2.shape[1],
-                             torch.get_num_threads())
-        return y.view(*x.shape[:-1], n)
+    def linear_f32(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """As `linear`, the output float32 and unrounded: the logits."""
+        return self._matmul(self._linear_f32, x, packed, n, bias, torch.float32)
 
     def pack_q4_1(self, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """GGUF Q4_1 blocks of an [N, K] weight (uint8 [N, K/32*20], rows in the model's order) ->
@@ -152,16 +139,22 @@ class CpuKernels:
         return packed
 
     def linear_q4_1(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """As `linear`, on `pack_q4_1`'s layout: bit-identical to `linear` on the weight that GGUF's
-        dequantisation gives, rounded to bfloat16."""
+        """As `linear`, on `pack_q4_1`'s layout: the checkpoint's exact weights (d q + m in float32,
+        not rounded to bfloat16), each row computed the same way whatever the batch."""
+        return self._matmul(self._linear_q4_1, x, packed, n, bias, torch.bfloat16)
+
+    @staticmethod
+    def _matmul(fn: Callable[..., int | None], x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+        """x [.., K] bfloat16 through one of the linear kernels into a new [.., N] `dtype` tensor."""
         assert x.dtype == torch.bfloat16 and x.device.type == "cpu", "linear: a bfloat16 CPU input"
         k = x.shape[-1]
         x2 = x.reshape(-1, k).contiguous()
         m = x2.shape[0]
-        y = torch.empty(m, n, dtype=torch.bfloat16)
-        if m and self._linear_q4_1(x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                   y.data_ptr(), m, n, k, torch.get_num_threads()):
-            raise MemoryError("linear_q4_1: no memory for the kernel's scratch block")
+        y = torch.empty(m, n, dtype=dtype)
+        if m and fn(x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                    m, n, k, torch.get_num_threads()):
+            raise MemoryError("linear: the kernel could not allocate its buffer")
         return y.view(*x.shape[:-1], n)
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,

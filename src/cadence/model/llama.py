@@ -117,6 +117,13 @@ class Linear:
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
 
+    def float32(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output in float32. On the bfloat16 kernel, the sums unrounded (the logits: a
+        bfloat16 logit moves in steps of 0.125 at 25 and would settle near-ties by rounding)."""
+        if self.kernel is not None and self.packed is not None:
+            return self.kernel.linear_f32(x, self.packed, self.shape[0], self.kernel_bias)
+        return self(x).float()
+
 
 def _pack_for_cpu(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -259,7 +266,7 @@ class LlamaModel:
     def _decode_step(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache) -> torch.Tensor:
         """`hidden_states` of a step of single-token rows, through `CpuKernels.decode_layers`."""
         assert self.kernels is not None and self.fused_decode is not None
-        self._rope_for(meta.positions)  # the positions' bounds check
+        self._check_positions(meta.positions)
         d = meta.decodes[0]
         assert isinstance(d, PagedDecode)
         x = F.embedding(input_ids, self.embed)  # [T, E]
@@ -294,13 +301,7 @@ class LlamaModel:
         """[S, E] -> [S, V] float32: the sampler always works in float32."""
         if hidden.shape[0] == 0:  # no request samples this step (all mid-prefill)
             return hidden.new_zeros(0, self.arch.vocab_size, dtype=torch.float32)
-        normed = self._add_norm(hidden.contiguous(), None, self.norm)
-        head = self.lm_head
-        if head.kernel is not None and head.packed is not None and head.bias is None:
-            # Unrounded float32 logits: a bfloat16 logit moves in steps of 0.125 at 25, which would
-            # settle near-ties by rounding (measured: 2 of 8 chat prompts' first tokens).
-            return head.kernel.linear_f32(normed, head.packed, head.shape[0])
-        return head(normed).float()
+        return self.lm_head.float32(self._add_norm(hidden.contiguous(), None, self.norm))
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """x += delta (in place; skipped when None), then rms_norm(x) * weight. [T, E] -> [T, E]"""
@@ -310,14 +311,17 @@ class LlamaModel:
             x += delta
         return rms_norm(x, weight, self.arch.rms_norm_eps)
 
+    def _check_positions(self, positions: torch.Tensor) -> None:
+        """The kernels read the RoPE tables by position unchecked (a table lookup in torch would raise)."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} beyond the RoPE table ({self.cos.shape[0]})")
+
     def _rope_for(self, positions: torch.Tensor) -> Callable[[torch.Tensor, int], None]:
         """This step's rotary embedding: f(qkv [T, heads, D], n) rotates heads [0, n) in place.
         The per-step work (a table lookup or a bounds check) is done here, once for all layers."""
         kernels = self.kernels
         if kernels is not None:
-            # The kernel reads the tables by position unchecked (a table lookup in torch would raise).
-            if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-                raise ValueError(f"position {int(positions.max())} beyond the RoPE table ({self.cos.shape[0]})")
+            self._check_positions(positions)
             pos = positions.contiguous()
             return lambda qkv, n: kernels.rope_(qkv, n, pos, self.cos, self.sin)
         cos = self.cos[positions].to(self.dtype)[:, None, :]  # [T, 1, D]

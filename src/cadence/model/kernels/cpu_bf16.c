@@ -44,6 +44,27 @@ void cadence_pack(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
     }
 }
 
+/* ---- bfloat16 helpers -------------------------------------------------------------------- */
+
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 mask) {
+    __m256i v = _mm256_maskz_loadu_epi16(mask, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 mask) {
+    _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* v rounded to the nearest bfloat16 (ties to even), kept in float32 lanes. */
+static inline __m512 round_bf16(__m512 v) {
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* One tile: rows m0..m0+mt of x against one block of 64 columns; into y (bfloat16) or, when yf is
  * given, into yf (float32, the sums unrounded). */
 static inline __attribute__((always_inline)) void tile(
@@ -69,14 +90,14 @@ static inline __attribute__((always_inline)) void tile(
     for (int j = 0; j < 4; j++) {
         int64_t c = col0 + 16 * j;
         if (c >= n) break;
-        __mmask16 mask = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        __mmask16 mask = tail_mask(n - c);
         __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
         for (int m = 0; m < mt; m++) {
             __m512 sum = _mm512_add_ps(acc[m][j], b);
             if (yf)
                 _mm512_mask_storeu_ps(yf + m * n + c, mask, sum);
             else
-                _mm256_mask_storeu_epi16(y + m * n + c, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+                store_bf16(y + m * n + c, sum, mask);
         }
     }
 }
@@ -101,22 +122,24 @@ static void block(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wb, c
  * Blocks are handed out guided (large contiguous runs first, then smaller ones), not statically:
  * when the HTTP thread or a client takes one core for a moment, the other thread takes over the
  * rest of the blocks instead of waiting at the barrier (served single stream: 45-50 -> 56-58 tok/s). */
-void cadence_linear(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
-                    int64_t m, int64_t n, int64_t k, int threads) {
+static void linear_into(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, float *yf,
+                        int64_t m, int64_t n, int64_t k, int threads) {
     int64_t blocks = (n + NB - 1) / NB;
 #pragma omp parallel for schedule(guided) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++)
-        block(x, m, k, packed + b * k * NB, bias, y, NULL, n, b * NB);
+        block(x, m, k, packed + b * k * NB, bias, y, yf, n, b * NB);
+}
+
+void cadence_linear(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
+                    int64_t m, int64_t n, int64_t k, int threads) {
+    linear_into(x, packed, bias, y, NULL, m, n, k, threads);
 }
 
 /* As cadence_linear, the output float32 and unrounded: for the logits, where bfloat16's 8 bits
  * (steps of 0.125 at a logit of 25) would decide near-ties and coarsen sampling. */
 void cadence_linear_f32(const uint16_t *x, const uint16_t *packed, const float *bias, float *y,
                         int64_t m, int64_t n, int64_t k, int threads) {
-    int64_t blocks = (n + NB - 1) / NB;
-#pragma omp parallel for schedule(guided) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++)
-        block(x, m, k, packed + b * k * NB, bias, NULL, y, n, b * NB);
+    linear_into(x, packed, bias, NULL, y, m, n, k, threads);
 }
 
 /* ---- Q4_1 weights, read as four-bit values ------------------------------------------------
@@ -147,24 +170,25 @@ void cadence_linear_f32(const uint16_t *x, const uint16_t *packed, const float *
  *   column 32h + 16 + t/2, each at k = 2p + t%2: 32 bytes widened to 16-bit lanes give, masked
  *   or shifted, the weight pairs of 16 columns in the order `vdpbf16ps` reads them. */
 #define QK 32
+#define Q4_RAW_BYTES 20 /* one GGUF Q4_1 block: float16 d, float16 m, 16 bytes of nibbles */
 #define Q4_BYTES (QK / 2 * NB + NB * 2 * 2)
 
 static inline int q4_value(const uint8_t *row, int64_t kk) { /* raw GGUF row, element kk */
-    const uint8_t *blk = row + (kk / QK) * 20;
+    const uint8_t *blk = row + (kk / QK) * Q4_RAW_BYTES;
     int i = (int)(kk % QK);
     return i < 16 ? (blk[4 + i] & 0x0F) : (blk[4 + i - 16] >> 4);
 }
 
 /* raw [N][K/32][20 bytes] -> packed (above); columns past N get zeros. */
 void cadence_pack_q4_1(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k) {
-    int64_t blocks = (n + NB - 1) / NB, kb = k / QK, row_bytes = kb * 20;
+    int64_t blocks = (n + NB - 1) / NB, kb = k / QK, row_bytes = kb * Q4_RAW_BYTES;
     memset(packed, 0, (size_t)(blocks * kb * Q4_BYTES));
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t j = 0; j < kb; j++) {
             uint8_t *dst = packed + (b * kb + j) * Q4_BYTES;
             uint8_t *d = dst + QK / 2 * NB, *mn = d + 2 * NB;
             for (int c = 0; c < NB && b * NB + c < n; c++) {
-                const uint8_t *blk = raw + (b * NB + c) * row_bytes + j * 20;
+                const uint8_t *blk = raw + (b * NB + c) * row_bytes + j * Q4_RAW_BYTES;
                 memcpy(d + 2 * c, blk, 2);
                 memcpy(mn + 2 * c, blk + 2, 2);
             }
@@ -221,10 +245,10 @@ static inline __attribute__((always_inline)) void q4_tile(
     for (int j = 0; j < nv; j++) {
         int64_t c = col0 + 16 * (v0 + j);
         if (c >= n) break;
-        __mmask16 mask = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        __mmask16 mask = tail_mask(n - c);
         __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
         for (int m = 0; m < mt; m++)
-            _mm256_mask_storeu_epi16(y + m * n + c, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], bv)));
+            store_bf16(y + m * n + c, _mm512_add_ps(acc[m][j], bv), mask);
     }
 }
 
@@ -253,9 +277,7 @@ static void block_sums(const uint16_t *x, int64_t m, int64_t k, float *xs) {
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < k / QK; b++) {
             const uint16_t *p = x + r * k + b * QK;
-            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-            __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
-            xs[r * (k / QK) + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            xs[r * (k / QK) + b] = _mm512_reduce_add_ps(_mm512_add_ps(load_bf16(p, 0xFFFF), load_bf16(p + 16, 0xFFFF)));
         }
 }
 
@@ -274,25 +296,6 @@ int cadence_linear_q4_1(const uint16_t *x, const uint8_t *packed, const float *b
 }
 
 /* ---- elementwise kernels ------------------------------------------------------------------- */
-
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-}
-
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 mask) {
-    __m256i v = _mm256_maskz_loadu_epi16(mask, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 mask) {
-    _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-/* v rounded to the nearest bfloat16 (ties to even), kept in float32 lanes. */
-static inline __m512 round_bf16(__m512 v) {
-    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 /* exp(x) to within a few float32 ulps: x = n ln2 + r, |r| <= ln2/2, Taylor to r^7, times 2^n. */
 static inline __m512 exp512(__m512 x) {
