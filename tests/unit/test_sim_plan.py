@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from cadence.cli import main
 from cadence.config import EngineConfig
 from cadence.executor.cost_model import StepCostModel
-from cadence.sim.calibrate import default_profile_path
 from cadence.sim.plan import Objective, Trial, min_replicas, plan, unloaded_ttft
+from cadence.sim.profile import default_profile_path
 from cadence.sim.workloads import repeat_workload
 from cadence.workload import Workload, WorkloadRequest
 
@@ -101,6 +103,23 @@ def test_cli_sim_prints_the_bench_report_and_writes_its_files(tmp_path, capsys) 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["overall"]["completed"] == 30 and summary["meta"]["replicas"] == 2
     assert (out / "requests.jsonl").exists() and (out / "latency_cdf.png").exists()
+
+
+_NO_TORCH = """
+import sys
+from cadence.cli import main
+assert main(sys.argv[1:]) == 0
+assert "torch" not in sys.modules, "cadence sim imported torch"
+"""
+
+
+@pytest.mark.parametrize("action", [[], ["plan", "--slo", "ttft_p95=30"]])
+def test_cli_sim_never_imports_torch(tmp_path, action) -> None:
+    """The simulator and its report are numpy: importing torch would cost `cadence sim` seconds."""
+    out = [] if action else ["--out", str(tmp_path / "run")]
+    argv = ["sim", *action, "--workload", "chat", "--num-requests", "10", "--rate", "1", *out]
+    done = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_cli_plan_answers_in_one_command(capsys) -> None:

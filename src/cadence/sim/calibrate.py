@@ -22,7 +22,6 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -208,7 +207,3 @@ def calibrate(config: EngineConfig, *, tiny: bool = False, quick: bool = False, 
     fitted.metadata["overhead_source"] = "served" if served and not tiny else "engine core, in process"
     fitted.metadata["calibration_seconds"] = round(time.perf_counter() - t_start, 1)
     return dataclasses.replace(fitted, overhead=terms)
-
-
-def default_profile_path() -> Path:
-    return Path(__file__).parent / "profiles" / "default.json"

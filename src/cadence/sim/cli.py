@@ -86,7 +86,7 @@ def load_profile(path: str | None, args: argparse.Namespace):
 
     # Every simulated replica would log its KV cache size; the report says what matters.
     logging.getLogger("cadence.engine.core").setLevel(logging.WARNING)
-    from cadence.sim.calibrate import default_profile_path
+    from cadence.sim.profile import default_profile_path  # (not calibrate: that imports torch)
 
     model = StepCostModel.load(path or default_profile_path())
     if path is None and getattr(args, "model", None):
