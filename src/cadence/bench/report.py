@@ -16,6 +16,7 @@ Definitions (all in seconds, per request, measured by the client):
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -249,13 +250,23 @@ def _fairness(groups: dict[str, dict]) -> dict:
     return {"jain_output_throughput": jain_index(thr), "jain_ttft_p50": jain_index(ttft) if len(ttft) >= 2 else None}
 
 
+def _summarize_groups(records: Sequence[RequestRecord], key: Callable[[RequestRecord], object],
+                      slos: dict[str, float], span: float, overall: dict) -> dict[str, dict]:
+    """`summarize_records` per group. Per-group rates share the run's duration, so they add up to
+    the overall rate. A single group holds every record in order: its summary is a copy of
+    `overall`, not a second pass (which pools and sorts every inter-token gap again)."""
+    groups = _groups(records, key)
+    if len(groups) == 1:
+        return {k: copy.deepcopy(overall) for k in groups}
+    return {k: summarize_records(v, slos, span) for k, v in groups.items()}
+
+
 def summarize(records: Sequence[RequestRecord], slos: dict[str, float], meta: dict | None = None) -> dict:
     """The whole report: overall, per tenant, per priority class, fairness, warnings."""
     span = _span(records)
     overall = summarize_records(records, slos, span)
-    # Per-group rates share the run's duration, so they add up to the overall rate.
-    tenants = {k: summarize_records(v, slos, span) for k, v in _groups(records, lambda r: r.tenant).items()}
-    prios = {k: summarize_records(v, slos, span) for k, v in _groups(records, lambda r: r.priority).items()}
+    tenants = _summarize_groups(records, lambda r: r.tenant, slos, span, overall)
+    prios = _summarize_groups(records, lambda r: r.priority, slos, span, overall)
     return {
         "meta": dict(meta or {}),
         "slos": dict(slos),
