@@ -263,6 +263,46 @@ def test_paged_decode_attention_matches_float64(kernels, kvh, g, d, bs):
 
 
 @needs_kernels
+@needs_kernels
+@pytest.mark.parametrize("kvh,g,d,bs", [(2, 2, 32, 4), (3, 3, 64, 16), (1, 8, 64, 16), (2, 1, 128, 8)])
+def test_paged_prefill_attention_matches_float64_and_chunking(kernels, kvh, g, d, bs):
+    """The prefill kernel: chunks of two requests (a fresh prompt, and a chunk continuing a context
+    across block and 16-key edges) plus a decode row in one flat batch, read in place through
+    shuffled block tables, against a per-query float64 causal softmax; and a prompt's rows are
+    bit-identical whether it is computed in one chunk or in several (chunked prefill changes nothing)."""
+    gen = torch.Generator().manual_seed(2)
+    total = 75  # the continuing request's context: 41 earlier positions, then a 34-token chunk
+    nblocks = 2 * -(-total // bs) + 8
+    cache = PagedKVCache.allocate(num_layers=1, num_blocks=nblocks, block_size=bs, num_kv_heads=kvh, head_dim=d,
+                                  dtype=torch.bfloat16, device=torch.device("cpu"))
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen))
+    pool = random.Random(3).sample(range(nblocks), nblocks)
+    fresh_t, cont_t, dec_t = pool[:6], pool[6 : 6 + -(-total // bs)], pool[-2:]
+    spans = [SeqSpan(0, 21, fresh_t[: -(-21 // bs)]), SeqSpan(41, 34, cont_t), SeqSpan(4, 1, dec_t)]
+    cpu = torch.device("cpu")
+    meta = AttentionMetadata.build(spans, bs, cpu, num_kv_heads=kvh, kernels=kernels)
+    assert all(p.kernels is kernels and p.mask is None for p in meta.prefills)
+    qkv = torch.randn(56, kvh * g + 2 * kvh, d, generator=gen).to(torch.bfloat16)
+    q, kv_new = qkv[:, : kvh * g], qkv[:, kvh * g :].unflatten(1, (2, kvh))
+    out = paged_attention(q, kv_new, cache.layer(0), meta)
+    layer = cache.layer(0).double()
+    for row0, span in ((0, spans[0]), (21, spans[1])):
+        for i in range(span.num_tokens):
+            pos = torch.arange(span.start_pos + i + 1)
+            ctx = layer[:, :, torch.tensor(span.block_table)[pos // bs], pos % bs]
+            for head in range(kvh * g):
+                p = torch.softmax(ctx[0, head // g] @ q[row0 + i, head].double() / d**0.5, dim=0)
+                torch.testing.assert_close(out[row0 + i, head].double(), p @ ctx[1, head // g], atol=2e-2, rtol=0)
+    # The continuing chunk again, split 5 + 13 + 16 (the cache already holds its K/V): same bits.
+    parts, start = [], 41
+    for n in (5, 13, 16):
+        m = AttentionMetadata.build([SeqSpan(start, n, cont_t)], bs, cpu, num_kv_heads=kvh, kernels=kernels)
+        rows = slice(21 + start - 41, 21 + start - 41 + n)
+        parts.append(paged_attention(q[rows], kv_new[rows], cache.layer(0), m))
+        start += n
+    assert torch.equal(torch.cat(parts), out[21:55])
+
+
 def test_build_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
     """An unwritable cache (here a path under a regular file) must not cost the kernels."""
     blocker = tmp_path / "not-a-dir"

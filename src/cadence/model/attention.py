@@ -25,7 +25,9 @@ the largest cost of a served step. Each extra group costs a fixed few ops per la
 bfloat16 on a CPU with AVX512-BF16: decode rows skip all of that. cadence's decode kernel
 (model/cpu_kernels.py) reads each context where it lies, block by block through the block table,
 with an online softmax: no gather copy, no padding, no groups (`PagedDecode`), 1.5x the step
-throughput at 8 and 32 streams of 200-token contexts. Prefill chunks keep the torch path.
+throughput at 8 and 32 streams of 200-token contexts. Prefill chunks go to its prefill kernel the
+same way (`PrefillChunk.kernels`): no gather, no mask, and keys taken in 16-position chunks from
+position 0 whatever the chunk's start, so a prompt's K/V are the same bits however it was chunked.
 """
 
 from __future__ import annotations
@@ -110,13 +112,15 @@ class SeqSpan:
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """A multi-token chunk: rows `row_start .. row_end` of the flat batch."""
+    """A multi-token chunk: rows `row_start .. row_end` of the flat batch. With `kernels`, cadence's
+    CPU prefill kernel reads the context in place through `ctx_blocks` (no mask is built)."""
 
     row_start: int
     row_end: int
     start_pos: int
-    ctx_blocks: torch.Tensor | None  # [nb] blocks holding the whole context; None when start_pos == 0
+    ctx_blocks: torch.Tensor | None  # [nb] blocks holding the whole context; None when start_pos == 0 (torch path)
     mask: torch.Tensor | None  # [num_tokens, nb * block_size] bool, True = may attend; None when start_pos == 0
+    kernels: CpuKernels | None = None
 
 
 @dataclass(frozen=True)
@@ -181,7 +185,12 @@ class AttentionMetadata:
             if s.num_tokens == 1:
                 first_decode = i
                 break
-            prefills.append(_prefill_chunk(s, row, tables[i], block_size, device))
+            if kernels is not None:
+                nb = -(-s.end_pos // block_size)
+                prefills.append(PrefillChunk(row, row + s.num_tokens, s.start_pos, tables[i, :nb].contiguous(), None,
+                                             kernels))
+            else:
+                prefills.append(_prefill_chunk(s, row, tables[i], block_size, device))
             row += s.num_tokens
         decode_seqs = seqs[first_decode:]
         assert all(s.num_tokens == 1 for s in decode_seqs), "single-token spans must come last"
@@ -315,6 +324,9 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 def _prefill_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, p: PrefillChunk) -> torch.Tensor:
     """Causal attention of one multi-token chunk. Returns [n, H, D]."""
+    if p.kernels is not None:
+        assert p.ctx_blocks is not None
+        return p.kernels.prefill_attention(q[p.row_start : p.row_end], cache, p.ctx_blocks, p.start_pos)
     qc = q[p.row_start : p.row_end].transpose(0, 1)[None]  # [1, H, n, D]
     if p.ctx_blocks is None:
         # The chunk is the whole context: attend to its own fresh K/V, plain causal, no gather.

@@ -54,6 +54,7 @@ _SIGNATURES = {
     "cadence_add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _INT],
     "cadence_silu_mul": [_P, _P, _I64, _I64, _INT],
     "cadence_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
+    "cadence_prefill_attention": [_P, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT],
     "cadence_decode_attention": [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
                                  _I64, _INT],
 }
@@ -105,6 +106,7 @@ class CpuKernels:
         self._rope = lib.cadence_rope
         self._decode_attention = lib.cadence_decode_attention
         self._decode_layers = lib.cadence_decode_layers
+        self._prefill_attention = lib.cadence_prefill_attention
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -212,6 +214,24 @@ class CpuKernels:
         self._decode_attention(q.data_ptr(), q.stride(0), cache.data_ptr(), tables.data_ptr(), tables.shape[1],
                                lens.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, num_blocks, d**-0.5, total_len,
                                torch.get_num_threads())
+        return out
+
+    def prefill_attention(self, q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, start: int) -> torch.Tensor:
+        """A chunk of one request's queries at positions start .. start+n-1, causal over its context
+        read in place from the paged cache (this chunk's K/V already written): no gather, no mask.
+
+        q: [n, H, D] bfloat16 (rows may be strided); cache: one layer; table: [nb] int64 block ids
+        covering positions 0 .. start+n-1 (their ids are the caller's to check). -> [n, H, D].
+        A query's result depends on its own row and context only, not on how the prompt was chunked.
+        """
+        n, h, d = q.shape
+        _, kvh, num_blocks, bs, _ = cache.shape
+        assert q.dtype == cache.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == d
+        assert cache.is_contiguous() and table.dtype == torch.int64 and table.is_contiguous()
+        assert table.shape[0] * bs >= start + n
+        out = torch.empty(n, h, d, dtype=torch.bfloat16)
+        self._prefill_attention(q.data_ptr(), q.stride(0), cache.data_ptr(), table.data_ptr(), start, n,
+                                out.data_ptr(), h, kvh, d, bs, num_blocks, d**-0.5, torch.get_num_threads())
         return out
 
     def decode_layers(self, x: torch.Tensor, layers: DecodeLayers, cache: torch.Tensor, slots: torch.Tensor,

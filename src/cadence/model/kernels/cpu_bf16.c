@@ -512,3 +512,113 @@ int cadence_decode_layers(uint16_t *x, uint16_t *h, uint16_t *qkv, uint16_t *att
 #undef PTR
     return 0;
 }
+
+/* ---- prefill attention over the paged cache ------------------------------------------------- */
+
+#define PQ 8 /* query tokens per task: PQ x G query vectors share each packed chunk of K */
+
+/* A chunk of n query tokens of one request at positions start .. start+n-1, attending causally
+ * to keys 0 .. start+i (query i) read in place from the paged cache (this chunk's K/V already
+ * written). Same layouts as cadence_decode_attention, with one block table `table`.
+ *
+ * Tasks are (KV head, tile of PQ query tokens). Keys go by chunks of 16: each chunk's K is packed
+ * once into pairs ([D/2][16][2], the linear kernel's layout), so one vdpbf16ps per pair of head
+ * dimensions scores 16 keys for a query at once, for all PQ x G query vectors of the task; V is
+ * widened to float32 once per chunk. Online softmax as in the decode kernel; each query vector's
+ * result depends only on its own row and its context. */
+void cadence_prefill_attention(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
+                               const int64_t *table, int64_t start, int64_t n, uint16_t *out,
+                               int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t num_blocks,
+                               float scale, int threads) {
+    const int64_t g_n = heads / kvh, v_offset = kvh * num_blocks * bs * d, tiles = (n + PQ - 1) / PQ;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < kvh * tiles; task++) {
+        const int64_t j = task % kvh, i0 = (task / kvh) * PQ, qn = n - i0 < PQ ? n - i0 : PQ;
+        const int64_t nv = qn * g_n, keys = start + i0 + qn; /* the tile's last query sees `keys` */
+        float acc[PQ * MAX_GROUP][MAX_DIM], m[PQ * MAX_GROUP], l[PQ * MAX_GROUP];
+        uint16_t kt[MAX_DIM / 2][16][2];
+        float vf[16][MAX_DIM];
+        for (int64_t v = 0; v < nv; v++) {
+            m[v] = -INFINITY;
+            l[v] = 0.0f;
+            for (int64_t c = 0; c < d; c++) acc[v][c] = 0.0f;
+        }
+        for (int64_t t0 = 0; t0 < keys; t0 += 16) {
+            const int64_t kn = keys - t0 < 16 ? keys - t0 : 16;
+            for (int64_t t = 0; t < 16; t++) { /* pack K pairs, widen V; zeros past the end */
+                const uint16_t *k = NULL, *vr = NULL;
+                if (t < kn) {
+                    const int64_t pos = t0 + t, blk = table[pos / bs];
+                    k = cache + ((j * num_blocks + blk) * bs + pos % bs) * d;
+                    vr = cache + v_offset + ((j * num_blocks + blk) * bs + pos % bs) * d;
+                }
+                for (int64_t p = 0; p < d / 2; p++) {
+                    kt[p][t][0] = k ? k[2 * p] : 0;
+                    kt[p][t][1] = k ? k[2 * p + 1] : 0;
+                }
+                for (int64_t c = 0; c < d; c += 16)
+                    _mm512_storeu_ps(vf[t] + c, vr ? load_bf16(vr + c, 0xFFFF) : _mm512_setzero_ps());
+            }
+            /* scores of the 16 keys for every query vector, four vectors at a time: four
+             * independent vdpbf16ps chains hide the instruction's latency */
+            float sc[PQ * MAX_GROUP][16];
+            for (int64_t v0 = 0; v0 < nv; v0 += 4) {
+                const uint16_t *qv[4];
+                for (int u = 0; u < 4; u++) {
+                    const int64_t v = v0 + u < nv ? v0 + u : v0;
+                    qv[u] = q + (i0 + v / g_n) * q_row_stride + (j * g_n + v % g_n) * d;
+                }
+                __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+                for (int64_t p = 0; p < d / 2; p++) {
+                    __m512bh kp = (__m512bh)_mm512_loadu_si512(kt[p]);
+                    int32_t a0, a1, a2, a3;
+                    memcpy(&a0, qv[0] + 2 * p, 4);
+                    memcpy(&a1, qv[1] + 2 * p, 4);
+                    memcpy(&a2, qv[2] + 2 * p, 4);
+                    memcpy(&a3, qv[3] + 2 * p, 4);
+                    s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(a0), kp);
+                    s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32(a1), kp);
+                    s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_set1_epi32(a2), kp);
+                    s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_set1_epi32(a3), kp);
+                }
+                _mm512_storeu_ps(sc[v0], s0);
+                if (v0 + 1 < nv) _mm512_storeu_ps(sc[v0 + 1], s1);
+                if (v0 + 2 < nv) _mm512_storeu_ps(sc[v0 + 2], s2);
+                if (v0 + 3 < nv) _mm512_storeu_ps(sc[v0 + 3], s3);
+            }
+            for (int64_t v = 0; v < nv; v++) {
+                const int64_t qi = i0 + v / g_n, qpos = start + qi;
+                if (t0 > qpos) continue; /* this chunk is entirely in the query's future */
+                __m512 sv = _mm512_loadu_ps(sc[v]);
+                const int64_t visible = qpos - t0 + 1; /* keys t0 .. qpos */
+                const __mmask16 mask = tail_mask(visible < kn ? visible : kn);
+                sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, _mm512_mul_ps(sv, _mm512_set1_ps(scale)));
+                const float new_m = fmaxf(m[v], _mm512_reduce_max_ps(sv));
+                const float corr = expf(m[v] - new_m);
+                __m512 pv = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(new_m))));
+                l[v] = l[v] * corr + _mm512_reduce_add_ps(pv);
+                m[v] = new_m;
+                float pw[16];
+                _mm512_storeu_ps(pw, pv);
+                /* two accumulators per 16 dimensions (even and odd keys): shorter FMA chains */
+                for (int64_t c = 0; c < d; c += 16) {
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc[v] + c), _mm512_set1_ps(corr));
+                    __m512 b = _mm512_setzero_ps();
+                    int64_t t = 0;
+                    for (; t + 1 < kn; t += 2) {
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(pw[t]), _mm512_loadu_ps(vf[t] + c), a);
+                        b = _mm512_fmadd_ps(_mm512_set1_ps(pw[t + 1]), _mm512_loadu_ps(vf[t + 1] + c), b);
+                    }
+                    if (t < kn) a = _mm512_fmadd_ps(_mm512_set1_ps(pw[t]), _mm512_loadu_ps(vf[t] + c), a);
+                    _mm512_storeu_ps(acc[v] + c, _mm512_add_ps(a, b));
+                }
+            }
+        }
+        for (int64_t v = 0; v < nv; v++) {
+            const int64_t qi = i0 + v / g_n, g = v % g_n;
+            __m512 inv = _mm512_set1_ps(1.0f / l[v]);
+            for (int64_t c = 0; c < d; c += 16)
+                store_bf16(out + (qi * heads + j * g_n + g) * d + c, _mm512_mul_ps(_mm512_loadu_ps(acc[v] + c), inv), 0xFFFF);
+        }
+    }
+}
