@@ -9,6 +9,7 @@ import pytest
 
 from cadence.clock import VirtualClock
 from cadence.executor.cost_model import (
+    BASES,
     FEATURE_SETS,
     RecordedStep,
     ReplayDivergence,
@@ -163,6 +164,27 @@ def test_sim_executor_cost_equals_the_model_past_every_knee(knee: str) -> None:
         out = _out(_sr("p", 9, 0), _sr("a", 1, ctx), _sr("b", 1, ctx // 2))
         ex.execute(out)
         assert ex.last_step_cost == pytest.approx(model.cost(out), rel=1e-12)
+
+
+def test_paths_features_and_their_inline_cost() -> None:
+    """"paths" prices the Python path of a step with a prompt chunk (one constant) and a decode row
+    more below 12 rows than above (min(decode rows, 12)); SimExecutor's inline sum agrees."""
+    mixed = StepFeatures.from_output(_out(_sr("p", 9, 0), _sr("a", 1, 30)))
+    assert mixed.bases()[BASES.index("prefill_step")] == 1.0
+    rows = [_sr(f"d{i}", 1, 40 + i) for i in range(20)]
+    for n, capped in ((3, 3), (12, 12), (20, 12)):
+        f = StepFeatures.from_output(_out(*rows[:n]))
+        assert f.bases()[BASES.index("decode_seqs_to_12")] == capped
+        assert f.bases()[BASES.index("prefill_step")] == 0.0
+    model = StepCostModel("paths", {"const": 0.004, "prefill_step": 0.003, "prefill_tokens": 2e-5, "decode_seqs": 1e-4,
+                                    "decode_seqs_to_12": 5e-4, "sampled": 2e-4, "decode_context": 1e-7,
+                                    "prefill_attention": 1e-9})
+    ex = SimExecutor(model)
+    for out in (_out(_sr("p", 9, 0), *rows[:5]), _out(*rows[:5]), _out(*rows), _out(_sr("p", 30, 8))):
+        ex.execute(out)
+        assert ex.last_step_cost == pytest.approx(model.cost(out), rel=1e-12)
+    # The 13th decode row (position 52) costs 1e-4, not 6e-4, plus its sampling and keys.
+    assert model.cost(_out(*rows[:13])) - model.cost(_out(*rows[:12])) == pytest.approx(1e-4 + 2e-4 + 53 * 1e-7)  # context 53
 
 
 def test_replay_executor_returns_recorded_tokens_and_times() -> None:

@@ -54,13 +54,13 @@ class Shape:
 def sweep_shapes(max_seqs: int, max_tokens: int, max_len: int, *, quick: bool = False, seed: int = 0) -> list[Shape]:
     """Shapes an engine with these limits produces: chunk sizes up to the token budget at several
     offsets, decode batches up to the sequence cap at equal and at spread-out context lengths, and
-    mixed steps (a chunk filling what a decode batch leaves of the budget). Sized to keep the
+    mixed steps (a chunk filling what a decode batch leaves of the budget, and a short one). Sized to keep the
     sweep near 3 minutes (quick: 30 s) for a 135M model on two CPU cores."""
     rng = random.Random(seed)
     cap = lambda vals, top: sorted({min(top, v) for v in vals})  # noqa: E731
     chunks = cap((64, 512) if quick else (16, 64, 128, 256, 512), max_tokens)
     starts = [s for s in ((0, 1024) if quick else (0, 512, 2048)) if s < max_len]
-    batches = cap((1, 16, 64) if quick else (1, 4, 16, 32, 64), max_seqs)
+    batches = cap((1, 16, 64) if quick else (1, 4, 8, 16, 32, 64), max_seqs)
     ctxs = [c for c in ((256, 2048) if quick else (256, 1024, 3072)) if c <= max_len] or [max_len]
     spread = max(17, min(max_len, 4096) // 2)
     shapes = [Shape(chunks=((n, st, True),)) for n in chunks for st in starts if n + st <= max_len]
@@ -73,6 +73,10 @@ def sweep_shapes(max_seqs: int, max_tokens: int, max_len: int, *, quick: bool = 
             st = rng.choice(starts)
             if n + st <= max_len:
                 shapes.append(Shape(chunks=((n, st, rng.random() < 0.5),), decode_contexts=dec))
+        if not quick:  # a chat prompt joining running decodes: a short chunk beside the batch
+            n = min(rng.choice((48, 160)), max_tokens - b + 1)
+            if n >= 2:
+                shapes.append(Shape(chunks=((n, 0, True),), decode_contexts=dec))
     return shapes
 
 
