@@ -167,24 +167,27 @@ def test_sim_executor_cost_equals_the_model_past_every_knee(knee: str) -> None:
 
 
 def test_paths_features_and_their_inline_cost() -> None:
-    """"paths" prices the Python path of a step with a prompt chunk (one constant) and a decode row
-    more below 12 rows than above (min(decode rows, 12)); SimExecutor's inline sum agrees."""
-    mixed = StepFeatures.from_output(_out(_sr("p", 9, 0), _sr("a", 1, 30)))
+    """"paths" prices a step with a prompt chunk on its own path: one constant more, and its decode
+    rows at the chunk's per-token price, not at the one-call decode path's; SimExecutor's inline
+    sum agrees (a folded weight may be negative here: the columns are not)."""
+    rows = [_sr(f"d{i}", 1, 40 + i) for i in range(5)]
+    mixed = StepFeatures.from_output(_out(_sr("p", 9, 0), *rows))
     assert mixed.bases()[BASES.index("prefill_step")] == 1.0
-    rows = [_sr(f"d{i}", 1, 40 + i) for i in range(20)]
-    for n, capped in ((3, 3), (12, 12), (20, 12)):
-        f = StepFeatures.from_output(_out(*rows[:n]))
-        assert f.bases()[BASES.index("decode_seqs_to_12")] == capped
-        assert f.bases()[BASES.index("prefill_step")] == 0.0
-    model = StepCostModel("paths", {"const": 0.004, "prefill_step": 0.003, "prefill_tokens": 2e-5, "decode_seqs": 1e-4,
-                                    "decode_seqs_to_12": 5e-4, "sampled": 2e-4, "decode_context": 1e-7,
+    assert mixed.bases()[BASES.index("decode_seqs_beside_prefill")] == 5
+    alone = StepFeatures.from_output(_out(*rows))
+    assert alone.bases()[BASES.index("prefill_step")] == 0.0 and alone.bases()[BASES.index("decode_seqs_beside_prefill")] == 0
+    model = StepCostModel("paths", {"const": 0.004, "prefill_step": 0.003, "tokens_of_prefill_steps": 2e-5,
+                                    "decode_seqs_alone": 6e-4, "sampled": 2e-4, "decode_context": 1e-7,
                                     "prefill_attention": 1e-9})
     ex = SimExecutor(model)
-    for out in (_out(_sr("p", 9, 0), *rows[:5]), _out(*rows[:5]), _out(*rows), _out(_sr("p", 30, 8))):
+    for out in (_out(_sr("p", 9, 0), *rows), _out(*rows), _out(_sr("p", 30, 8))):
         ex.execute(out)
         assert ex.last_step_cost == pytest.approx(model.cost(out), rel=1e-12)
-    # The 13th decode row (position 52) costs 1e-4, not 6e-4, plus its sampling and keys.
-    assert model.cost(_out(*rows[:13])) - model.cost(_out(*rows[:12])) == pytest.approx(1e-4 + 2e-4 + 53 * 1e-7)  # context 53
+    sixth = _sr("d5", 1, 45)  # context 46
+    assert model.cost(_out(*rows, sixth)) - model.cost(_out(*rows)) == pytest.approx(6e-4 + 2e-4 + 46e-7)
+    chunk = _sr("p", 9, 0)
+    assert model.cost(_out(chunk, *rows, sixth)) - model.cost(_out(chunk, *rows)) == pytest.approx(2e-5 + 2e-4 + 46e-7)
+    assert model.cost(_out(chunk)) == pytest.approx(0.004 + 0.003 + 9 * 2e-5 + 2e-4 + 45e-9)
 
 
 def test_replay_executor_returns_recorded_tokens_and_times() -> None:

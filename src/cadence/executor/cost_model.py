@@ -31,13 +31,12 @@ PROFILE_FORMAT = 1
 # Base quantities every feature set is linear in; the fitted model folds into one weight per base.
 BASES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context",
          "decode_padded", "decode_over_16k", "decode_over_32k", "decode_over_64k", "prefill_attention",
-         "prefill_step", "decode_seqs_to_12")
+         "prefill_step", "decode_seqs_beside_prefill")
 # The two paths of a CPU step (model/llama.py): an all-decode step runs every layer in one kernel
-# call, a step with a prompt chunk runs them one by one from Python, at a fixed cost more
-# ("prefill_step": 1 for such a step). And a decode row costs more in a small batch than in a large
-# one: the Q4_1 kernel widens the four-bit weights once per 3-row tile below 12 rows, once per
-# 6-row tile from 12 on ("decode_seqs_to_12" = min(decode rows, 12) carries the difference).
-TILE_ROWS = 12
+# call; a step with a prompt chunk runs them one by one from Python, at a fixed cost more
+# ("prefill_step": 1 for such a step), and its decode rows go through the same matmuls as the
+# chunk's tokens, so they cost what a prompt token does, not what a row of the one-call path does
+# ("decode_seqs_beside_prefill": the decode rows of such a step).
 # Where the gathered decode context outgrows the CPU's caches, each key costs more: hinges at a few
 # candidate knees (keys read by the decode batch) let the fit find the bend on this machine.
 KNEES = {"decode_over_16k": 16384, "decode_over_32k": 32768, "decode_over_64k": 65536}
@@ -61,8 +60,10 @@ FEATURE_SETS: dict[str, dict[str, dict[str, float]]] = {
                             "decode_padded", "prefill_attention"),
     **{f"padded+knee{k.removeprefix('decode_over_')}": _cols(
         "const", "prefill_tokens", "decode_seqs", "sampled", "decode_padded", k, "prefill_attention") for k in KNEES},
-    "paths": _cols("const", "prefill_step", "prefill_tokens", "decode_seqs", "decode_seqs_to_12", "sampled",
-                   "decode_context", "prefill_attention"),
+    "paths": {**_cols("const", "prefill_step"),
+              "tokens_of_prefill_steps": {"prefill_tokens": 1.0, "decode_seqs_beside_prefill": 1.0},
+              "decode_seqs_alone": {"decode_seqs": 1.0, "decode_seqs_beside_prefill": -1.0},
+              **_cols("sampled", "decode_context", "prefill_attention")},
 }
 DEFAULT_SIM_TOKEN = 13  # the scripted output token: any id works, the simulator has no EOS
 
@@ -111,7 +112,7 @@ class StepFeatures:
         pad = self.decode_padded
         return (1.0, self.prefill_tokens, self.prefill_seqs, self.decode_seqs, self.sampled, self.decode_context,
                 pad, max(0, pad - _K1), max(0, pad - _K2), max(0, pad - _K3), self.prefill_attention,
-                float(self.prefill_tokens > 0), min(self.decode_seqs, TILE_ROWS))
+                float(self.prefill_tokens > 0), self.decode_seqs if self.prefill_tokens else 0)
 
     def to_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in _FIELDS}
@@ -355,7 +356,7 @@ class SimExecutor:
         """One step's cost from its features (the names of `StepFeatures`, in `bases()` order)."""
         w = self._w
         cost = (w[0] + w[1] * pt + w[2] * ps + w[3] * ds + w[4] * sm + w[5] * dc + w[6] * pad + w[10] * pa
-                + w[11] * (pt > 0) + w[12] * min(ds, TILE_ROWS))
+                + w[11] * (pt > 0) + w[12] * (ds if pt else 0))
         if pad > _K1:  # the hinges (see KNEES)
             cost += w[7] * (pad - _K1) + w[8] * max(0, pad - _K2) + w[9] * max(0, pad - _K3)
         return max(cost, self._min_cost)
@@ -382,7 +383,7 @@ class SimExecutor:
         step = np.arange(run.num_steps, dtype=np.int64)
         dc = run.start_sum + n + n * step  # keys read: every row's context is its position + 1
         pad = n * (run.start_max + 1 + step)
-        cost = head + w[5] * dc + w[6] * pad + w[10] * 0 + w[11] * 0 + w[12] * min(n, TILE_ROWS)
+        cost = head + w[5] * dc + w[6] * pad + w[10] * 0 + w[11] * 0 + w[12] * 0
         knee = pad > _K1
         if knee.any():  # the hinges (see KNEES)
             hinge = w[7] * (pad - _K1) + w[8] * np.maximum(0, pad - _K2) + w[9] * np.maximum(0, pad - _K3)
