@@ -22,7 +22,7 @@ from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError
 from cadence.executor.cost_model import SimExecutor, StepCostModel
 from cadence.request import Request, SamplingParams
-from cadence.sched.output import DecodeBatch, DecodeRun, SchedulerOutput
+from cadence.sched.output import DecodeBatch, DecodeRun, ScheduledRequest, SchedulerOutput
 from cadence.sched.queue import FairQueue, RequestQueue
 from cadence.sched.stretch import blocks_allocated, first_allocations, steps_within
 from cadence.sim.simulator import SimOptions, SimResult, Simulator
@@ -71,6 +71,8 @@ def _request(rng: random.Random, i: int, shared: list[int]) -> Request:
 ENGINES = {
     "fcfs": dict(num_kv_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32),
     "fcfs-tight": dict(num_kv_blocks=30, block_size=4, max_num_seqs=6, max_num_batched_tokens=24),
+    # A budget a few decodes leave little of: prompts take several chunks beside them.
+    "fcfs-chunked": dict(num_kv_blocks=48, block_size=4, max_num_seqs=5, max_num_batched_tokens=10),
     "priority": dict(policy="priority", num_kv_blocks=40, block_size=4, max_num_batched_tokens=24),
     "fair": dict(policy="fair", num_kv_blocks=48, block_size=4, max_num_seqs=5, tenant_weights=(("a", 3.0),)),
     "fair-capped": dict(policy="fair", tenant_max_running=2, num_kv_blocks=48, block_size=4),
@@ -87,7 +89,7 @@ def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
     rng = random.Random(seed)
     ref, ff = _engine(**ENGINES[name]), _engine(**ENGINES[name])
     shared = [rng.randrange(1, 999) for _ in range(24)]
-    applied = cut = finished = 0
+    applied = cut = finished = chunked = 0
     for i in range(400):
         if rng.random() < 0.15:
             for engine in (ref, ff):
@@ -110,9 +112,11 @@ def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
                 finished += len(deltas[-1])
             applied += m
             cut += 0 < m < stretch.num_steps
+            chunked += m if stretch.prefill is not None else 0
         assert _state(ff) == _state(ref)
         ff.scheduler.check_integrity()
     assert applied > 10 and cut and finished  # the runs are worth comparing
+    assert chunked > 20 or name != "fcfs-chunked"  # prompt chunks rode in stretches beside decodes
     assert not ref.has_unfinished_requests() or ref.scheduler._step > 100
 
 
@@ -182,13 +186,18 @@ def test_decode_run_costs_are_what_execute_charges() -> None:
     for _ in range(30):
         ex = SimExecutor(MODEL, clock=VirtualClock())
         ex._w = tuple(rng.uniform(0, 1e-3) for _ in ex._w)
-        n = rng.randint(1, 40)
+        n = rng.randint(0, 40)
         starts = [rng.randrange(0, 4000) for _ in range(n)]
-        run = DecodeRun(n, sum(starts), max(starts), 30)
+        chunk, chunk_start = rng.choice(((0, 0), (rng.randint(2, 500), rng.randrange(0, 3000))))
+        if not n and not chunk:
+            continue
+        run = DecodeRun(n, sum(starts), max(starts, default=0), 30, chunk, chunk_start)
         costs = ex.decode_run_costs(run)
         for j, cost in enumerate(costs):
             batch = DecodeBatch(request_ids=tuple(f"r{i}" for i in range(n)), start_pos=tuple(s + j for s in starts))
-            ex.execute(SchedulerOutput(step=j, decodes=batch))
+            prompt = ScheduledRequest("p", (7,) * chunk, chunk_start + j * chunk, (), False, SamplingParams())
+            records = (prompt,) if chunk else ()
+            ex.execute(SchedulerOutput(step=j, scheduled=records, decodes=batch, decodes_before=(n,) * len(records)))
             assert ex.last_step_cost == cost
         widest = max(widest, n * (max(starts) + 30))
     assert widest > 65536  # past the last knee

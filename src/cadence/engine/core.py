@@ -174,8 +174,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ decode stretches (simulator)
     def plan_decode_stretch(self, max_steps: int) -> DecodeStretch | None:
-        """The next steps, if at least two of them would each schedule the same plain decodes and
-        nothing else (sched/stretch.py says when), with their costs and end times on this core's
+        """The next steps, if they would each schedule the same plain decodes and at most one
+        prompt chunk of the same size (sched/stretch.py says when), with their costs and end times on this core's
         clock; None otherwise, or if the executor does not cost decode runs. Changes nothing: the
         caller then applies some leading part of it with `apply_decode_stretch` before anything
         else touches this core (a request added, a step). Steps that would start at or after a
@@ -192,7 +192,7 @@ class EngineCore:
         # clock advances by each cost. Steps that would start at or after the deadline are dropped.
         times = list(accumulate(costs, initial=now))
         num_steps = bisect_left(times, stretch.not_after, 0, len(costs))
-        if num_steps < 2:
+        if not num_steps:
             return None
         stretch.num_steps, stretch.start_time = num_steps, now
         stretch.costs, stretch.step_ends = costs[:num_steps], times[1 : num_steps + 1]

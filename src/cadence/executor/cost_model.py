@@ -374,16 +374,20 @@ class SimExecutor:
     def decode_run_costs(self, run: DecodeRun) -> list[float]:
         """What `execute` would charge for each step of `run`, in order (charges nothing).
 
-        Step j decodes `run.num_seqs` rows, each at its first step's position plus j: the features
-        of `execute`'s batch path, from the run's totals instead of the columns, for all steps at
-        once. Each cost is `_cost(0, 0, n, n, dc, pad, 0)`: the same additions in the same order,
-        element by element (numpy neither reorders nor fuses them), so the same rounding."""
-        w, n = self._w, run.num_seqs
-        head = w[0] + w[1] * 0 + w[2] * 0 + w[3] * n + w[4] * n  # the terms no step changes
+        Step j decodes `run.num_seqs` rows, each at its first step's position plus j, and feeds the
+        run's prompt chunk (if any) at its start plus j chunks: the features of `execute`, from the
+        run's totals instead of the columns, for all steps at once. Each cost is
+        `_cost(c, ps, n, n, dc, pad, pa)` (c the chunk, ps 1 with a chunk): the same additions in
+        the same order, element by element (numpy neither reorders nor fuses them), so the same
+        rounding."""
+        w, n, c = self._w, run.num_seqs, run.chunk
+        ps = 1 if c else 0
+        head = w[0] + w[1] * c + w[2] * ps + w[3] * n + w[4] * n  # the terms no step changes
         step = np.arange(run.num_steps, dtype=np.int64)
         dc = run.start_sum + n + n * step  # keys read: every row's context is its position + 1
         pad = n * (run.start_max + 1 + step)
-        cost = head + w[5] * dc + w[6] * pad + w[10] * 0 + w[11] * 0 + w[12] * 0
+        pa = c * (run.chunk_start + c * step) + c * (c + 1) // 2  # the chunk's query-key pairs
+        cost = head + w[5] * dc + w[6] * pad + w[10] * pa + w[11] * (c > 0) + w[12] * (n if c else 0)
         knee = pad > _K1
         if knee.any():  # the hinges (see KNEES)
             hinge = w[7] * (pad - _K1) + w[8] * np.maximum(0, pad - _K2) + w[9] * np.maximum(0, pad - _K3)

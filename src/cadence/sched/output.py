@@ -84,15 +84,18 @@ NO_DECODES = DecodeBatch()
 
 @dataclass(frozen=True)
 class DecodeRun:
-    """`num_steps` consecutive steps that each schedule the same `num_seqs` plain decodes and
-    nothing else: row i decodes at its first step's position plus the step's index. What an
-    executor that sets `accepts_decode_runs` (the simulator's) needs to cost the steps: the
-    rows' first positions summed and their maximum."""
+    """`num_steps` consecutive steps that each schedule the same `num_seqs` plain decodes and, with
+    `chunk`, one prompt chunk of `chunk` tokens after them that samples nothing; nothing else. Row i
+    decodes at its first step's position plus the step's index; step j's chunk starts at
+    `chunk_start + j * chunk`. What an executor that sets `accepts_decode_runs` (the simulator's)
+    needs to cost the steps: the rows' first positions summed and their maximum, and the chunk."""
 
     num_seqs: int
     start_sum: int
     start_max: int
     num_steps: int
+    chunk: int = 0
+    chunk_start: int = 0
 
 
 @dataclass(frozen=True)

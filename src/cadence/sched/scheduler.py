@@ -333,42 +333,69 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode stretches (simulator)
     def plan_decode_stretch(self, now: float, token: int, max_steps: int) -> DecodeStretch | None:
-        """The steps from `now` on that would each schedule the running requests' plain decodes and
-        nothing else, every decode sampling `token` (up to `max_steps`; None if fewer than two).
-        Changes nothing (see sched/stretch.py)."""
+        """The steps from `now` on that would each schedule the running requests' plain decodes,
+        every decode sampling `token`, and at most the prompt chunk of the last running request
+        (up to `max_steps`; None if none). Changes nothing (see sched/stretch.py)."""
         running = self.running
         if not running or len(running) > self.config.max_num_batched_tokens or self._pending_deltas:
             return None  # with more running requests than the token budget, some wait their turn
+        prefill, chunk = self._stretch_prefill()
+        decodes = running[:-1] if prefill is not None else running
         not_after = self._deadlines[0][0] if self._deadlines else math.inf
         # The steps in which every request goes on, then the step in which the first ones finish.
-        finish_step = self._decode_steps_left(token, max_steps) if now < not_after else -1
+        finish_step = self._decode_steps_left(decodes, token, max_steps) if now < not_after else -1
         num_steps = min(finish_step + 1, max_steps)
-        if num_steps < 2:
-            return None
         kv = self.kv
         tables = kv.block_tables
-        starts = tuple(r.num_computed_tokens for r in running)
-        bs = kv.block_size
-        first = first_allocations(starts, [len(tables.get(r.request_id, ())) for r in running], bs)
-        # Steps the free blocks last (nothing is freed in a stretch); a step short of blocks preempts.
-        num_steps = steps_within(first, bs, num_steps, kv.num_free_blocks)
-        if num_steps < 2:
+        prefill_blocks = None
+        if prefill is not None:
+            start = prefill.num_computed_tokens
+            # Its chunks but the last, which samples and may leave budget to the waiting queue.
+            num_steps = min(num_steps, (prefill.num_tokens - start - 1) // chunk)
+            prefill_blocks = (start, len(tables.get(prefill.request_id, ())), chunk)
+        if num_steps < 1:
             return None
-        if self.waiting and not self._static:  # (a static batch admits only when it is empty)
+        starts = tuple(r.num_computed_tokens for r in decodes)
+        bs = kv.block_size
+        first = first_allocations(starts, [len(tables.get(r.request_id, ())) for r in decodes], bs)
+        # Steps the free blocks last (nothing is freed in a stretch); a step short of blocks preempts.
+        num_steps = steps_within(first, bs, num_steps, kv.num_free_blocks, prefill_blocks)
+        if num_steps < 1:
+            return None
+        # (A static batch admits only when it is empty; a prompt chunk spends the whole budget.)
+        if self.waiting and not self._static and prefill is None:
             limits = self._waiting_limits(starts, first, num_steps)
             if limits is None:
                 return None
             num_steps = steps_within(first, bs, limits[1], limits[0])
-            if num_steps < 2:
+            if num_steps < 1:
                 return None
-        return DecodeStretch(self._step, tuple(running), starts, first, token, num_steps, not_after, finish_step)
+        stretch = DecodeStretch(self._step, tuple(decodes), starts, first, token, num_steps, not_after, finish_step)
+        if prefill is not None:
+            stretch.prefill, stretch.prefill_start, stretch.chunk = prefill, prefill.num_computed_tokens, chunk
+        return stretch
 
-    def _decode_steps_left(self, token: int, max_steps: int) -> int:
-        """Steps (up to `max_steps`) in which every running request decodes and goes on; -1 unless
+    def _stretch_prefill(self) -> tuple[Request | None, int]:
+        """The running request whose prompt chunks a stretch may carry, and its chunk: the last
+        one, if the budget the others leave (one token each) is not its last chunk; (None, 0) if
+        none or where its chunks would not spend the whole budget (see sched/stretch.py)."""
+        cfg, running = self.config, self.running
+        last = running[-1]
+        chunk = cfg.max_num_batched_tokens - (len(running) - 1)
+        if last.num_tokens - last.num_computed_tokens <= chunk:
+            return None, 0  # a decode, or its last chunk
+        threshold = cfg.long_prefill_token_threshold
+        if (not cfg.enable_chunked_prefill or (threshold and threshold < chunk) or chunk < 2
+                or self.waiting.tracks_service):
+            return None, 0
+        return last, chunk
+
+    def _decode_steps_left(self, decodes: list[Request], token: int, max_steps: int) -> int:
+        """Steps (up to `max_steps`) in which every one of `decodes` decodes and goes on; -1 unless
         each is a plain decode that `token` does not stop."""
         steps = max_steps
         max_len = self.max_model_len
-        for req in reversed(self.running):  # newest first: the likeliest to be mid-prefill
+        for req in reversed(decodes):  # newest first: the likeliest to be mid-prefill
             outputs = req.output_token_ids
             start = req.num_computed_tokens
             sp = req.sampling_params
@@ -448,7 +475,11 @@ class Scheduler:
         if self.waiting.tracks_service:
             self.waiting.account_decodes(reqs, num_steps)
         num_tokens = len(reqs) * num_steps
-        self._num_live_tokens += num_tokens
+        prompt_tokens = stretch.chunk * num_steps
+        if stretch.prefill is not None:
+            stretch.prefill.num_computed_tokens = stretch.prefill_start + prompt_tokens
+            self._stats.num_prompt_tokens += prompt_tokens
+        self._num_live_tokens += num_tokens + prompt_tokens
         self._step += num_steps
         self._now = stretch.step_ends[num_steps - 2] if num_steps > 1 else stretch.start_time
         # The first step's output would have carried these to the executor.
@@ -479,7 +510,9 @@ class Scheduler:
     def _stretch_blocks(self, stretch: DecodeStretch, num_steps: int) -> None:
         """The block operations of a stretch's first `num_steps` steps, in single-step order: each step
         allocates for the rows entering a new block, then publishes the blocks rows filled, both in
-        scheduling order. Only those events are visited (one per row every `block_size` steps)."""
+        scheduling order. Only those events are visited (one per decode row every `block_size`
+        steps; the prompt chunk's row, after the decodes, has both every step: `allocate_slots`
+        and `cache_computed_blocks` do nothing where it needs no block and fills none)."""
         kv = self.kv
         bs = kv.block_size
         reqs, starts = stretch.requests, stretch.starts
@@ -489,9 +522,15 @@ class Scheduler:
         if kv.enable_prefix_caching:  # (publishing is a no-op otherwise)
             for i, start in enumerate(starts):
                 events += [(j, 1, i) for j in range((-start - 1) % bs, num_steps, bs)]  # start + j + 1 fills a block
+        prefill, row = stretch.prefill, len(reqs)
+        if prefill is not None:
+            events += [(j, kind, row) for j in range(num_steps) for kind in (0, 1)]
         events.sort()
         allocate, publish = kv.allocate_slots, kv.cache_computed_blocks
         for j, kind, i in events:
+            if i == row:
+                self._stretch_chunk(stretch, j, kind)
+                continue
             req = reqs[i]
             if kind:
                 req.num_computed_tokens = starts[i] + j + 1
@@ -500,6 +539,18 @@ class Scheduler:
                 req.num_computed_tokens = starts[i] + j
                 if allocate(req, 1) is None:
                     raise AssertionError(f"{req.request_id}: the stretch ran out of blocks")
+
+    def _stretch_chunk(self, stretch: DecodeStretch, step: int, publish: int) -> None:
+        """Step `step` of a stretch's prompt chunks: its blocks allocated (0), or those it filled published (1)."""
+        req, chunk = stretch.prefill, stretch.chunk
+        assert req is not None
+        if publish:
+            req.num_computed_tokens = stretch.prefill_start + chunk * (step + 1)
+            self.kv.cache_computed_blocks(req)
+        else:
+            req.num_computed_tokens = stretch.prefill_start + chunk * step
+            if self.kv.allocate_slots(req, chunk) is None:
+                raise AssertionError(f"{req.request_id}: the stretch ran out of blocks")
 
     # ------------------------------------------------------------------ results
     def update(self, out: SchedulerOutput, model_output: ModelOutput, now: float) -> list[RequestDelta]:

@@ -1,4 +1,5 @@
-"""Decode stretches: steps ahead that would each schedule the same plain decodes and nothing else.
+"""Decode stretches: steps ahead that would each schedule the same plain decodes (and at most one
+prompt chunk of the same size) and nothing else.
 
 The simulator's fast-forward. When every running request is a plain decode, no waiting request can
 be admitted and nothing is about to end, the next steps are all alike: each feeds every running
@@ -25,8 +26,17 @@ It ends before the first step in which anything else could differ:
   at most), and stops short of allocating a free block that the request's hit counts on, and of
   a step where a running request publishes the block that would extend the hit.
 
-Anything else (a request not yet decoding, penalties or logprobs, more running requests than the
-token budget) plans no stretch: the single step runs. Arrivals are the caller's bound: the
+One request may still be in its prompt: the last running one (where admission puts it), with more
+than one chunk to go. Each step then also gives it the chunk the decodes leave of the token budget
+(allocated after theirs, published after theirs, as a single step orders its rows), and the
+stretch stops before its last chunk, which samples its first token and may leave budget to the
+waiting queue. Since its chunks spend the whole budget, the waiting queue is never looked at in
+such a stretch, whatever it holds. (Not under fair share, whose counters would interleave the
+chunk's prompt tokens with the decodes' outputs, nor with unchunked prefill or a chunk threshold
+below the chunk.)
+
+Anything else (a request not yet decoding elsewhere, penalties or logprobs, more running requests
+than the token budget) plans no stretch: the single step runs. Arrivals are the caller's bound: the
 simulator applies a stretch only up to the first step that starts at or after a request reaches
 the replica.
 """
@@ -45,13 +55,16 @@ class DecodeStretch:
     """Steps planned on one scheduler state; valid until that scheduler does anything else."""
 
     step: int  # the scheduler's step count when planned (the stretch's first step is step + 1)
-    requests: tuple[Request, ...]  # the running requests, in scheduling order
+    requests: tuple[Request, ...]  # the running requests that decode, in scheduling order
     starts: tuple[int, ...]  # each one's computed tokens before the first step
     first_allocations: list[int]  # the step at which each one first takes a block (first_allocations)
     token: int  # what every decode samples
     num_steps: int  # steps planned; the engine core may cut them at a deadline
     not_after: float  # the earliest pending deadline: no step of the stretch may start at or after it
     finish_step: int  # the step in which the first requests finish (by length), if the stretch reaches it
+    prefill: Request | None = None  # the running request in its prompt, scheduled after the decodes
+    prefill_start: int = 0  # its computed tokens before the first step
+    chunk: int = 0  # the prompt tokens it gets in each step
     start_time: float = 0.0  # clock reading at the first step (set by the engine core)
     costs: list[float] = field(default_factory=list)  # each step's cost (engine core)
     step_ends: list[float] = field(default_factory=list)  # clock reading after each step (engine core)
@@ -63,7 +76,9 @@ class DecodeStretch:
 
     @property
     def run(self) -> DecodeRun:
-        return DecodeRun(len(self.starts), sum(self.starts), max(self.starts), self.num_steps)
+        starts = self.starts
+        return DecodeRun(len(starts), sum(starts), max(starts, default=0), self.num_steps, self.chunk,
+                         self.prefill_start)
 
     @property
     def request_ids(self) -> list[str]:
@@ -81,14 +96,29 @@ def blocks_allocated(first: Sequence[int], block_size: int, num_steps: int) -> i
     return sum((num_steps - 1 - j) // block_size + 1 for j in first if j < num_steps)
 
 
-def steps_within(first: Sequence[int], block_size: int, num_steps: int, num_blocks: float) -> int:
-    """The most leading steps, up to `num_steps`, whose allocations together take at most `num_blocks`."""
-    if blocks_allocated(first, block_size, num_steps) <= num_blocks:
+def chunk_blocks(prefill: tuple[int, int, int] | None, block_size: int, num_steps: int) -> int:
+    """Blocks a prompt's first `num_steps` chunks take: `prefill` is (computed tokens, blocks held,
+    chunk size); its table grows to cover what the chunks reach."""
+    if prefill is None:
+        return 0
+    start, held, chunk = prefill
+    return max(0, -(-(start + chunk * num_steps) // block_size) - held)
+
+
+def steps_within(first: Sequence[int], block_size: int, num_steps: int, num_blocks: float,
+                 prefill: tuple[int, int, int] | None = None) -> int:
+    """The most leading steps, up to `num_steps`, whose allocations together take at most `num_blocks`:
+    the decode rows' (`first`: `first_allocations`), and with `prefill` a prompt's chunks' (`chunk_blocks`)."""
+
+    def taken(steps: int) -> int:
+        return blocks_allocated(first, block_size, steps) + chunk_blocks(prefill, block_size, steps)
+
+    if taken(num_steps) <= num_blocks:
         return num_steps
     lo, hi = 0, num_steps  # lo steps fit, hi do not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if blocks_allocated(first, block_size, mid) <= num_blocks:
+        if taken(mid) <= num_blocks:
             lo = mid
         else:
             hi = mid

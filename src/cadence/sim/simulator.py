@@ -300,7 +300,9 @@ class Simulator:
     def _entry(stretch: DecodeStretch) -> float:
         """When a coasting replica comes up: its stretch's finishing step's start, or its end."""
         ends = stretch.step_ends
-        return ends[-2] if stretch.finishes else ends[-1]
+        if not stretch.finishes:
+            return ends[-1]
+        return ends[-2] if len(ends) > 1 else stretch.start_time
 
     def _arrive(self, rep: _Replica) -> None:
         """Coasting `rep` came up: apply its whole stretch, then step on as `_step` would."""
