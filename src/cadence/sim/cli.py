@@ -70,7 +70,7 @@ def add_parser(subparsers: Any) -> None:
     c.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="GGUF file or Hugging Face directory")
     add_engine_args(c)
     c.add_argument("--quick", action="store_true", help="a smaller sweep (about 30 s)")
-    c.add_argument("--repeats", type=int, default=None, help="timed runs per shape (median; default 3, quick 2)")
+    c.add_argument("--repeats", type=int, default=None, help="timed runs per shape (median; default 5, quick 2)")
     c.add_argument("--out", default="cadence_profile.json", help="profile to write (default %(default)s)")
     c.add_argument("--tiny", action="store_true", help="the tiny random-weight model (testing)")
     c.add_argument("--no-serve", action="store_true",
