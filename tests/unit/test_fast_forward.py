@@ -183,7 +183,7 @@ def test_decode_run_costs_are_what_execute_charges() -> None:
     """Bit for bit, past every knee, with every weight in play (randomised folded weights)."""
     rng = random.Random(4)
     widest = 0
-    for _ in range(30):
+    for _ in range(60):  # (short runs are costed step by step, longer ones with numpy)
         ex = SimExecutor(MODEL, clock=VirtualClock())
         ex._w = tuple(rng.uniform(0, 1e-3) for _ in ex._w)
         n = rng.randint(0, 40)
@@ -191,7 +191,7 @@ def test_decode_run_costs_are_what_execute_charges() -> None:
         chunk, chunk_start = rng.choice(((0, 0), (rng.randint(2, 500), rng.randrange(0, 3000))))
         if not n and not chunk:
             continue
-        run = DecodeRun(n, sum(starts), max(starts, default=0), 30, chunk, chunk_start)
+        run = DecodeRun(n, sum(starts), max(starts, default=0), rng.choice((1, 3, 30)), chunk, chunk_start)
         costs = ex.decode_run_costs(run)
         for j, cost in enumerate(costs):
             batch = DecodeBatch(request_ids=tuple(f"r{i}" for i in range(n)), start_pos=tuple(s + j for s in starts))
@@ -199,7 +199,9 @@ def test_decode_run_costs_are_what_execute_charges() -> None:
             records = (prompt,) if chunk else ()
             ex.execute(SchedulerOutput(step=j, scheduled=records, decodes=batch, decodes_before=(n,) * len(records)))
             assert ex.last_step_cost == cost
-        widest = max(widest, n * (max(starts) + 30))
+        assert len(costs) == run.num_steps
+        if run.num_steps > 4:  # the numpy path
+            widest = max(widest, n * (max(starts, default=0) + run.num_steps))
     assert widest > 65536  # past the last knee
 
 

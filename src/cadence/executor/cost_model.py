@@ -65,6 +65,7 @@ FEATURE_SETS: dict[str, dict[str, dict[str, float]]] = {
               "decode_seqs_alone": {"decode_seqs": 1.0, "decode_seqs_beside_prefill": -1.0},
               **_cols("sampled", "decode_context", "prefill_attention")},
 }
+_FEW_STEPS = 4  # decode runs this short are costed step by step (SimExecutor.decode_run_costs)
 DEFAULT_SIM_TOKEN = 13  # the scripted output token: any id works, the simulator has no EOS
 
 
@@ -382,6 +383,9 @@ class SimExecutor:
         rounding."""
         w, n, c = self._w, run.num_seqs, run.chunk
         ps = 1 if c else 0
+        if run.num_steps <= _FEW_STEPS:  # numpy's fixed cost is more than a few `_cost` calls
+            return [self._cost(c, ps, n, n, run.start_sum + n + n * j, n * (run.start_max + 1 + j),
+                               c * (run.chunk_start + c * j) + c * (c + 1) // 2) for j in range(run.num_steps)]
         head = w[0] + w[1] * c + w[2] * ps + w[3] * n + w[4] * n  # the terms no step changes
         step = np.arange(run.num_steps, dtype=np.int64)
         dc = run.start_sum + n + n * step  # keys read: every row's context is its position + 1

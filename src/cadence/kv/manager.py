@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 
 from cadence.kv.block_pool import Block, BlockPool
 from cadence.kv.hashing import BlockHash, hash_block, hash_full_blocks
@@ -45,6 +46,7 @@ class PrefixCacheStats:
 
 
 _EMPTY = KVBlocks()
+_block_id = attrgetter("block_id")  # tuple(map(...)) is a C loop; a generator costs more than the ids
 
 
 class KVCacheManager:
@@ -143,7 +145,7 @@ class KVCacheManager:
             if new_blocks is None:
                 return None
             table.extend(new_blocks)
-            new_ids = tuple(b.block_id for b in new_blocks)
+            new_ids = tuple(map(_block_id, new_blocks))
             self._table_ids[rid] = self._table_ids.get(rid, ()) + new_ids
             return KVBlocks(new_ids)
         if computed_blocks and table:
@@ -164,7 +166,7 @@ class KVCacheManager:
             self._num_cached[rid] = len(hit)
         new_blocks = self.pool.allocate(num_new_blocks)
         assert new_blocks is not None, "free count checked above"
-        new_ids = tuple(b.block_id for b in new_blocks)
+        new_ids = tuple(map(_block_id, new_blocks))
         if new_blocks or hit:
             table.extend(new_blocks)
             self._table_ids[rid] = self._table_ids.get(rid, ()) + computed_blocks.block_ids + new_ids
