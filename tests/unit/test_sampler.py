@@ -207,3 +207,50 @@ def test_top_k_top_p_candidates_and_fallback_match_a_full_sort():
         assert kept == reference_keep(logits[i], k, p), f"row {i}"
         assert torch.equal(out[i][sorted(kept)], logits[i][sorted(kept)])  # kept logits untouched
     assert len(reference_keep(logits[1], 0, 0.9)) > 256  # the fallback really was exercised
+
+
+kernels_or_skip = pytest.mark.skipif(
+    __import__("cadence.model.cpu_kernels", fromlist=["cpu_kernels"]).cpu_kernels() is None,
+    reason="CPU without AVX512-BF16 or no C compiler: the torch path samples every row")
+
+
+@kernels_or_skip
+def test_sampling_kernel_inverts_the_same_cdf_as_torch():
+    """The kernel's draw at a given uniform is the torch path's (softmax, cumsum, search) but where
+    the two roundings put the uniform on different sides of a boundary; -inf tokens never come out,
+    at u = 0 and at u just below 1 included; a ragged vocabulary (not a multiple of 16) is read to its end."""
+    from cadence.model.cpu_kernels import cpu_kernels
+
+    k = cpu_kernels()
+    g = torch.Generator().manual_seed(5)
+    for vocab in (49152, 1000, 37):
+        logits = torch.randn(64, vocab, generator=g) * 4
+        logits[:, ::3] = float("-inf")  # a third filtered out
+        temps = torch.rand(64, generator=g) * 1.5 + 0.2
+        agree = 0
+        for trial in range(8):
+            u = torch.rand(64, generator=g)
+            if trial == 0:
+                u[:4] = torch.tensor([0.0, 1e-9, 1.0 - 2**-24, 0.5])
+            got = k.sample(logits, temps, u)
+            want = Sampler._inverse_cdf(logits.clone(), temps.clone(), u, [req(SamplingParams(temperature=1.0))] * 64)
+            assert bool((got % 3 != 0).all()), "a filtered token was drawn"
+            assert bool(((got >= 0) & (got < vocab)).all())
+            agree += int((got == want).sum())
+        assert agree >= 0.99 * 8 * 64, agree
+
+
+@kernels_or_skip
+def test_rows_sample_the_same_beside_filtered_rows():
+    """A plain temperature row takes the kernel, a top-p row the torch path; neither depends on the other."""
+    logits = rand_logits(3, seed=9)
+    seeded = [req(SamplingParams(temperature=0.8, seed=7), "a", n_out=n) for n in range(20)]
+    alone = [Sampler()(logits[:1], [r]).token_ids[0] for r in seeded]
+    beside = [Sampler()(logits, [r, req(SamplingParams(temperature=0.7, top_p=0.5, seed=3), "b"),
+                                 req(SamplingParams(temperature=0.0), "c")]).token_ids[0] for r in seeded]
+    assert alone == beside and len(set(alone)) > 3
+    mixed = Sampler()(logits, [seeded[0], req(SamplingParams(temperature=0.7, top_p=0.5, seed=3), "b"),
+                               req(SamplingParams(temperature=0.0), "c")]).token_ids
+    assert mixed[2] == int(logits[2].argmax())
+    top_p_alone = Sampler()(logits[1:2], [req(SamplingParams(temperature=0.7, top_p=0.5, seed=3), "b")]).token_ids[0]
+    assert mixed[1] == top_p_alone

@@ -55,6 +55,7 @@ _SIGNATURES = {
     "cadence_silu_mul": [_P, _P, _I64, _I64, _INT],
     "cadence_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
     "cadence_prefill_attention": [_P, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT],
+    "cadence_sample": [_P, _I64, _I64, _P, _P, _P, _INT],
     "cadence_decode_attention": [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
                                  _I64, _INT],
 }
@@ -107,6 +108,7 @@ class CpuKernels:
         self._decode_attention = lib.cadence_decode_attention
         self._decode_layers = lib.cadence_decode_layers
         self._prefill_attention = lib.cadence_prefill_attention
+        self._sample = lib.cadence_sample
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -232,6 +234,19 @@ class CpuKernels:
         out = torch.empty(n, h, d, dtype=torch.bfloat16)
         self._prefill_attention(q.data_ptr(), q.stride(0), cache.data_ptr(), table.data_ptr(), start, n,
                                 out.data_ptr(), h, kvh, d, bs, num_blocks, d**-0.5, torch.get_num_threads())
+        return out
+
+    def sample(self, logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One token per row of logits [S, V] float32 from softmax(logits / temps) at the uniforms
+        u [S] in [0, 1) (inverse CDF, as a cumulative sum and a search would draw it). -> [S] int64.
+        Tokens more than e^87 times less likely than the row's top one (filtered -inf ones among
+        them) are never drawn."""
+        assert logits.dtype == temps.dtype == u.dtype == torch.float32 and logits.dim() == 2
+        assert logits.device.type == "cpu" and logits.is_contiguous() and temps.is_contiguous() and u.is_contiguous()
+        s, v = logits.shape
+        assert temps.shape == u.shape == (s,)
+        out = torch.empty(s, dtype=torch.int64)
+        self._sample(logits.data_ptr(), s, v, temps.data_ptr(), u.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
     def decode_layers(self, x: torch.Tensor, layers: DecodeLayers, cache: torch.Tensor, slots: torch.Tensor,

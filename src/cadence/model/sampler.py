@@ -9,7 +9,9 @@ Penalty semantics (OpenAI / vLLM): the repetition penalty covers prompt and outp
 positive logit is divided by it, a negative one multiplied); presence and frequency penalties cover
 output tokens only (logit -= presence * [count > 0] + frequency * count).
 
-Random draws invert the CDF: one uniform number per row, located in the row's cumulative sum. A
+Random draws invert the CDF: one uniform number per row, located in the row's cumulative sum (for
+rows without top-k, top-p or min-p on a CPU with cadence's kernels, by the sampling kernel in one
+pass for the maximum and two over the weights; otherwise by softmax, cumsum and a search). A
 seeded request takes its number from a generator seeded by (seed, num_output_tokens), so its
 samples depend on nothing else in the batch and no state is carried between steps.
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cadence.model.cpu_kernels import cpu_kernels
 from cadence.request import MAX_LOGPROBS, SamplingParams
 from cadence.sched.output import ScheduledRequest, TokenLogprobs
 
@@ -72,8 +75,9 @@ class Sampler:
             # Fast path: the common serving case, one argmax and one host transfer for the batch.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), {})
         raw = logits
-        logits = self._processed(logits.clone(), reqs)
-        token_ids = self._pick(logits, reqs)
+        if any(_needs_processing(r) for r in reqs):
+            logits = self._processed(logits.clone(), reqs)  # a copy: `raw` feeds the logprobs
+        token_ids = self._pick(logits, reqs)  # (reads `logits`; its torch path divides a copy)
         return SamplerOutput(token_ids.tolist(), self._logprobs(raw, token_ids, reqs))
 
     # -- logits processing --------------------------------------------------------------------
@@ -94,21 +98,45 @@ class Sampler:
         return logits
 
     def _pick(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> torch.Tensor:
-        out = logits.argmax(dim=-1)
         flags = [r.sampling_params.greedy for r in reqs]
         if all(flags):
-            return out
-        greedy = torch.tensor(flags, device=logits.device)
+            return logits.argmax(dim=-1)
+        out = torch.zeros(len(reqs), dtype=torch.int64, device=logits.device)
+        if any(flags):
+            rows = torch.tensor([i for i, g in enumerate(flags) if g], device=logits.device)
+            out[rows] = logits[rows].argmax(dim=-1)
         temps = torch.tensor(
             [r.sampling_params.temperature or 1.0 for r in reqs], dtype=torch.float32, device=logits.device
         )
+        u = self._uniforms(reqs)[:, 0]
+        # Each row takes one way by its own parameters (a seeded row draws the same token whatever
+        # its neighbours ask for): plain temperature rows through cadence's CPU sampling kernel
+        # where it is available (one pass for the maximum, two over the weights: at 32 rows a
+        # quarter of what softmax, cumsum and search over [S, V] cost), the rest through torch.
+        kernels = cpu_kernels() if logits.device.type == "cpu" else None
+        plain = [i for i, r in enumerate(reqs) if not flags[i] and kernels is not None and _unfiltered(r)]
+        taken = set(plain)
+        rest = [i for i in range(len(reqs)) if not flags[i] and i not in taken]
+        if len(plain) == len(reqs):  # the common case: no index copies
+            return kernels.sample(logits.contiguous(), temps, u.contiguous())
+        if plain:
+            rows = torch.tensor(plain)
+            out[rows] = kernels.sample(logits[rows].contiguous(), temps[rows].contiguous(), u[rows].contiguous())
+        if rest:
+            rows = torch.tensor(rest, device=logits.device)
+            out[rows] = self._inverse_cdf(logits[rows], temps[rows], u[rows], [reqs[i] for i in rest])
+        return out
+
+    @staticmethod
+    def _inverse_cdf(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor,
+                     reqs: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """The draw with torch ops: temperature, the filters, softmax, cumulative sum, search. [S]"""
         probs = torch.softmax(filter_logits(logits.div_(temps[:, None]), reqs), dim=-1)
         cdf = probs.cumsum_(dim=-1)  # [S, V], in place: probs are not needed any more
-        u = self._uniforms(reqs) * cdf[:, -1:]  # scaled by the total, which rounding leaves near 1
+        target = u[:, None] * cdf[:, -1:]  # scaled by the total, which rounding leaves near 1
         # right=True: the first index whose cdf exceeds u. A filtered token (p = 0) never exceeds
         # the cdf of the token before it, so it can never be drawn, even for u = 0.
-        drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
-        return torch.where(greedy, out, drawn)
+        return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
 
     def _uniforms(self, reqs: Sequence[ScheduledRequest]) -> torch.Tensor:
         """[S, 1] uniforms in [0, 1): seeded rows from their own (seed, step) generator."""
@@ -139,6 +167,18 @@ class Sampler:
             top = tuple(zip(top_i[j][:n], top_v[j][:n], strict=True))
             out[i] = TokenLogprobs(token_id=toks[j], logprob=chosen_l[j], top=top)
         return out
+
+
+def _needs_processing(r: ScheduledRequest) -> bool:
+    """Whether `Sampler._processed` changes this row's logits (bias, blocked stop tokens, penalties)."""
+    p = r.sampling_params
+    return bool(p.logit_bias) or p.needs_history or _blocks_stop_tokens(r)
+
+
+def _unfiltered(r: ScheduledRequest) -> bool:
+    """No top-k, top-p or min-p: the whole vocabulary at the row's temperature."""
+    p = r.sampling_params
+    return p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0
 
 
 def step_seed(seed: int, step: int) -> int:

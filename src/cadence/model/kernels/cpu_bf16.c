@@ -622,3 +622,71 @@ void cadence_prefill_attention(const uint16_t *q, int64_t q_row_stride, const ui
         }
     }
 }
+
+/* ---- sampling ------------------------------------------------------------------------------ */
+
+/* exp((x - m) * inv_t) for 16 logits, 0 where that is below -87 (a filtered -inf logit, or a token
+ * some 1e-38 times less likely than the top one: exp512 would clamp it to a small nonzero). */
+static inline __m512 sample_weights(__m512 x, __m512 m, __m512 inv_t, __mmask16 tail) {
+    __m512 y = _mm512_mul_ps(_mm512_sub_ps(x, m), inv_t);
+    __mmask16 live = _mm512_mask_cmp_ps_mask(tail, y, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
+    return _mm512_maskz_mov_ps(live, exp512(y));
+}
+
+/* One token per row of logits [rows, vocab] float32, drawn from softmax(logits / temps[r]) by
+ * inverting its CDF at u[r] in [0, 1): the first token whose running sum of weights exceeds
+ * u[r] times their total, as a cumulative sum and a search would, in one pass for the maximum
+ * and two over the weights, 16 at a time. The total is the sum of the 16-token chunk sums in
+ * order, and the search walks the same chunk sums, so it always ends inside the vocabulary; a
+ * zero weight never exceeds the sum before it, so a filtered token is never drawn. */
+void cadence_sample(const float *logits, int64_t rows, int64_t vocab, const float *temps, const float *u,
+                    int64_t *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * vocab;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t i = 0; i < vocab; i += 16) {
+            __mmask16 tail = tail_mask(vocab - i);
+            mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, x + i));
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv)), inv_t = _mm512_set1_ps(1.0f / temps[r]);
+        float total = 0.0f;
+        for (int64_t i = 0; i < vocab; i += 16) {
+            __mmask16 tail = tail_mask(vocab - i);
+            total += _mm512_reduce_add_ps(sample_weights(_mm512_maskz_loadu_ps(tail, x + i), m, inv_t, tail));
+        }
+        const float target = u[r] * total;
+        float below = 0.0f;
+        int64_t pick = -1, last_live = 0;
+        for (int64_t i = 0; i < vocab && pick < 0; i += 16) {
+            __mmask16 tail = tail_mask(vocab - i);
+            __m512 w = sample_weights(_mm512_maskz_loadu_ps(tail, x + i), m, inv_t, tail);
+            float chunk = _mm512_reduce_add_ps(w);
+            if (chunk > 0.0f) last_live = i;
+            if (below + chunk <= target) {
+                below += chunk;
+                continue;
+            }
+            float wf[16], run = below;
+            _mm512_storeu_ps(wf, w);
+            for (int k = 0; k < 16 && i + k < vocab; k++) {
+                run += wf[k];
+                if (wf[k] > 0.0f && run > target) {
+                    pick = i + k;
+                    break;
+                }
+            }
+            if (pick < 0) /* the lanes summed one by one fell short of the chunk's tree sum: its last live token */
+                for (int k = 15; k >= 0 && pick < 0; k--)
+                    if (i + k < vocab && wf[k] > 0.0f) pick = i + k;
+        }
+        if (pick < 0) { /* target at the total (u rounds to 1): the last live token */
+            float wf[16];
+            __mmask16 tail = tail_mask(vocab - last_live);
+            _mm512_storeu_ps(wf, sample_weights(_mm512_maskz_loadu_ps(tail, x + last_live), m, inv_t, tail));
+            for (int k = 15; k >= 0 && pick < 0; k--)
+                if (last_live + k < vocab && wf[k] > 0.0f) pick = last_live + k;
+        }
+        out[r] = pick < 0 ? 0 : pick;
+    }
+}
