@@ -657,12 +657,13 @@ void cadence_sample(const float *logits, int64_t rows, int64_t vocab, const floa
         }
         const float target = u[r] * total;
         float below = 0.0f;
-        int64_t pick = -1, last_live = 0;
+        int64_t pick = -1, last_live = -1; /* the last token of nonzero weight seen so far */
         for (int64_t i = 0; i < vocab && pick < 0; i += 16) {
             __mmask16 tail = tail_mask(vocab - i);
             __m512 w = sample_weights(_mm512_maskz_loadu_ps(tail, x + i), m, inv_t, tail);
+            __mmask16 live = _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_GT_OQ);
+            if (live) last_live = i + 31 - __builtin_clz((unsigned)live);
             float chunk = _mm512_reduce_add_ps(w);
-            if (chunk > 0.0f) last_live = i;
             if (below + chunk <= target) {
                 below += chunk;
                 continue;
@@ -676,17 +677,10 @@ void cadence_sample(const float *logits, int64_t rows, int64_t vocab, const floa
                     break;
                 }
             }
-            if (pick < 0) /* the lanes summed one by one fell short of the chunk's tree sum: its last live token */
-                for (int k = 15; k >= 0 && pick < 0; k--)
-                    if (i + k < vocab && wf[k] > 0.0f) pick = i + k;
+            /* the lanes summed one by one fell short of the chunk's tree sum: its last live token */
+            if (pick < 0) pick = last_live;
         }
-        if (pick < 0) { /* target at the total (u rounds to 1): the last live token */
-            float wf[16];
-            __mmask16 tail = tail_mask(vocab - last_live);
-            _mm512_storeu_ps(wf, sample_weights(_mm512_maskz_loadu_ps(tail, x + last_live), m, inv_t, tail));
-            for (int k = 15; k >= 0 && pick < 0; k--)
-                if (last_live + k < vocab && wf[k] > 0.0f) pick = last_live + k;
-        }
+        if (pick < 0) pick = last_live; /* target at the total (u rounds to 1): the last live token */
         out[r] = pick < 0 ? 0 : pick;
     }
 }
