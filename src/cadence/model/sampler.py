@@ -42,13 +42,13 @@ class SamplerOutput:
 
 def _is_plain_greedy(r: ScheduledRequest) -> bool:
     p = r.sampling_params
-    return (
-        p.greedy
-        and not p.needs_history
-        and not p.logit_bias
-        and p.logprobs is None
-        and not _blocks_stop_tokens(r)
-    )
+    return p.greedy and p.logprobs is None and not _needs_processing(r)
+
+
+def _needs_processing(r: ScheduledRequest) -> bool:
+    """Whether `Sampler._processed` changes this row's logits (bias, blocked stop tokens, penalties)."""
+    p = r.sampling_params
+    return bool(p.logit_bias) or p.needs_history or _blocks_stop_tokens(r)
 
 
 def _blocks_stop_tokens(r: ScheduledRequest) -> bool:
@@ -101,10 +101,6 @@ class Sampler:
         flags = [r.sampling_params.greedy for r in reqs]
         if all(flags):
             return logits.argmax(dim=-1)
-        out = torch.zeros(len(reqs), dtype=torch.int64, device=logits.device)
-        if any(flags):
-            rows = torch.tensor([i for i, g in enumerate(flags) if g], device=logits.device)
-            out[rows] = logits[rows].argmax(dim=-1)
         temps = torch.tensor(
             [r.sampling_params.temperature or 1.0 for r in reqs], dtype=torch.float32, device=logits.device
         )
@@ -115,10 +111,14 @@ class Sampler:
         # quarter of what softmax, cumsum and search over [S, V] cost), the rest through torch.
         kernels = cpu_kernels() if logits.device.type == "cpu" else None
         plain = [i for i, r in enumerate(reqs) if not flags[i] and kernels is not None and _unfiltered(r)]
-        taken = set(plain)
-        rest = [i for i in range(len(reqs)) if not flags[i] and i not in taken]
         if len(plain) == len(reqs):  # the common case: no index copies
             return kernels.sample(logits.contiguous(), temps, u.contiguous())
+        taken = set(plain)
+        rest = [i for i in range(len(reqs)) if not flags[i] and i not in taken]
+        out = torch.zeros(len(reqs), dtype=torch.int64, device=logits.device)
+        if any(flags):
+            rows = torch.tensor([i for i, g in enumerate(flags) if g], device=logits.device)
+            out[rows] = logits[rows].argmax(dim=-1)
         if plain:
             rows = torch.tensor(plain)
             out[rows] = kernels.sample(logits[rows].contiguous(), temps[rows].contiguous(), u[rows].contiguous())
@@ -167,12 +167,6 @@ class Sampler:
             top = tuple(zip(top_i[j][:n], top_v[j][:n], strict=True))
             out[i] = TokenLogprobs(token_id=toks[j], logprob=chosen_l[j], top=top)
         return out
-
-
-def _needs_processing(r: ScheduledRequest) -> bool:
-    """Whether `Sampler._processed` changes this row's logits (bias, blocked stop tokens, penalties)."""
-    p = r.sampling_params
-    return bool(p.logit_bias) or p.needs_history or _blocks_stop_tokens(r)
 
 
 def _unfiltered(r: ScheduledRequest) -> bool:
