@@ -185,12 +185,7 @@ class AttentionMetadata:
             if s.num_tokens == 1:
                 first_decode = i
                 break
-            if kernels is not None:
-                nb = -(-s.end_pos // block_size)
-                prefills.append(PrefillChunk(row, row + s.num_tokens, s.start_pos, tables[i, :nb].contiguous(), None,
-                                             kernels))
-            else:
-                prefills.append(_prefill_chunk(s, row, tables[i], block_size, device))
+            prefills.append(_prefill_chunk(s, row, tables[i], block_size, device, kernels))
             row += s.num_tokens
         decode_seqs = seqs[first_decode:]
         assert all(s.num_tokens == 1 for s in decode_seqs), "single-token spans must come last"
@@ -268,12 +263,14 @@ def _padded_block_tables(seqs: Sequence[SeqSpan], block_size: int) -> torch.Tens
 
 
 def _prefill_chunk(
-    s: SeqSpan, row: int, table: torch.Tensor, block_size: int, device: torch.device
+    s: SeqSpan, row: int, table: torch.Tensor, block_size: int, device: torch.device, kernels: CpuKernels | None
 ) -> PrefillChunk:
+    nb = -(-s.end_pos // block_size)
+    if kernels is not None:  # the CPU prefill kernel reads the context in place: the blocks, no mask
+        return PrefillChunk(row, row + s.num_tokens, s.start_pos, table[:nb].contiguous(), None, kernels)
     if s.start_pos == 0:
         # The chunk is the whole context: attend to its own fresh K/V, plain causal, no gather.
         return PrefillChunk(row, row + s.num_tokens, 0, None, None)
-    nb = -(-s.end_pos // block_size)
     # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i (bottom-right causal);
     # that also hides the unused tail of the last block.
     q_pos = torch.arange(s.start_pos, s.end_pos)[:, None]
