@@ -8,6 +8,8 @@ sampling) computes the same model and stays batch-invariant.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from test_parity_real import (
@@ -23,6 +25,7 @@ from test_parity_real import (
 
 from cadence.executor.model_runner import ModelRunner
 from cadence.request import SamplingParams
+from cadence.sched.output import ScheduledRequest, SchedulerOutput
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,3 +73,98 @@ def test_cuda_engine_many_requests_same_as_alone():
     for i in (0, 7, 23):
         alone = llm.generate(prompts[i], params, use_tqdm=False)[0].outputs[0].token_ids
         assert alone == together[i]
+
+
+# -- A tiny random Llama (no checkpoint needed): transformers on the CPU is the reference ----------
+
+
+def _tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cadence.model.arch import ModelArchConfig
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, rope_theta=5000.0, initializer_range=0.1,
+                      tie_word_embeddings=True)
+    hf = LlamaForCausalLM(cfg).eval()
+    arch = ModelArchConfig(
+        architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+        num_kv_heads=2, head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-6, max_position_embeddings=512,
+        tie_word_embeddings=True, attention_bias=False,
+    )
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    return hf, arch, weights
+
+
+def _tiny_step(runner: ModelRunner, reqs: list[tuple[str, list[int], int, list[int]]], step: int,
+               params: SamplingParams = SamplingParams(temperature=0.0, max_tokens=64)):
+    so = SchedulerOutput(step=step, scheduled=tuple(
+        ScheduledRequest(rid, tuple(toks), start, tuple(table), True, params) for rid, toks, start, table in reqs))
+    return so
+
+
+def test_cuda_tiny_chunked_and_batched_match_transformers():
+    """Chunks, decodes and four requests in one flat batch on CUDA == transformers' full forward."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf, arch, weights = _tiny_llama()
+    runner = ModelRunner(arch, weights, dtype=torch.float32, device="cuda")
+    runner.initialize_kv_cache(num_blocks=64, block_size=4)
+    rng = random.Random(1)
+    lengths = {"a": 23, "b": 9, "c": 31, "d": 14}
+    tokens = {rid: [rng.randrange(256) for _ in range(n)] for rid, n in lengths.items()}
+    pool = random.Random(4).sample(range(64), 64)
+    tables = {rid: pool[i * 10: i * 10 + 10] for i, rid in enumerate(lengths)}
+    plan = {"a": [8, 8, 7], "b": [9], "c": [5, 12, 3, 4], "d": [1, 1, 6]}  # then 1-token steps
+    pos = dict.fromkeys(lengths, 0)
+    got: dict[str, list[tuple[int, torch.Tensor]]] = {rid: [] for rid in lengths}
+    step = 0
+    while any(pos[r] < lengths[r] for r in lengths):
+        reqs = []
+        for rid in lengths:
+            if pos[rid] >= lengths[rid] or (rid == "d" and step < 2):
+                continue
+            n = plan[rid].pop(0) if plan[rid] else 1
+            reqs.append((rid, tokens[rid][pos[rid]: pos[rid] + n], pos[rid], tables[rid]))
+            pos[rid] += n
+        logits = runner.compute_logits(_tiny_step(runner, reqs, step))
+        for rid, toks, start, _ in reqs:
+            assert logits[rid].device.type == "cuda"
+            got[rid].append((start + len(toks) - 1, logits[rid].cpu()))
+        step += 1
+    for rid in lengths:
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens[rid]])).logits[0].float()
+        ends = [e for e, _ in got[rid]]
+        torch.testing.assert_close(torch.stack([g for _, g in got[rid]]), ref[ends], atol=1e-4, rtol=0)
+
+
+def test_cuda_tiny_bfloat16_and_sampling():
+    """bfloat16 on CUDA tracks float32; a seeded temperature-1 row draws the same token alone and
+    beside others; greedy rows are argmaxes."""
+    hf, arch, weights = _tiny_llama(seed=3)
+    toks = [random.Random(5).randrange(256) for _ in range(20)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks])).logits[0, -1].float()
+    bf = ModelRunner(arch, weights, dtype=torch.bfloat16, device="cuda")
+    bf.initialize_kv_cache(16, 4)
+    got = bf.compute_logits(_tiny_step(bf, [("x", toks, 0, [3, 1, 4, 0, 5])], 0))["x"].cpu()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
+
+    runner = ModelRunner(arch, weights, dtype=torch.float32, device="cuda")
+    runner.initialize_kv_cache(64, 4)
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=8)
+    alone = runner.execute(_tiny_step(runner, [("s", toks, 0, [0, 1, 2, 3, 4])], 0, seeded))
+    so = SchedulerOutput(step=1, scheduled=(
+        ScheduledRequest("g", tuple(toks[:12]), 0, (10, 11, 12), True, SamplingParams(temperature=0.0)),
+        ScheduledRequest("s2", tuple(toks), 0, (20, 21, 22, 23, 24), True, seeded),
+        ScheduledRequest("p", tuple(toks[:7]), 0, (30, 31), True, SamplingParams(temperature=0.8, top_p=0.5)),
+    ))
+    mixed = runner.execute(so)
+    assert mixed.sampled_token_ids["s2"] == alone.sampled_token_ids["s"]
+    with torch.no_grad():
+        want_g = int(hf(torch.tensor([toks[:12]])).logits[0, -1].argmax())
+    assert mixed.sampled_token_ids["g"] == want_g
+    assert 0 <= mixed.sampled_token_ids["p"] < 256
