@@ -24,12 +24,13 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cadence import LLM
 from cadence.bench.report import percentile
 from cadence.request import Request, SamplingParams
-from cadence.workload import builtin_workload
+from cadence.workload import builtin_workload, read_azure_csv
 
 SEED = 0
 MIN_TOKEN_ID = 1000  # clear of the special tokens at the bottom of the vocabulary
@@ -127,16 +128,28 @@ def chat_sizes(n: int, max_prompt: int) -> list[tuple[int, int]]:
     return [(min(r.prompt_tokens, max_prompt), r.output_tokens) for r in wl.requests]
 
 
-def mixed_length_jobs(llm: LLM, n: int, scale: float) -> list[Job]:
-    """Short prompts (chat's, capped at 32 tokens); 85% of outputs 8..32 tokens, a 15% tail of
-    64..128 tokens. Prompts are kept short because both modes do the same prefill work: what
-    differs is how full the decode batch stays, and long prompts would only dilute that."""
+DEFAULT_OUTPUT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+MAX_MIXED_OUTPUT = 512
+
+
+def mixed_length_jobs(llm: LLM, n: int, scale: float, trace: Path | None = None) -> list[Job]:
+    """Short prompts (chat's, capped at 32 tokens) and mixed output lengths: many short, a few long.
+
+    With `trace` (an Azure LLM CSV), the output lengths are a seeded sample of the trace's
+    GeneratedTokens, capped at 512: the code trace's are median 13, p90 55, p99 252, a production
+    mix of exactly that shape. Without it, a synthetic stand-in: 85% of 8..32 tokens, 15% of 64..128.
+    Prompts are kept short because both modes do the same prefill work: what differs is how full
+    the decode batch stays, and long prompts would only dilute that."""
     rng = random.Random(f"mixed:{SEED}")
-    jobs = []
-    for i, (p, _) in enumerate(chat_sizes(n, 32)):
-        out = rng.randint(64, 128) if rng.random() < 0.15 else rng.randint(8, 32)
-        jobs.append(Job(f"m{i}", random_prompt(rng, p, llm), max(2, int(out * scale))))
-    return jobs
+    if trace is not None:
+        lengths = [r.output_tokens for r in read_azure_csv(trace).requests]
+        outs = [min(MAX_MIXED_OUTPUT, rng.choice(lengths)) for _ in range(n)]
+    else:
+        outs = [rng.randint(64, 128) if rng.random() < 0.15 else rng.randint(8, 32) for _ in range(n)]
+    return [
+        Job(f"m{i}", random_prompt(rng, p, llm), max(2, int(out * scale)))
+        for i, ((p, _), out) in enumerate(zip(chat_sizes(n, 32), outs, strict=True))
+    ]
 
 
 def shared_prefix_jobs(llm: LLM, n: int, system_tokens: int) -> list[Job]:
@@ -173,11 +186,11 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def bench_batching(tiny: bool, n: int, scale: float, max_num_seqs: int = 8) -> list[Row]:
+def bench_batching(tiny: bool, n: int, scale: float, max_num_seqs: int = 8, trace: Path | None = None) -> list[Row]:
     traces = {}
     for mode in ("continuous", "static"):
         llm = make_llm(tiny, scheduler=mode, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
-        traces[mode] = run_jobs(llm, mixed_length_jobs(llm, n, scale))
+        traces[mode] = run_jobs(llm, mixed_length_jobs(llm, n, scale, trace))
         del llm
     tput = {m: t.output_tokens() / (t.end - t.start) for m, t in traces.items()}
     p50 = {m: percentile(t.e2es(), 50) for m, t in traces.items()}
@@ -253,12 +266,22 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a small random-weight model: a quick smoke run")
     ap.add_argument("--only", default="batching,prefix,chunked", help="comma-separated subset")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="batching: the sequence cap of both modes")
+    ap.add_argument("--batching-requests", type=int, default=0,
+                    help="batching: requests in the mix (default 12x max_num_seqs; 3x with --tiny)")
+    ap.add_argument("--output-trace", default=str(DEFAULT_OUTPUT_TRACE),
+                    help="batching: an Azure LLM CSV whose output lengths the mix samples ('' for the "
+                         "synthetic 85%% short / 15%% long mix)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     tiny = args.tiny
+    trace = Path(args.output_trace) if args.output_trace else None
+    if trace is not None and not trace.is_file():
+        print(f"note: {trace} not found: the batching mix uses synthetic output lengths (--output-trace)")
+        trace = None
     parts = {
-        "batching": lambda: bench_batching(tiny, 3 * args.max_num_seqs, 0.5, args.max_num_seqs) if tiny
-        else bench_batching(tiny, 6 * args.max_num_seqs, 1.0, args.max_num_seqs),
+        "batching": lambda: bench_batching(tiny, args.batching_requests or 3 * args.max_num_seqs, 0.5,
+                                           args.max_num_seqs, trace) if tiny
+        else bench_batching(tiny, args.batching_requests or 12 * args.max_num_seqs, 1.0, args.max_num_seqs, trace),
         "prefix": lambda: bench_prefix(tiny, 8, 400) if tiny else bench_prefix(tiny, 24, 400),
         "chunked": lambda: bench_chunked(tiny, 18, 800, 2) if tiny else bench_chunked(tiny, 36, 1024, 3),
     }
