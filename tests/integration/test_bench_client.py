@@ -170,9 +170,13 @@ def test_closed_loop_chat_with_server_tokenizer(fake_server) -> None:
     url, state = fake_server
     state.tokenize = True
     w = _workload(9)
-    cfg = BenchConfig(base_url=url, endpoint="chat", workload=w, arrival="none", concurrency=3, progress=False)
+    cfg = BenchConfig(base_url=url, endpoint="chat", workload=w, arrival="none", concurrency=3, progress=False,
+                      temperature=0.7, top_p=0.9)
     res = run_benchmark(cfg)
     assert state.count == 9 and len(res.records) == 9
+    assert all(b["temperature"] == 0.7 and b["top_p"] == 0.9 for b in state.bodies)
+    with pytest.raises(ValueError, match="top_p"):
+        BenchConfig(base_url=url, workload=w, arrival="none", concurrency=1, top_p=1.5).validate()
     assert state.max_in_flight <= 3
     # One token per character here, so exact prompt sizes mean exact character counts.
     contents = [b["messages"][0]["content"] for b in state.bodies]

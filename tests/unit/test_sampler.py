@@ -242,7 +242,7 @@ def test_sampling_kernel_inverts_the_same_cdf_as_torch():
 
 @kernels_or_skip
 def test_rows_sample_the_same_beside_filtered_rows():
-    """A plain temperature row takes the kernel, a top-p row the torch path; neither depends on the other."""
+    """Plain, top-p and greedy rows side by side: none depends on the others."""
     logits = rand_logits(3, seed=9)
     seeded = [req(SamplingParams(temperature=0.8, seed=7), "a", n_out=n) for n in range(20)]
     alone = [Sampler()(logits[:1], [r]).token_ids[0] for r in seeded]
@@ -254,3 +254,68 @@ def test_rows_sample_the_same_beside_filtered_rows():
     assert mixed[2] == int(logits[2].argmax())
     top_p_alone = Sampler()(logits[1:2], [req(SamplingParams(temperature=0.7, top_p=0.5, seed=3), "b")]).token_ids[0]
     assert mixed[1] == top_p_alone
+
+
+@kernels_or_skip
+def test_filtered_kernel_keeps_what_filter_logits_keeps_and_draws_as_torch():
+    """top-k, top-p and min-p rows on the kernel: across the uniforms, the tokens drawn are exactly the
+    ones `filter_logits` keeps (peaked rows, flat rows whose nucleus spans thousands of tokens, rows
+    with -inf tokens, top-k with top-p, ragged vocabularies), and each draw is the torch path's at the
+    same uniform but where the two roundings put it on different sides of a boundary."""
+    from cadence.model.cpu_kernels import cpu_kernels
+
+    k = cpu_kernels()
+    g = torch.Generator().manual_seed(11)
+    cases = [  # (temperature, top_k, top_p, min_p, logit scale)
+        (1.0, 0, 0.9, 0.0, 4.0), (0.7, 0, 0.95, 0.0, 1.0), (1.0, 0, 0.97, 0.0, 0.3), (1.0, 40, 1.0, 0.0, 2.0),
+        (0.8, 50, 0.9, 0.0, 0.5), (1.2, 0, 1.0, 0.05, 2.0), (0.9, 20, 0.8, 0.1, 1.0), (1.0, 3, 0.5, 0.0, 3.0),
+        (1.0, 0, 0.995, 0.0, 0.3),  # row 3 spiked: its nucleus reaches into a tail of weights below 2^-12
+    ]
+    for vocab in (3000, 1001):
+        for temp, top_k, top_p, min_p, scale in cases:
+            logits = torch.randn(4, vocab, generator=g) * scale
+            logits[1, ::7] = float("-inf")
+            logits[2, :] = logits[2, :].round()  # many exact ties
+            if 0.99 < top_p < 1:
+                logits[3, 7] = 10.0  # one token e^10 above a flat tail whose mass the nucleus needs
+            params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
+            reqs = [req(params)] * 4
+            kept = torch.isfinite(filter_logits(logits / temp, reqs))
+            temps = torch.full((4,), temp)
+            filters = (torch.full((4,), top_k, dtype=torch.int64) if top_k else None,
+                       torch.full((4,), top_p) if top_p < 1 else None, torch.full((4,), min_p) if min_p else None)
+            n_u = 600  # every row at each of n_u evenly spaced uniforms, all in one call per path
+            big = logits.repeat(n_u, 1)
+            uu = torch.linspace(0, 1 - 2**-24, n_u).repeat_interleave(4)
+            got = k.sample(big, temps.repeat(n_u), uu, *(None if f is None else f.repeat(n_u) for f in filters))
+            want = Sampler._inverse_cdf(big.clone(), temps.repeat(n_u), uu, reqs * n_u)
+            got, want = got.view(n_u, 4), want.view(n_u, 4)
+            drawn = [set(got[:, r].tolist()) for r in range(4)]
+            agree = int((got == want)[:, [0, 1, 3]].sum())  # row 2's ties may cut elsewhere
+            total = 3 * n_u
+            for r in range(4):
+                allowed = set(torch.nonzero(kept[r]).flatten().tolist())
+                if r == 2:  # exact ties: the tokens tied with the last kept one may be kept instead
+                    edge = logits[r][kept[r]].min()
+                    assert len(drawn[r]) <= len(allowed)
+                    allowed |= set(torch.nonzero(logits[r] == edge).flatten().tolist())
+                assert drawn[r] <= allowed, f"case {(temp, top_k, top_p, min_p)} row {r}: a filtered token drawn"
+                if r != 2:  # ties at the cut may be broken differently by torch's topk
+                    heavy = {t for t in allowed if float(torch.softmax(logits[r] / temp, -1)[t]) > 2e-3}
+                    assert heavy <= drawn[r], f"case {(temp, top_k, top_p, min_p)} row {r}: a kept token never drawn"
+            assert agree >= 0.97 * total, (temp, top_k, top_p, min_p, agree, total)
+            if 0.99 < top_p < 1:
+                assert len(drawn[3]) > 3  # the spiked row drew from its tail
+
+
+@kernels_or_skip
+def test_sampler_routes_filtered_rows_to_the_kernel_and_stays_batch_invariant():
+    """A seeded top-p row draws the same tokens alone and beside greedy, plain and top-k rows."""
+    logits = rand_logits(4, seed=12, vocab=3000) / 2
+    seeded = [req(SamplingParams(temperature=0.9, top_p=0.8, seed=5), "a", n_out=n) for n in range(30)]
+    alone = [Sampler()(logits[:1], [r]).token_ids[0] for r in seeded]
+    beside = [Sampler()(logits, [r, req(SamplingParams(temperature=0.0), "g"),
+                                 req(SamplingParams(temperature=1.0, seed=1), "p"),
+                                 req(SamplingParams(temperature=0.7, top_k=5, seed=2), "k")]).token_ids[0]
+              for r in seeded]
+    assert alone == beside and len(set(alone)) > 3

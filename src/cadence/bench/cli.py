@@ -57,6 +57,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-exact-output", action="store_true",
                    help="do not send ignore_eos/min_tokens: let the model stop where it likes")
     g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling's top_p (default: the server's)")
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -144,7 +145,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         num_requests=args.num_requests, duration=args.duration, seed=args.seed, slos=report.parse_slos(args.slo),
         out_dir=args.out, tokenizer=args.tokenizer, request_timeout=args.request_timeout,
         drain_timeout=args.drain_timeout, force_output_lengths=not args.no_exact_output,
-        temperature=args.temperature, progress=not args.no_progress, label=args.label,
+        temperature=args.temperature, top_p=args.top_p, progress=not args.no_progress, label=args.label,
     )
     if cfg.arrival in ("poisson", "gamma") and cfg.rate is None and args.rates:
         cfg.rate = max(args.rates)  # sizes the workload for the busiest point; each point sets its own

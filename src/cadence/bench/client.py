@@ -51,6 +51,7 @@ class BenchConfig:
     drain_timeout: float = 60.0
     force_output_lengths: bool = True
     temperature: float | None = None
+    top_p: float | None = None
     progress: bool = True
     label: str | None = None
 
@@ -67,6 +68,8 @@ class BenchConfig:
             raise ValueError("num_requests: must be >= 1")
         if self.duration is not None and self.duration <= 0:
             raise ValueError("duration: must be > 0 seconds")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p: must be in (0, 1]")
 
 
 @dataclass
@@ -146,6 +149,8 @@ def _body(cfg: BenchConfig, model: str, req: WorkloadRequest, text: str | None) 
         body["deadline"] = req.deadline  # seconds after the server receives it
     if cfg.temperature is not None:
         body["temperature"] = cfg.temperature
+    if cfg.top_p is not None:
+        body["top_p"] = cfg.top_p
     return body
 
 

@@ -55,7 +55,7 @@ _SIGNATURES = {
     "cadence_silu_mul": [_P, _P, _I64, _I64, _INT],
     "cadence_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
     "cadence_prefill_attention": [_P, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT],
-    "cadence_sample": [_P, _I64, _I64, _P, _P, _P, _INT],
+    "cadence_sample": [_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _INT],
     "cadence_decode_attention": [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
                                  _I64, _INT],
 }
@@ -97,6 +97,7 @@ class CpuKernels:
             fn.argtypes, fn.restype = args, None
         lib.cadence_linear_q4_1.restype = ctypes.c_int
         lib.cadence_decode_layers.restype = ctypes.c_int
+        lib.cadence_sample.restype = ctypes.c_int
         self._pack = lib.cadence_pack
         self._linear = lib.cadence_linear
         self._linear_f32 = lib.cadence_linear_f32
@@ -236,17 +237,26 @@ class CpuKernels:
                                 out.data_ptr(), h, kvh, d, bs, num_blocks, d**-0.5, torch.get_num_threads())
         return out
 
-    def sample(self, logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor | None = None,
+               top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row of logits [S, V] float32 from softmax(logits / temps) at the uniforms
         u [S] in [0, 1) (inverse CDF, as a cumulative sum and a search would draw it). -> [S] int64.
         Tokens more than e^87 times less likely than the row's top one (filtered -inf ones among
-        them) are never drawn."""
+        them) are never drawn. top_k (int64, 0 = off), top_p (1 = off), min_p (0 = off): per-row
+        filters [S], each None when no row uses it; a filtered row draws among the tokens that
+        `filter_logits` keeps (ties at the cut: lower token ids first)."""
         assert logits.dtype == temps.dtype == u.dtype == torch.float32 and logits.dim() == 2
         assert logits.device.type == "cpu" and logits.is_contiguous() and temps.is_contiguous() and u.is_contiguous()
         s, v = logits.shape
         assert temps.shape == u.shape == (s,)
+        filters = []
+        for t, dtype in ((top_k, torch.int64), (top_p, torch.float32), (min_p, torch.float32)):
+            assert t is None or (t.dtype == dtype and t.shape == (s,) and t.is_contiguous() and t.device.type == "cpu")
+            filters.append(None if t is None else t.data_ptr())
         out = torch.empty(s, dtype=torch.int64)
-        self._sample(logits.data_ptr(), s, v, temps.data_ptr(), u.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if self._sample(logits.data_ptr(), s, v, temps.data_ptr(), u.data_ptr(), *filters, out.data_ptr(),
+                        torch.get_num_threads()) != 0:
+            raise MemoryError("cadence_sample: out of memory for a filtered row's buffers")
         return out
 
     def decode_layers(self, x: torch.Tensor, layers: DecodeLayers, cache: torch.Tensor, slots: torch.Tensor,

@@ -633,21 +633,181 @@ static inline __m512 sample_weights(__m512 x, __m512 m, __m512 inv_t, __mmask16 
     return _mm512_maskz_mov_ps(live, exp512(y));
 }
 
+/* ---- top-k, top-p and min-p ----------------------------------------------------------------
+ *
+ * A filtered row keeps the tokens of a prefix of its weights sorted in decreasing order (ties by
+ * increasing token id): the first top_k; of those, each whose predecessors' weight is below top_p
+ * times their normaliser (the whole row's total, or the top_k's when top_k is set, as vLLM
+ * renormalises after top-k); and of those, each whose weight is at least min_p times the top one's
+ * (the top weight is 1). The prefix is found without sorting the vocabulary: the tokens of weight
+ * at least tau (first 2^-12: within 8.3 nats of the top at the row's temperature) are gathered
+ * with compress stores and only they are sorted; if the cut is not among them, tau drops by 2^-8
+ * and they are gathered again, down to every token of nonzero weight. The kept set is then
+ * "weight > wc, or weight == wc and id <= ic" for the last kept token (wc, ic); the rest are
+ * zeroed in the weights buffer and the draw inverts the CDF of what is left, in token order, as
+ * the unfiltered path does. */
+
+typedef struct {
+    float w;
+    int32_t id;
+} cand_t;
+
+static int cand_order(const void *a, const void *b) { /* weight descending, then id ascending */
+    const cand_t *x = a, *y = b;
+    if (x->w != y->w) return x->w > y->w ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* Tokens of weight >= tau (> 0 when tau is 0) into c (room for vocab), in id order; their count. */
+static int64_t gather(const float *w, int64_t vocab, float tau, cand_t *c) {
+    const __m512 t = _mm512_set1_ps(tau);
+    int64_t n = 0;
+    float wf[16];
+    for (int64_t i = 0; i < vocab; i += 16) {
+        __m512 v = _mm512_loadu_ps(w + i); /* the buffer is padded with zeros to 16 */
+        __mmask16 keep = tau > 0.0f ? _mm512_cmp_ps_mask(v, t, _CMP_GE_OQ) : _mm512_cmp_ps_mask(v, t, _CMP_GT_OQ);
+        if (!keep) continue;
+        _mm512_storeu_ps(wf, v);
+        for (unsigned bits = keep; bits; bits &= bits - 1) {
+            int lane = __builtin_ctz(bits);
+            c[n].w = wf[lane];
+            c[n].id = (int32_t)(i + lane);
+            n++;
+        }
+    }
+    return n;
+}
+
+/* (wc, ic) of the last token kept by top_k / top_p (0 / 1 when unset) over weights w whose
+ * total is `total`; c: scratch for vocab candidates. Keeps everything (wc = 0, ic = vocab) when
+ * neither is set. */
+static void top_cut(const float *w, int64_t vocab, float total, int64_t top_k, float top_p, cand_t *c,
+                    float *wc, int64_t *ic) {
+    const int use_k = top_k > 0 && top_k < vocab, use_p = top_p < 1.0f;
+    *wc = 0.0f;
+    *ic = vocab;
+    if (!use_k && !use_p) return;
+    for (float tau = 0x1p-12f;; tau = tau > 0x1p-60f ? tau * 0x1p-8f : 0.0f) {
+        int64_t n = gather(w, vocab, tau, c);
+        if (use_k && n < top_k && tau > 0.0f) continue; /* the top_k-th token lies below tau */
+        qsort(c, (size_t)n, sizeof *c, cand_order);
+        int64_t keep = use_k && top_k < n ? top_k : n;
+        if (keep == 0) return; /* no token of nonzero weight: nothing to cut */
+        if (use_p) {
+            float norm = total;
+            if (use_k) {
+                norm = 0.0f;
+                for (int64_t j = 0; j < keep; j++) norm += c[j].w;
+            }
+            const float limit = top_p * norm;
+            float before = 0.0f;
+            int64_t j = 0;
+            while (j < keep && before < limit) before += c[j++].w;
+            /* The cut is found when the kept tokens reach the limit, or when top_k's were all
+             * gathered (the nucleus is inside them); else it lies below tau. */
+            if (before < limit && !use_k && tau > 0.0f) continue;
+            keep = j > 0 ? j : 1;
+        }
+        *wc = c[keep - 1].w;
+        *ic = c[keep - 1].id;
+        return;
+    }
+}
+
+/* One draw by inverting the CDF of weights w [vocab] (zero-padded to 16) at u: as cadence_sample's
+ * unfiltered path, on weights already computed. */
+static int64_t draw(const float *w, int64_t vocab, float u) {
+    float total = 0.0f;
+    for (int64_t i = 0; i < vocab; i += 16) total += _mm512_reduce_add_ps(_mm512_loadu_ps(w + i));
+    const float target = u * total;
+    float below = 0.0f;
+    int64_t last_live = -1;
+    for (int64_t i = 0; i < vocab; i += 16) {
+        __m512 v = _mm512_loadu_ps(w + i);
+        __mmask16 live = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ);
+        if (live) last_live = i + 31 - __builtin_clz((unsigned)live);
+        float chunk = _mm512_reduce_add_ps(v);
+        if (below + chunk <= target) {
+            below += chunk;
+            continue;
+        }
+        float run = below;
+        for (int k = 0; k < 16 && i + k < vocab; k++) {
+            run += w[i + k];
+            if (w[i + k] > 0.0f && run > target) return i + k;
+        }
+        return last_live; /* the lanes summed one by one fell short of the chunk's tree sum */
+    }
+    return last_live < 0 ? 0 : last_live; /* target at the total (u rounds to 1) */
+}
+
+/* A filtered row (top_k > 0, top_p < 1 or min_p > 0): weights into a buffer, the cut, then the
+ * draw over the kept weights. Returns -1 when its buffers cannot be allocated. */
+static int64_t sample_filtered(const float *x, int64_t vocab, float m, float inv_temp, float u, int64_t top_k,
+                               float top_p, float min_p) {
+    const int64_t padded = (vocab + 15) / 16 * 16;
+    float *w = malloc((size_t)padded * sizeof(float));
+    cand_t *c = malloc((size_t)padded * sizeof(cand_t));
+    if (!w || !c) {
+        free(w);
+        free(c);
+        return -1;
+    }
+    const __m512 mv = _mm512_set1_ps(m), it = _mm512_set1_ps(inv_temp);
+    float total = 0.0f;
+    for (int64_t i = 0; i < vocab; i += 16) {
+        __mmask16 tail = tail_mask(vocab - i);
+        __m512 v = sample_weights(_mm512_maskz_loadu_ps(tail, x + i), mv, it, tail);
+        _mm512_storeu_ps(w + i, v); /* zeros past the vocabulary */
+        total += _mm512_reduce_add_ps(v);
+    }
+    float wc;
+    int64_t ic;
+    top_cut(w, vocab, total, top_k, top_p, c, &wc, &ic);
+    if (min_p > wc) { /* min_p keeps fewer: every token of weight >= min_p (the top one's is 1) */
+        wc = min_p;
+        ic = vocab;
+    }
+    const __m512 wcv = _mm512_set1_ps(wc);
+    for (int64_t i = 0; i < padded; i += 16) {
+        __m512 v = _mm512_loadu_ps(w + i);
+        __mmask16 ids = ic >= i + 15 ? (__mmask16)0xFFFF : ic < i ? (__mmask16)0 : tail_mask(ic - i + 1);
+        __mmask16 keep = _mm512_cmp_ps_mask(v, wcv, _CMP_GT_OQ) | (_mm512_cmp_ps_mask(v, wcv, _CMP_EQ_OQ) & ids);
+        _mm512_storeu_ps(w + i, _mm512_maskz_mov_ps(keep, v));
+    }
+    int64_t pick = draw(w, vocab, u);
+    free(w);
+    free(c);
+    return pick;
+}
+
 /* One token per row of logits [rows, vocab] float32, drawn from softmax(logits / temps[r]) by
  * inverting its CDF at u[r] in [0, 1): the first token whose running sum of weights exceeds
  * u[r] times their total, as a cumulative sum and a search would, in one pass for the maximum
  * and two over the weights, 16 at a time. The total is the sum of the 16-token chunk sums in
  * order, and the search walks the same chunk sums, so it always ends inside the vocabulary; a
- * zero weight never exceeds the sum before it, so a filtered token is never drawn. */
-void cadence_sample(const float *logits, int64_t rows, int64_t vocab, const float *temps, const float *u,
-                    int64_t *out, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
+ * zero weight never exceeds the sum before it, so a filtered token is never drawn.
+ * top_k (int64, 0 = off), top_p (1 = off) and min_p (0 = off) are per-row arrays, each NULL when
+ * no row sets it; a row with any of them set is filtered first (above). Returns 0, or -1 when a
+ * filtered row's buffers could not be allocated. */
+int cadence_sample(const float *logits, int64_t rows, int64_t vocab, const float *temps, const float *u,
+                   const int64_t *top_k, const float *top_p, const float *min_p, int64_t *out, int threads) {
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1) reduction(| : failed)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * vocab;
         __m512 mv = _mm512_set1_ps(-INFINITY);
         for (int64_t i = 0; i < vocab; i += 16) {
             __mmask16 tail = tail_mask(vocab - i);
             mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, x + i));
+        }
+        const int64_t tk = top_k ? top_k[r] : 0;
+        const float tp = top_p ? top_p[r] : 1.0f, mp = min_p ? min_p[r] : 0.0f;
+        if ((tk > 0 && tk < vocab) || tp < 1.0f || mp > 0.0f) {
+            int64_t pick = sample_filtered(x, vocab, _mm512_reduce_max_ps(mv), 1.0f / temps[r], u[r], tk, tp, mp);
+            failed |= pick < 0;
+            out[r] = pick < 0 ? 0 : pick;
+            continue;
         }
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv)), inv_t = _mm512_set1_ps(1.0f / temps[r]);
         float total = 0.0f;
@@ -683,4 +843,5 @@ void cadence_sample(const float *logits, int64_t rows, int64_t vocab, const floa
         if (pick < 0) pick = last_live; /* target at the total (u rounds to 1): the last live token */
         out[r] = pick < 0 ? 0 : pick;
     }
+    return failed ? -1 : 0;
 }
