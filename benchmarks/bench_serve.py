@@ -52,7 +52,7 @@ def run_one(server: Server, port: int, conc: int, args: argparse.Namespace, out:
         bench = [sys.executable, "-m", "cadence.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
                  "--endpoint", "chat", "--workload", "chat", "--concurrency", str(conc),
                  "--num-requests", str(args.num_requests or max(24, 6 * conc)), "--seed", str(args.seed), "--no-progress",
-                 "--label", f"{server.name} c={conc}", "--out", str(d)]
+                 "--label", f"{server.name} c={conc}", "--out", str(d), *shlex.split(args.bench_args)]
         subprocess.run(bench, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return json.loads((d / "summary.json").read_text())["overall"]
 
@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--llama-server", default="auto", help="auto (llama-server on PATH), a path, or none")
     ap.add_argument("--llama-slots", type=int, default=16)
     ap.add_argument("--serve-args", default="", help="extra `cadence serve` flags for both cadence servers")
+    ap.add_argument("--bench-args", default="",
+                    help="extra `cadence bench` flags for every run, e.g. '--temperature 1 --top-p 0.95'")
     ap.add_argument("--port", type=int, default=8791)
     ap.add_argument("--out", default="results/serve")
     args = ap.parse_args()
