@@ -23,7 +23,7 @@ from cadence.cli import add_engine_args, engine_config_from_args
 from cadence.sim.router import ROUTERS
 
 _TARGET_DEFAULTS = dict(base_url="(simulated)", endpoint="completions", api_key=None, tokenizer="none",
-                        request_timeout=600.0, no_exact_output=False, temperature=None, no_progress=True,
+                        request_timeout=600.0, no_exact_output=False, temperature=None, top_p=None, no_progress=True,
                         drain_timeout=60.0, rates=None, concurrencies=None)
 
 
