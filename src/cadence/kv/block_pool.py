@@ -102,6 +102,18 @@ class BlockPool:
             out.append(block)
         return out
 
+    def allocate_one(self) -> Block | None:
+        """`allocate(1)` without the list: the block, or None if none is free."""
+        free = self._free
+        if not free:
+            return None
+        block = self.blocks[free.popitem(last=False)[0]]
+        if block.block_hash is not None:
+            del self._by_hash[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block
+
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take another reference (a prefix hit); a free block leaves the free queue."""
         for block in blocks:
@@ -141,6 +153,13 @@ class BlockPool:
             if block.block_hash is None and block_hash not in by_hash:
                 block.block_hash = block_hash
                 by_hash[block_hash] = block
+
+    def cache_one(self, block: Block, block_hash: BlockHash) -> None:
+        """`cache_blocks` of one block."""
+        assert block.ref_cnt > 0, "only a block in use can be cached"
+        if block.block_hash is None and block_hash not in self._by_hash:
+            block.block_hash = block_hash
+            self._by_hash[block_hash] = block
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (e.g. after new weights are loaded); blocks in use are unaffected."""

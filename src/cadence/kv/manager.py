@@ -141,6 +141,14 @@ class KVCacheManager:
                 return _EMPTY
             # A table growing without a prefix hit (a decode entering a block, a prompt's next
             # chunk): the general path below, with the terms that are zero here left out.
+            if num_tokens <= (len(table) + 1) * self.block_size:  # one block: most often a decode
+                block = self.pool.allocate_one()
+                if block is None:
+                    return None
+                table.append(block)
+                new_ids = (block.block_id,)
+                self._table_ids[rid] = self._table_ids.get(rid, ()) + new_ids
+                return KVBlocks(new_ids)
             new_blocks = self.pool.allocate(self.num_blocks_needed(num_tokens) - len(table))
             if new_blocks is None:
                 return None
@@ -199,6 +207,14 @@ class KVCacheManager:
         table = self._tables[rid]
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
         hashes = self._hashes.setdefault(rid, [])
+        if num_full == start + 1 == len(hashes) + 1:  # one block just filled (a decode, most often)
+            bs = self.block_size
+            block_hash = hash_block(hashes[-1] if hashes else None,
+                                    request.token_ids_slice(start * bs, num_full * bs), request.cache_salt)
+            hashes.append(block_hash)
+            self.pool.cache_one(table[start], block_hash)
+            self._num_cached[rid] = num_full
+            return
         if len(hashes) < num_full:
             # Hash only the blocks just filled, reading their tokens in place (a decode fills a
             # block every `block_size` steps: copying the whole context each time would be quadratic).
