@@ -289,7 +289,9 @@ def main() -> None:
     if unknown:
         ap.error(f"--only: unknown part(s) {sorted(unknown)}; choose from {sorted(parts)}")
     rows = [row for name, part in parts.items() if name in args.only.split(",") for row in part()]
-    model = "tiny random model" if args.tiny else "default model, bfloat16"
+    from cadence.engine.builder import resolve_device
+
+    model = ("tiny random model" if args.tiny else "default model, bfloat16") + f", on {resolve_device('auto')}"
     print(f"\ncadence scheduling benchmarks ({model}, seed {SEED}, {time.perf_counter() - t0:.0f} s)")
     print_table(rows)
     print("4 scheduler cost: run .venv/bin/python benchmarks/bench_scheduler_cost.py (goal: < 5% of a step)")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The checks issue 6 asks of a GPU machine, in one command: the CUDA parity and concurrency tests,
+# The checks issues 6 and 3 ask of a GPU machine, in one command: the CUDA parity and concurrency
+# tests, continuous against static batching (benchmarks/bench_scheduling.py, on CUDA when present),
 # then the served chat benchmark on CUDA at several concurrencies.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR] [CONCURRENCIES]      (defaults: results/gpu, "1 8 32 128 256")
@@ -20,6 +21,9 @@ export PYTHONUNBUFFERED=1
 
 echo "== CUDA tests"
 "$PY" -m pytest -q -p no:cacheprovider tests/model/test_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+
+echo "== continuous vs static batching (issue 3), on CUDA"
+"$PY" benchmarks/bench_scheduling.py --only batching --max-num-seqs 32 2>&1 | tee "$OUT/batching.log" | tail -5
 
 echo "== served benchmark on CUDA"
 MODEL_ARGS=()
