@@ -38,7 +38,7 @@ def test_exact_sizes_with_a_local_tokenizer(local_tokenizer: LocalTokenizer) -> 
     assert builder.inexact == []
     assert "exact token counts" in builder.method
     assert len(set(texts)) == len(texts)
-    assert all(t.split()[0] in CORPUS for t in texts)  # real corpus words, not filler
+    assert all(t.split()[0].lower() in CORPUS.lower() for t in texts)  # real corpus words, not filler
     assert builder.count_tokens(texts[2]) == 16  # without the BOS
 
 
@@ -64,6 +64,15 @@ def test_shared_prefix_ids_share_text(local_tokenizer: LocalTokenizer) -> None:
     assert again == texts
     other_seed = PromptBuilder(local_tokenizer, seed=1).build_all(Workload("t", reqs, prefix_block_tokens=32))
     assert other_seed != texts
+
+
+def test_requests_without_prefix_ids_share_no_leading_block(local_tokenizer: LocalTokenizer) -> None:
+    """Own text opens differently for every request: no accidental prefix-cache hits."""
+    w = Workload("t", tuple(WorkloadRequest(prompt_tokens=40, output_tokens=1) for _ in range(300)))
+    texts = PromptBuilder(local_tokenizer, seed=3).build_all(w)
+    heads = {tuple(local_tokenizer.encode(t)[:9]) for t in texts}  # BOS + 8 tokens
+    assert len(heads) == 300
+    assert all(len(local_tokenizer.encode(t)) == 40 for t in texts)
 
 
 def test_estimate_without_a_tokenizer_says_so() -> None:
