@@ -20,7 +20,6 @@ import copy
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from itertools import chain
 
 import numpy as np
 
@@ -110,16 +109,35 @@ def _sorted_percentile(xs: Sequence[float] | np.ndarray, q: float) -> float:
 def distribution(values: Iterable[float] | np.ndarray) -> dict:
     """count, mean, p50/p90/p95/p99, max; None for every statistic when there are no values.
 
-    Sorted once, with numpy: the percentiles are `percentile`'s, the mean numpy's (pairwise
-    summation, so it may differ from a plain running sum in the last bits)."""
+    Sorted once, with numpy (partitioned at the ranks read, past 100,000 values): the percentiles
+    are `percentile`'s, the mean numpy's (pairwise summation, so it may differ from a plain running
+    sum in the last bits)."""
     arr = values if isinstance(values, np.ndarray) else np.fromiter(values, dtype=np.float64)
-    xs = np.sort(arr.astype(np.float64, copy=False))
-    n = len(xs)
-    out: dict = {"count": n, "mean": float(xs.mean()) if n else None}
+    arr = arr.astype(np.float64, copy=False)
+    n = len(arr)
+    if n > _PARTITION_FROM:
+        # Tens of millions of gaps (a long simulation): place only the ranks the percentiles
+        # read (np.partition, linear time) instead of sorting them all. Same percentiles: the
+        # element at a placed rank is the sorted array's; the mean is summed in the given order.
+        xs = np.partition(arr, sorted({r for q in PERCENTILES for r in _ranks(n, q)} | {n - 1}))
+        mean = arr.mean()
+    else:
+        xs = np.sort(arr)
+        mean = xs.mean() if n else None
+    out: dict = {"count": n, "mean": float(mean) if n else None}
     for q in PERCENTILES:
         out[f"p{q}"] = _sorted_percentile(xs, q) if n else None
     out["max"] = float(xs[-1]) if n else None
     return out
+
+
+_PARTITION_FROM = 100_000  # values; below it a sort costs less than it is worth avoiding
+
+
+def _ranks(n: int, q: float) -> tuple[int, int]:
+    """The two ranks `_sorted_percentile` reads for q."""
+    lo = math.floor((n - 1) * q / 100.0)
+    return lo, min(lo + 1, n - 1)
 
 
 def pooled_itls(records: Iterable[RequestRecord]) -> np.ndarray:
@@ -132,7 +150,7 @@ def pooled_itls(records: Iterable[RequestRecord]) -> np.ndarray:
     total = int(lengths.sum())
     if total < 2:
         return np.empty(0)
-    flat = np.fromiter(chain.from_iterable(times), dtype=np.float64, count=total)
+    flat = np.concatenate([np.asarray(t, dtype=np.float64) for t in times if len(t)])  # C-level, per record
     keep = np.ones(total - 1, dtype=bool)
     starts = np.cumsum(lengths) - lengths  # where each record's times begin in `flat`
     keep[starts[(starts > 0) & (starts < total)] - 1] = False  # the gap into a record's first time
