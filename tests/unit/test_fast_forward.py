@@ -20,7 +20,7 @@ from cadence.clock import VirtualClock
 from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError
-from cadence.executor.cost_model import SimExecutor, StepCostModel
+from cadence.executor.cost_model import _FEW_STEPS, SimExecutor, StepCostModel
 from cadence.request import Request, SamplingParams
 from cadence.sched.output import DecodeBatch, DecodeRun, ScheduledRequest, SchedulerOutput
 from cadence.sched.queue import FairQueue, RequestQueue
@@ -191,7 +191,7 @@ def test_decode_run_costs_are_what_execute_charges() -> None:
         chunk, chunk_start = rng.choice(((0, 0), (rng.randint(2, 500), rng.randrange(0, 3000))))
         if not n and not chunk:
             continue
-        run = DecodeRun(n, sum(starts), max(starts, default=0), rng.choice((1, 3, 30)), chunk, chunk_start)
+        run = DecodeRun(n, sum(starts), max(starts, default=0), rng.choice((1, 3, 12, 30, 40)), chunk, chunk_start)
         costs = ex.decode_run_costs(run)
         for j, cost in enumerate(costs):
             batch = DecodeBatch(request_ids=tuple(f"r{i}" for i in range(n)), start_pos=tuple(s + j for s in starts))
@@ -200,7 +200,7 @@ def test_decode_run_costs_are_what_execute_charges() -> None:
             ex.execute(SchedulerOutput(step=j, scheduled=records, decodes=batch, decodes_before=(n,) * len(records)))
             assert ex.last_step_cost == cost
         assert len(costs) == run.num_steps
-        if run.num_steps > 4:  # the numpy path
+        if run.num_steps > _FEW_STEPS:  # the numpy path
             widest = max(widest, n * (max(starts, default=0) + run.num_steps))
     assert widest > 65536  # past the last knee
 
