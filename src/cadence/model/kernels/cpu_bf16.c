@@ -645,7 +645,7 @@ static inline __m512 sample_weights(__m512 x, __m512 m, __m512 inv_t, __mmask16 
  * renormalises after top-k); and of those, each whose weight is at least min_p times the top one's
  * (the top weight is 1). The prefix is found without sorting the vocabulary: the tokens of weight
  * at least tau (first 2^-12: within 8.3 nats of the top at the row's temperature) are gathered
- * with compress stores and only they are sorted; if the cut is not among them, tau drops by 2^-8
+ * (one comparison per 16 tokens, then the lanes it sets) and only they are sorted; if the cut is not among them, tau drops by 2^-8
  * and they are gathered again, down to every token of nonzero weight. The kept set is then
  * "weight > wc, or weight == wc and id <= ic" for the last kept token (wc, ic); the rest are
  * zeroed in the weights buffer and the draw inverts the CDF of what is left, in token order, as
@@ -718,16 +718,30 @@ static void top_cut(const float *w, int64_t vocab, float total, int64_t top_k, f
     }
 }
 
-/* One draw by inverting the CDF of weights w [vocab] (zero-padded to 16) at u: as cadence_sample's
- * unfiltered path, on weights already computed. */
-static int64_t draw(const float *w, int64_t vocab, float u) {
+/* 16 weights of a row from token i on: read from `w` when the caller computed them (zero-padded to
+ * 16), else exp((x - m) * inv_t) from the logits x. */
+static inline __attribute__((always_inline)) __m512 row_weights(const float *x, const float *w, int64_t vocab,
+                                                                __m512 m, __m512 inv_t, int64_t i) {
+    if (w) return _mm512_loadu_ps(w + i);
+    const __mmask16 tail = tail_mask(vocab - i);
+    return sample_weights(_mm512_maskz_loadu_ps(tail, x + i), m, inv_t, tail);
+}
+
+/* One draw by inverting a row's CDF at u: the first token whose running sum of weights exceeds u
+ * times their total, as a cumulative sum and a search would, 16 tokens at a time. The total is the
+ * sum of the 16-token chunk sums in order, and the search walks the same chunk sums, so it always
+ * ends inside the vocabulary; a zero weight never exceeds the sum before it, so a filtered token
+ * is never drawn. Weights as `row_weights` gives them (constant `w` and x: the two callers each
+ * get their own copy, computing the weights in place or reading them). */
+static inline __attribute__((always_inline)) int64_t invert_cdf(const float *x, const float *w, int64_t vocab,
+                                                                __m512 m, __m512 inv_t, float u) {
     float total = 0.0f;
-    for (int64_t i = 0; i < vocab; i += 16) total += _mm512_reduce_add_ps(_mm512_loadu_ps(w + i));
+    for (int64_t i = 0; i < vocab; i += 16) total += _mm512_reduce_add_ps(row_weights(x, w, vocab, m, inv_t, i));
     const float target = u * total;
     float below = 0.0f;
-    int64_t last_live = -1;
+    int64_t last_live = -1; /* the last token of nonzero weight seen so far */
     for (int64_t i = 0; i < vocab; i += 16) {
-        __m512 v = _mm512_loadu_ps(w + i);
+        __m512 v = row_weights(x, w, vocab, m, inv_t, i);
         __mmask16 live = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ);
         if (live) last_live = i + 31 - __builtin_clz((unsigned)live);
         float chunk = _mm512_reduce_add_ps(v);
@@ -735,14 +749,15 @@ static int64_t draw(const float *w, int64_t vocab, float u) {
             below += chunk;
             continue;
         }
-        float run = below;
+        float wf[16], run = below;
+        _mm512_storeu_ps(wf, v);
         for (int k = 0; k < 16 && i + k < vocab; k++) {
-            run += w[i + k];
-            if (w[i + k] > 0.0f && run > target) return i + k;
+            run += wf[k];
+            if (wf[k] > 0.0f && run > target) return i + k;
         }
         return last_live; /* the lanes summed one by one fell short of the chunk's tree sum */
     }
-    return last_live < 0 ? 0 : last_live; /* target at the total (u rounds to 1) */
+    return last_live < 0 ? 0 : last_live; /* target at the total (u rounds to 1): the last live token */
 }
 
 /* A filtered row (top_k > 0, top_p < 1 or min_p > 0): weights into a buffer, the cut, then the
@@ -779,18 +794,14 @@ static int64_t sample_filtered(const float *x, int64_t vocab, float m, float inv
         __mmask16 keep = _mm512_cmp_ps_mask(v, wcv, _CMP_GT_OQ) | (_mm512_cmp_ps_mask(v, wcv, _CMP_EQ_OQ) & ids);
         _mm512_storeu_ps(w + i, _mm512_maskz_mov_ps(keep, v));
     }
-    int64_t pick = draw(w, vocab, u);
+    int64_t pick = invert_cdf(NULL, w, vocab, _mm512_setzero_ps(), _mm512_setzero_ps(), u);
     free(w);
     free(c);
     return pick;
 }
 
 /* One token per row of logits [rows, vocab] float32, drawn from softmax(logits / temps[r]) by
- * inverting its CDF at u[r] in [0, 1): the first token whose running sum of weights exceeds
- * u[r] times their total, as a cumulative sum and a search would, in one pass for the maximum
- * and two over the weights, 16 at a time. The total is the sum of the 16-token chunk sums in
- * order, and the search walks the same chunk sums, so it always ends inside the vocabulary; a
- * zero weight never exceeds the sum before it, so a filtered token is never drawn.
+ * inverting its CDF at u[r] in [0, 1) (`invert_cdf`): one pass for the maximum, two over the weights.
  * top_k (int64, 0 = off), top_p (1 = off) and min_p (0 = off) are per-row arrays, each NULL when
  * no row sets it; a row with any of them set is filtered first (above). Returns 0, or -1 when a
  * filtered row's buffers could not be allocated. */
@@ -813,39 +824,8 @@ int cadence_sample(const float *logits, int64_t rows, int64_t vocab, const float
             out[r] = pick < 0 ? 0 : pick;
             continue;
         }
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv)), inv_t = _mm512_set1_ps(1.0f / temps[r]);
-        float total = 0.0f;
-        for (int64_t i = 0; i < vocab; i += 16) {
-            __mmask16 tail = tail_mask(vocab - i);
-            total += _mm512_reduce_add_ps(sample_weights(_mm512_maskz_loadu_ps(tail, x + i), m, inv_t, tail));
-        }
-        const float target = u[r] * total;
-        float below = 0.0f;
-        int64_t pick = -1, last_live = -1; /* the last token of nonzero weight seen so far */
-        for (int64_t i = 0; i < vocab && pick < 0; i += 16) {
-            __mmask16 tail = tail_mask(vocab - i);
-            __m512 w = sample_weights(_mm512_maskz_loadu_ps(tail, x + i), m, inv_t, tail);
-            __mmask16 live = _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_GT_OQ);
-            if (live) last_live = i + 31 - __builtin_clz((unsigned)live);
-            float chunk = _mm512_reduce_add_ps(w);
-            if (below + chunk <= target) {
-                below += chunk;
-                continue;
-            }
-            float wf[16], run = below;
-            _mm512_storeu_ps(wf, w);
-            for (int k = 0; k < 16 && i + k < vocab; k++) {
-                run += wf[k];
-                if (wf[k] > 0.0f && run > target) {
-                    pick = i + k;
-                    break;
-                }
-            }
-            /* the lanes summed one by one fell short of the chunk's tree sum: its last live token */
-            if (pick < 0) pick = last_live;
-        }
-        if (pick < 0) pick = last_live; /* target at the total (u rounds to 1): the last live token */
-        out[r] = pick < 0 ? 0 : pick;
+        out[r] = invert_cdf(x, NULL, vocab, _mm512_set1_ps(_mm512_reduce_max_ps(mv)), _mm512_set1_ps(1.0f / temps[r]),
+                            u[r]);
     }
     return failed ? -1 : 0;
 }
