@@ -98,11 +98,10 @@ def _tiny_llama(seed: int = 0):
     return hf, arch, weights
 
 
-def _tiny_step(runner: ModelRunner, reqs: list[tuple[str, list[int], int, list[int]]], step: int,
-               params: SamplingParams = SamplingParams(temperature=0.0, max_tokens=64)):
-    so = SchedulerOutput(step=step, scheduled=tuple(
+def _tiny_step(reqs: list[tuple[str, list[int], int, list[int]]], step: int,
+               params: SamplingParams = SamplingParams(temperature=0.0, max_tokens=64)) -> SchedulerOutput:
+    return SchedulerOutput(step=step, scheduled=tuple(
         ScheduledRequest(rid, tuple(toks), start, tuple(table), True, params) for rid, toks, start, table in reqs))
-    return so
 
 
 def test_cuda_tiny_chunked_and_batched_match_transformers():
@@ -128,7 +127,7 @@ def test_cuda_tiny_chunked_and_batched_match_transformers():
             n = plan[rid].pop(0) if plan[rid] else 1
             reqs.append((rid, tokens[rid][pos[rid]: pos[rid] + n], pos[rid], tables[rid]))
             pos[rid] += n
-        logits = runner.compute_logits(_tiny_step(runner, reqs, step))
+        logits = runner.compute_logits(_tiny_step(reqs, step))
         for rid, toks, start, _ in reqs:
             assert logits[rid].device.type == "cuda"
             got[rid].append((start + len(toks) - 1, logits[rid].cpu()))
@@ -149,14 +148,14 @@ def test_cuda_tiny_bfloat16_and_sampling():
         ref = hf(torch.tensor([toks])).logits[0, -1].float()
     bf = ModelRunner(arch, weights, dtype=torch.bfloat16, device="cuda")
     bf.initialize_kv_cache(16, 4)
-    got = bf.compute_logits(_tiny_step(bf, [("x", toks, 0, [3, 1, 4, 0, 5])], 0))["x"].cpu()
+    got = bf.compute_logits(_tiny_step([("x", toks, 0, [3, 1, 4, 0, 5])], 0))["x"].cpu()
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
 
     runner = ModelRunner(arch, weights, dtype=torch.float32, device="cuda")
     runner.initialize_kv_cache(64, 4)
     seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=8)
-    alone = runner.execute(_tiny_step(runner, [("s", toks, 0, [0, 1, 2, 3, 4])], 0, seeded))
+    alone = runner.execute(_tiny_step([("s", toks, 0, [0, 1, 2, 3, 4])], 0, seeded))
     so = SchedulerOutput(step=1, scheduled=(
         ScheduledRequest("g", tuple(toks[:12]), 0, (10, 11, 12), True, SamplingParams(temperature=0.0)),
         ScheduledRequest("s2", tuple(toks), 0, (20, 21, 22, 23, 24), True, seeded),

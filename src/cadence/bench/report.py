@@ -98,8 +98,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     return _sorted_percentile(sorted(values), q)
 
 
+def _position(n: int, q: float) -> float:
+    """Where percentile q falls among n sorted values (linear interpolation between ranks)."""
+    return (n - 1) * q / 100.0
+
+
 def _sorted_percentile(xs: Sequence[float] | np.ndarray, q: float) -> float:
-    h = (len(xs) - 1) * q / 100.0
+    h = _position(len(xs), q)
     lo = math.floor(h)
     if lo + 1 >= len(xs):
         return float(xs[-1])
@@ -136,7 +141,7 @@ _PARTITION_FROM = 100_000  # values; below it a sort costs less than it is worth
 
 def _ranks(n: int, q: float) -> tuple[int, int]:
     """The two ranks `_sorted_percentile` reads for q."""
-    lo = math.floor((n - 1) * q / 100.0)
+    lo = math.floor(_position(n, q))
     return lo, min(lo + 1, n - 1)
 
 

@@ -154,13 +154,6 @@ class BlockPool:
                 block.block_hash = block_hash
                 by_hash[block_hash] = block
 
-    def cache_one(self, block: Block, block_hash: BlockHash) -> None:
-        """`cache_blocks` of one block."""
-        assert block.ref_cnt > 0, "only a block in use can be cached"
-        if block.block_hash is None and block_hash not in self._by_hash:
-            block.block_hash = block_hash
-            self._by_hash[block_hash] = block
-
     def reset_prefix_cache(self) -> None:
         """Forget every hash (e.g. after new weights are loaded); blocks in use are unaffected."""
         for block in self._by_hash.values():

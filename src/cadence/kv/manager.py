@@ -212,7 +212,7 @@ class KVCacheManager:
             block_hash = hash_block(hashes[-1] if hashes else None,
                                     request.token_ids_slice(start * bs, num_full * bs), request.cache_salt)
             hashes.append(block_hash)
-            self.pool.cache_one(table[start], block_hash)
+            self.pool.cache(table[start], block_hash)
             self._num_cached[rid] = num_full
             return
         if len(hashes) < num_full:
