@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cadence.kv.block_pool import BlockPool
-from cadence.kv.hashing import hash_block, hash_full_blocks
+from cadence.kv.hashing import HASH_ALGOS, block_hashers, hash_block
 
 
 def test_allocate_gives_distinct_referenced_blocks_and_none_when_short() -> None:
@@ -86,7 +86,14 @@ def test_pool_rejects_bad_sizes() -> None:
         BlockPool(1).allocate(-1)
 
 
-def test_hash_chain_depends_on_parent_tokens_and_salt() -> None:
+def test_an_unknown_hash_algo_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
+        block_hashers("md5")
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_hash_chain_depends_on_parent_tokens_and_salt(algo: str) -> None:
+    hash_block, hash_full_blocks = block_hashers(algo)
     base = hash_block(None, [1, 2])
     assert base == hash_block(None, [1, 2])
     assert base != hash_block(None, [2, 1])
@@ -96,10 +103,13 @@ def test_hash_chain_depends_on_parent_tokens_and_salt() -> None:
     assert hash_block(None, [1, 2], salt="") != base  # an empty salt is still a salt
 
 
-def test_hash_full_blocks_hashes_only_full_blocks_and_reuses_known() -> None:
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_hash_full_blocks_hashes_only_full_blocks_and_reuses_known(algo: str) -> None:
+    hash_block, hash_full_blocks = block_hashers(algo)
     tokens = list(range(10))
     hashes = hash_full_blocks(tokens, 4)
     assert len(hashes) == 2
+    assert hashes[0] == hash_block(None, tokens[:4])
     assert hashes[1] == hash_block(hashes[0], tokens[4:8])
     assert hash_full_blocks(tokens + [10, 11], 4, known=hashes)[:2] == hashes
     assert len(hash_full_blocks(tokens + [10, 11], 4, known=hashes)) == 3

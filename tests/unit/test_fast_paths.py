@@ -267,6 +267,13 @@ def test_decisions_match_the_recorded_fingerprints(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
+def test_builtin_block_hashes_give_the_same_decisions(name: str) -> None:
+    """Python's hash() keys the prefix cache as SHA-256 does: the same hits, so the same runs."""
+    outputs, deltas, _ = _drive(7, prefix_caching_hash_algo="builtin", **RUNS[name])
+    assert fingerprint(outputs, deltas) == EXPECTED[name]
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
 def test_decode_batches_give_the_same_decisions_and_deltas(name: str) -> None:
     """Batch mode (the simulator's executor) against the plain records: the same steps, block
     tables and deltas, and so the fingerprint recorded for the plain mode."""

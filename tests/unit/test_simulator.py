@@ -150,3 +150,28 @@ def test_five_thousand_requests() -> None:
     assert len(res.records) == 5000 and all(r.ok for r in res.records)
     assert sum(r.output_tokens for r in res.records) == sum(q.output_tokens for q in w.requests)
     assert sum(r.requests for r in res.replicas) == 5000
+
+
+def test_builtin_block_hashes_simulate_the_same_run() -> None:
+    """The simulator keys prefix-cache blocks by Python's hash() unless told otherwise; with shared
+    prefixes, hits and preemptions in play, every record equals the SHA-256 run's."""
+    from cadence.cli import build_parser
+    from cadence.sim.cli import sim_engine_config
+
+    reqs = [_wr(i * 0.02, prompt=3 * 16 + 8 + i % 5, out=4 + i % 7, prefix_group=(100 + i % 4, 200 + i % 4, 300 + i % 3))
+            for i in range(120)]
+    runs = {}
+    for algo in ("sha256", "builtin"):
+        config = EngineConfig.from_options(num_kv_blocks=16, max_num_seqs=8, prefix_caching_hash_algo=algo)
+        runs[algo] = Simulator(config, CONST, SimOptions(replicas=2)).run(Workload("t", tuple(reqs), prefix_block_tokens=16))
+    assert [r.to_dict() for r in runs["builtin"].records] == [r.to_dict() for r in runs["sha256"].records]
+    assert sum(r.prefix_cache_hits for r in runs["builtin"].replicas) > 0
+    assert sum(r.preemptions for r in runs["builtin"].replicas) > 0
+
+    parser = build_parser()
+    args = parser.parse_args(["sim", "--workload", "chat"])
+    assert sim_engine_config(args).cache.prefix_caching_hash_algo == "builtin"
+    args = parser.parse_args(["sim", "--workload", "chat", "--prefix-caching-hash-algo", "sha256"])
+    assert sim_engine_config(args).cache.prefix_caching_hash_algo == "sha256"
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
+        EngineConfig.from_options(prefix_caching_hash_algo="md5")

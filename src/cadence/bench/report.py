@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, MutableSequence, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -40,7 +40,9 @@ class RequestRecord:
     scheduled_time: float | None = None  # when the workload said to send (open loop)
     send_time: float | None = None
     first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)  # every non-empty chunk
+    # Every non-empty chunk's time. The simulator keeps them in an `array('d')`: tens of millions
+    # of them as list items would be float objects that every full garbage collection walks.
+    token_times: MutableSequence[float] = field(default_factory=list)
     end_time: float | None = None
     output_tokens: int = 0
     output_count_source: str = "chunks"  # usage | timings | tokenize | chunks
@@ -82,6 +84,7 @@ class RequestRecord:
     def to_dict(self) -> dict:
         d = asdict(self)
         del d["text"]
+        d["token_times"] = list(self.token_times)
         return d
 
     @classmethod

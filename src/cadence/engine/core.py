@@ -51,7 +51,7 @@ class EngineCore:
         cache = config.cache
         num_blocks = self._size_kv_cache()
         executor.initialize_kv_cache(num_blocks, cache.block_size)
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_caching_hash_algo)
         # An executor that takes plain decodes as one batch (the simulator's) gets them so.
         batch = bool(getattr(executor, "accepts_decode_batch", False))
         self.scheduler = Scheduler(config.scheduler, cache, self.kv, max_model_len, batch_decodes=batch)

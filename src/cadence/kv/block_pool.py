@@ -31,7 +31,11 @@ class Block:
         self.block_hash: BlockHash | None = None
 
     def __repr__(self) -> str:
-        cached = "" if self.block_hash is None else f", hash={self.block_hash[:4].hex()}"
+        h = self.block_hash
+        if h is None:
+            cached = ""
+        else:  # the first 4 bytes of a digest, the low 32 bits of a builtin hash
+            cached = f", hash={h[:4].hex() if isinstance(h, bytes) else format(h & 0xFFFFFFFF, '08x')}"
         return f"Block({self.block_id}, ref={self.ref_cnt}{cached})"
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from cadence.kv.block_pool import Block, BlockPool
-from cadence.kv.hashing import BlockHash, hash_block, hash_full_blocks
+from cadence.kv.hashing import BlockHash, block_hashers
 from cadence.request import Request
 
 
@@ -50,9 +50,12 @@ _block_id = attrgetter("block_id")  # tuple(map(...)) is a C loop; a generator c
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_algo: str = "sha256") -> None:
         if block_size < 1:
             raise ValueError("block_size: must be >= 1")
+        self._hash_block, self._hash_full_blocks = block_hashers(hash_algo)
+        self.hash_algo = hash_algo
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -121,7 +124,7 @@ class KVCacheManager:
         rid = request.request_id
         known = self._hashes.get(rid, [])
         if len(known) < request.num_tokens // self.block_size:
-            known = hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt, known)
+            known = self._hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt, known)
             self._hashes[rid] = known
         return known
 
@@ -209,8 +212,8 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(rid, [])
         if num_full == start + 1 == len(hashes) + 1:  # one block just filled (a decode, most often)
             bs = self.block_size
-            block_hash = hash_block(hashes[-1] if hashes else None,
-                                    request.token_ids_slice(start * bs, num_full * bs), request.cache_salt)
+            block_hash = self._hash_block(hashes[-1] if hashes else None,
+                                         request.token_ids_slice(start * bs, num_full * bs), request.cache_salt)
             hashes.append(block_hash)
             self.pool.cache(table[start], block_hash)
             self._num_cached[rid] = num_full
@@ -218,7 +221,7 @@ class KVCacheManager:
         if len(hashes) < num_full:
             # Hash only the blocks just filled, reading their tokens in place (a decode fills a
             # block every `block_size` steps: copying the whole context each time would be quadratic).
-            bs, salt = self.block_size, request.cache_salt
+            bs, salt, hash_block = self.block_size, request.cache_salt, self._hash_block
             parent = hashes[-1] if hashes else None
             for i in range(len(hashes), num_full):
                 parent = hash_block(parent, request.token_ids_slice(i * bs, (i + 1) * bs), salt)
