@@ -192,3 +192,14 @@ def test_distribution_takes_an_array_and_agrees_with_percentile() -> None:
     assert d == a
     assert all(d[f"p{q}"] == percentile(xs, q) for q in (50, 90, 95, 99))
     assert d["max"] == 0.9 and d["mean"] == pytest.approx(sum(xs) / len(xs))
+
+
+def test_table_switches_to_seconds_when_milliseconds_would_fill_the_columns() -> None:
+    """A simulated day of queueing in ms would run the columns together: the table goes to seconds."""
+    short = format_table(summarize([rec(0, 0.0, [0.25, 0.5]), rec(1, 0.0, [0.5, 1.0])], {}))
+    assert "metric (ms)" in short and "500.0" in short
+    long = format_table(summarize([rec(0, 0.0, [90_000.0, 90_001.0]), rec(1, 0.0, [26_123.5, 26_124.0])], {}))
+    assert "metric (s)" in long and "metric (ms)" not in long
+    ttft = next(line for line in long.splitlines() if line.startswith("ttft")).split()
+    assert ttft[1] == "2" and float(ttft[-1]) == 90_000.0  # count, then max, each its own column
+    assert all(len(line.split()) == 8 for line in long.splitlines() if line.split()[0] in ("ttft", "itl", "e2e"))

@@ -115,3 +115,46 @@ def test_hash_full_blocks_hashes_only_full_blocks_and_reuses_known(algo: str) ->
     assert len(hash_full_blocks(tokens + [10, 11], 4, known=hashes)) == 3
     with pytest.raises(ValueError):
         hash_full_blocks(tokens[:3], 4, known=hashes)
+
+
+def test_hit_blocks_leave_stale_entries_that_allocation_skips() -> None:
+    """A hit takes a queued block out of the LRU order in place; freed again, it joins the tail.
+    Allocation then skips its old entry, and the order stays that of an ordered set."""
+    pool = BlockPool(5)
+    blocks = pool.allocate(5)
+    assert blocks is not None
+    for i, b in enumerate(blocks):
+        pool.cache(b, hash_block(None, [i]))
+    pool.free(blocks)  # queue: 0 1 2 3 4
+    pool.touch([blocks[1], blocks[3]])  # hits: 0 2 4
+    pool.check_integrity()
+    assert pool.free_block_ids() == [0, 2, 4] and pool.num_free_blocks == 3
+    assert pool.free_rank({4}, 10) == 2 and pool.free_rank({3}, 10) == 10
+    pool.free([blocks[3]])  # 0 2 4 3
+    pool.check_integrity()
+    assert pool.free_block_ids() == [0, 2, 4, 3]
+    got = pool.allocate(3)
+    assert got is not None and [b.block_id for b in got] == [0, 2, 4]
+    pool.check_integrity()
+    assert pool.lookup(hash_block(None, [3])) is blocks[3]  # still cached and findable
+    assert pool.lookup(hash_block(None, [0])) is None  # evicted by reuse
+    one = pool.allocate_one()
+    assert one is blocks[3] and pool.num_free_blocks == 0 and pool.allocate_one() is None
+    pool.free([blocks[1]])
+    pool.free(got + [one])
+    pool.check_integrity()
+    assert pool.free_block_ids() == [1, 0, 2, 4, 3]
+
+
+def test_a_hot_block_hit_and_freed_again_and_again_keeps_the_queue_bounded() -> None:
+    pool = BlockPool(4)
+    hot = pool.allocate_one()
+    assert hot is not None
+    pool.cache(hot, hash_block(None, [1]))
+    pool.free([hot])
+    for _ in range(1000):  # a shared prefix: hit, then freed, with nothing allocated in between
+        pool.touch([hot])
+        pool.free([hot])
+    pool.check_integrity()
+    assert len(pool._queue) - pool._head <= 2 * pool.num_blocks + 1
+    assert pool.free_block_ids() == [1, 2, 3, 0] and pool.lookup(hash_block(None, [1])) is hot

@@ -358,12 +358,15 @@ def format_table(summary: dict) -> str:
     if summary["slos"]:
         slo = " ".join(f"{k}<={v:g}s" for k, v in summary["slos"].items())
         lines.append(f"goodput {rate(o['goodput'], 'req/s')} ({(o['goodput_fraction'] or 0) * 100:.1f}% of requests meet {slo})")
-    lines.append(f"{'metric (ms)':<12}" + "".join(f"{h:>10}" for h in ("count", "mean", "p50", "p90", "p95", "p99", "max")))
-    for name in ("ttft", "itl", "tpot", "e2e", "queue"):
+    names = [n for n in ("ttft", "itl", "tpot", "e2e", "queue") if o[n]["count"]]
+    stats = ("mean", "p50", "p90", "p95", "p99", "max")
+    # Milliseconds, unless a value would fill its column (a simulated day of queueing): seconds.
+    longest = max((o[n][k] or 0.0 for n in names for k in stats), default=0.0)
+    unit, scale = ("s", 1.0) if longest >= 1000.0 else ("ms", 1000.0)
+    lines.append(f"{f'metric ({unit})':<12}" + "".join(f"{h:>10}" for h in ("count", *stats)))
+    for name in names:
         d = o[name]
-        if not d["count"]:
-            continue
-        cells = [f"{d['count']:>10}"] + [f"{d[k] * 1000:>10.1f}" for k in ("mean", "p50", "p90", "p95", "p99", "max")]
+        cells = [f"{d['count']:>10}"] + [f" {d[k] * scale:>9.1f}" for k in stats]
         lines.append(f"{name:<12}" + "".join(cells))
     for title, groups, fair in (("tenant", summary["per_tenant"], summary["fairness"]["tenants"]),
                                 ("priority", summary["per_priority"], summary["fairness"]["priorities"])):
