@@ -81,8 +81,8 @@ _BUILTIN_ROOT = hash("cadence-kv-root")  # randomised per process with str hashi
 
 
 def hash_block_builtin(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> int:
-    """`hash_block` with Python's tuple hash: (parent, salt, tokens) hashed as one tuple."""
-    return hash((_BUILTIN_ROOT if parent is None else parent, salt, *token_ids))
+    """`hash_block` with Python's tuple hash: of (parent, salt, the hash of the tokens' tuple)."""
+    return hash((_BUILTIN_ROOT if parent is None else parent, salt, hash(tuple(token_ids))))
 
 
 def hash_full_blocks_builtin(
@@ -99,8 +99,11 @@ def hash_full_blocks_builtin(
         raise ValueError("known: more hashes than full blocks")
     hashes = list(known)
     parent = hashes[-1] if hashes else _BUILTIN_ROOT
-    for offset in range(len(hashes) * block_size, num_full * block_size, block_size):
-        parent = hash((parent, salt, *token_ids[offset : offset + block_size]))
+    # The blocks' token tuples and their hashes in C (zip of one iterator block_size times groups
+    # the tokens); only the chain is a Python loop.
+    tokens = iter(token_ids[len(hashes) * block_size : num_full * block_size])
+    for block in map(hash, zip(*[tokens] * block_size, strict=True)):
+        parent = hash((parent, salt, block))
         hashes.append(parent)
     return hashes
 
