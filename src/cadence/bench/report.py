@@ -151,18 +151,20 @@ def _ranks(n: int, q: float) -> tuple[int, int]:
 def pooled_itls(records: Iterable[RequestRecord]) -> np.ndarray:
     """Every record's gaps between token chunks, in one array (what `r.itls` gives, concatenated).
 
-    Vectorised: all token times in one array, differenced once, minus the gaps that would span
-    two records. A long simulation has tens of millions of them."""
-    times = [r.token_times for r in records]
-    lengths = np.fromiter(map(len, times), dtype=np.int64, count=len(times))
-    total = int(lengths.sum())
-    if total < 2:
-        return np.empty(0)
-    flat = np.concatenate([np.asarray(t, dtype=np.float64) for t in times if len(t)])  # C-level, per record
-    keep = np.ones(total - 1, dtype=bool)
-    starts = np.cumsum(lengths) - lengths  # where each record's times begin in `flat`
-    keep[starts[(starts > 0) & (starts < total)] - 1] = False  # the gap into a record's first time
-    return np.diff(flat)[keep]
+    Written record by record into one array allocated once: a long simulation has tens of
+    millions of them, and building them from a concatenation of all the times (then differenced,
+    then masked at the records' seams) made four arrays of that size, mostly first-touch page
+    faults (x5 Azure: 1.8 s against about 0.5)."""
+    times = [np.asarray(r.token_times, dtype=np.float64) for r in records]
+    out = np.empty(sum(len(t) - 1 for t in times if len(t) > 1))
+    pos = 0
+    subtract = np.subtract
+    for t in times:
+        n = len(t) - 1
+        if n > 0:
+            subtract(t[1:], t[:-1], out=out[pos : pos + n])
+            pos += n
+    return out
 
 
 def jain_index(values: Sequence[float]) -> float:
