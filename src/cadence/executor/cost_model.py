@@ -402,7 +402,7 @@ class SimExecutor:
         if c:  # without a chunk the last three terms are zeros, and adding a zero changes no sum
             pa = c * (run.chunk_start + c * step) + c * (c + 1) // 2  # the chunk's query-key pairs
             cost += w[10] * pa
-            cost += w[11] * True
+            cost += w[11]  # w[11] * (c > 0)
             cost += w[12] * n
         if pad[-1] > _K1:  # the hinges (see KNEES); pad grows with the step, so past K1 is a tail
             knee = pad > _K1

@@ -42,6 +42,17 @@ def _encode(token_ids: Sequence[int]) -> bytes:
     return struct.pack(f"={len(token_ids)}q", *token_ids)
 
 
+def _unhashed(token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash]) -> tuple[list[BlockHash], Sequence[int]]:
+    """A chain hasher's start: the known hashes (a new list) and the tokens of the full blocks
+    after them; ValueError on a block size below 1 or more known hashes than full blocks."""
+    if block_size < 1:
+        raise ValueError("block_size: must be >= 1")
+    num_full = len(token_ids) // block_size
+    if len(known) > num_full:
+        raise ValueError("known: more hashes than full blocks")
+    return list(known), token_ids[len(known) * block_size : num_full * block_size]
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
     """SHA-256 over (parent hash, salt, token ids). `parent` is None for a request's first block."""
     # Fixed-width 64-bit encoding: token lists of different lengths or values cannot alias.
@@ -56,19 +67,14 @@ def hash_full_blocks(
     known: Sequence[BlockHash] = (),
 ) -> list[BlockHash]:
     """Hashes of every full block of `token_ids`, reusing the first `len(known)` already computed."""
-    if block_size < 1:
-        raise ValueError("block_size: must be >= 1")
-    num_full = len(token_ids) // block_size
-    if len(known) > num_full:
-        raise ValueError("known: more hashes than full blocks")
-    hashes = list(known)
-    if len(hashes) == num_full:
+    hashes, todo = _unhashed(token_ids, block_size, known)
+    if not todo:
         return hashes
     # hash_block for each block, with the tokens encoded once: a prompt is hashed block by block
     # at its first prefix lookup, and encoding each block apart took half the time.
     parent = hashes[-1] if hashes else _ROOT
     salt_bytes = _encode_salt(salt)
-    data = _encode(token_ids[len(hashes) * block_size : num_full * block_size])
+    data = _encode(todo)
     width = 8 * block_size
     for offset in range(0, len(data), width):
         parent = _sha256(parent + salt_bytes + data[offset : offset + width]).digest()
@@ -92,16 +98,11 @@ def hash_full_blocks_builtin(
     known: Sequence[BlockHash] = (),
 ) -> list[BlockHash]:
     """`hash_full_blocks` with `hash_block_builtin`."""
-    if block_size < 1:
-        raise ValueError("block_size: must be >= 1")
-    num_full = len(token_ids) // block_size
-    if len(known) > num_full:
-        raise ValueError("known: more hashes than full blocks")
-    hashes = list(known)
+    hashes, todo = _unhashed(token_ids, block_size, known)
     parent = hashes[-1] if hashes else _BUILTIN_ROOT
     # The blocks' token tuples and their hashes in C (zip of one iterator block_size times groups
     # the tokens); only the chain is a Python loop.
-    tokens = iter(token_ids[len(hashes) * block_size : num_full * block_size])
+    tokens = iter(todo)
     for block in map(hash, zip(*[tokens] * block_size, strict=True)):
         parent = hash((parent, salt, block))
         hashes.append(parent)

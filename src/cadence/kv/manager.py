@@ -55,7 +55,6 @@ class KVCacheManager:
         if block_size < 1:
             raise ValueError("block_size: must be >= 1")
         self._hash_block, self._hash_full_blocks = block_hashers(hash_algo)
-        self.hash_algo = hash_algo
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

@@ -189,7 +189,7 @@ class Simulator:
             self.replicas.append(_Replica(i, core, clock, ex))
         self._params: dict[int, SamplingParams] = {}
         self._live: dict[str, tuple[RequestRecord, _Replica]] = {}
-        self._times: dict[str, array] = {}  # each live request's token times (its record's list)
+        self._times: dict[str, array] = {}  # each live request's token times (its record's array)
         self._steps = 0
         # A step hook must see every step, so it turns the fast-forward off.
         self._fast_forward = options.fast_forward and on_step is None
