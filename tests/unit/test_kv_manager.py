@@ -201,3 +201,69 @@ def test_free_is_idempotent_and_usage_tracks_blocks() -> None:
     kv.check_integrity([])
     with pytest.raises(ValueError):
         kv.allocate_slots(a, -1)
+
+
+def _pool_state(kv: KVCacheManager) -> tuple:
+    pool = kv.pool
+    return (dict(kv._table_ids), dict(kv._num_cached), {r: tuple(h) for r, h in kv._hashes.items()},
+            pool.free_block_ids(), {h: b.block_id for h, b in pool._by_hash.items()}, [b.ref_cnt for b in pool.blocks])
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("algo", ["sha256", "builtin"])
+def test_decode_blocks_equal_single_step_calls(seed: int, algo: str) -> None:
+    """`decode_blocks` leaves the pool as per-step `allocate_slots(r, 1)` + `cache_computed_blocks(r)`
+    would: the same block ids, published hashes (a duplicate stays unhashed), evictions and queue.
+    Identical prompts decode side by side (they fill equal blocks in the same step), and the free
+    queue holds cached blocks of earlier requests with those very hashes, evicted mid-run."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 50) for _ in range(rng.randint(3, 14))] for _ in range(3)]
+    kvs = [KVCacheManager(52, BS, hash_algo=algo) for _ in range(2)]
+    reqs: list[list[Request]] = [[], []]
+    for k, kv in enumerate(kvs):
+        # An earlier request of each prompt decodes 12 tokens and leaves: its blocks sit cached in the queue.
+        for p in prompts:
+            old = make_request(prompt=p, rid=f"old{len(reqs[k])}")
+            admit(kv, old)
+            for _ in range(12):
+                old.output_token_ids.append(7)
+                compute(kv, old, 1)
+            kv.free(old)
+            reqs[k].append(old)
+    live = [[make_request(prompt=rng.choice(prompts), rid=f"r{i}") for i in range(5)] for _ in range(2)]
+    live[1] = [make_request(prompt=r.prompt_token_ids, rid=r.request_id) for r in live[0]]
+    for kv, rs in zip(kvs, live, strict=True):
+        for r in rs:
+            admit(kv, r)
+            r.output_token_ids.append(7)  # the first token sampled at the prompt's last step
+    steps = 30
+    ref, fast = kvs
+    starts = [r.num_computed_tokens for r in live[1]]
+    events = []
+    queued_hashed = [ref.pool.blocks[b].block_hash is not None for b in ref.pool.free_block_ids()]
+    for j in range(steps):  # a step: every row's allocation, then every row's publication
+        for i, r in enumerate(live[0]):
+            if r.num_computed_tokens == len(ref.block_table(r.request_id)) * BS:
+                events.append((j, 0, i))
+            assert ref.allocate_slots(r, 1) is not None
+        for i, r in enumerate(live[0]):
+            r.num_computed_tokens += 1
+            if r.num_computed_tokens % BS == 0:
+                events.append((j, 1, i))
+            ref.cache_computed_blocks(r)
+            r.output_token_ids.append(7)
+    for r in live[1]:
+        r.output_token_ids.extend([7] * steps)
+    fast.decode_blocks(live[1], starts, events)
+    for r, start in zip(live[1], starts, strict=True):
+        r.num_computed_tokens = start + steps
+    assert _pool_state(fast) == _pool_state(ref)
+    assert sum(kind for _, kind, _ in events) > 10 and len(events) > 30
+    num_allocated = sum(1 for _, kind, _ in events if not kind)
+    assert any(queued_hashed[:num_allocated])  # allocations evicted cached blocks on the way
+    # Equal blocks were published by more than one row: one answers for the hash, the rest stay unhashed.
+    hashed = sum(b.block_hash is not None for b in fast.pool.blocks if b.ref_cnt)
+    assert hashed < sum(len(fast.block_table(r.request_id)) for r in live[1])
+    fast.check_integrity(live[1], published=True)

@@ -37,7 +37,11 @@ class EngineCore:
         max_model_len: int,
         eos_token_ids: frozenset[int] = frozenset(),
         check_integrity: bool = False,
+        snapshot_gauges: bool = True,
     ) -> None:
+        """`snapshot_gauges`: keep `scheduler_stats` as of the last step, for gauges read from
+        other threads (the server's); without it, each read computes them then (the simulator
+        reads none, and would otherwise build a snapshot per step for nothing)."""
         config.validate()
         if max_model_len < 1:
             raise ValueError("max_model_len: must be >= 1")
@@ -46,6 +50,7 @@ class EngineCore:
         self.clock: Clock = clock if clock is not None else RealClock()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.check_integrity = check_integrity
+        self._snapshot_gauges = snapshot_gauges
         self._max_model_len = max_model_len
 
         cache = config.cache
@@ -65,7 +70,7 @@ class EngineCore:
             getattr(executor, "clock", None) is self.clock)
         self._stretch: DecodeStretch | None = None  # planned, not yet applied
         self.last_stats = IterationStats()
-        self.scheduler_stats = self.scheduler.stats()
+        self._gauges = self.scheduler.stats()
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d, prefix caching %s)",
             num_blocks,
@@ -124,7 +129,7 @@ class EngineCore:
         self._check_no_stretch()
         deltas = self.scheduler.abort(tuple(request_ids), self.clock.now())
         # Refresh the snapshot the gauges read: with nothing left to run, no step would.
-        self.scheduler_stats = self.scheduler.stats()
+        self._snapshot()
         return deltas
 
     def finish_requests(
@@ -137,7 +142,7 @@ class EngineCore:
         """End requests for a reason found outside the engine, e.g. a stop string in the detokenized text."""
         self._check_no_stretch()
         deltas = self.scheduler.finish_requests(tuple(request_ids), status, self.clock.now(), stop_reason=stop_reason)
-        self.scheduler_stats = self.scheduler.stats()
+        self._snapshot()
         return deltas
 
     # ------------------------------------------------------------------ the loop
@@ -164,13 +169,22 @@ class EngineCore:
             logger.debug("step %d preempted %s", out.step, ", ".join(out.preempted_ids))
         self.last_stats = sched.last_iteration_stats
         self.last_stats.step_time = step_time
-        self.scheduler_stats = sched.stats()
+        self._snapshot()
         if self.check_integrity:
             sched.check_integrity()
         return deltas
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    @property
+    def scheduler_stats(self) -> SchedulerStats:
+        """The gauges after the last step (or abort, or finish): see `snapshot_gauges`."""
+        return self._gauges if self._snapshot_gauges else self.scheduler.stats()
+
+    def _snapshot(self) -> None:
+        if self._snapshot_gauges:
+            self._gauges = self.scheduler.stats()
 
     # ------------------------------------------------------------------ decode stretches (simulator)
     def plan_decode_stretch(self, max_steps: int) -> DecodeStretch | None:
@@ -209,14 +223,16 @@ class EngineCore:
         self._stretch = None
         if not num_steps:
             return []
-        self.executor.charge_decode_run(stretch.costs[:num_steps])  # type: ignore[attr-defined]
+        # The step ends are the costs summed onto the clock's reading at planning, which has not
+        # moved since (nothing ran on this core): the clock's additions are done.
         end = stretch.step_ends[num_steps - 1]
-        assert self.clock.now() == end, "the clock did not follow the planned step costs"
+        assert self.clock.now() == stretch.start_time, "the clock moved since the stretch was planned"
+        self.executor.charge_decode_run(stretch.costs[:num_steps], end)  # type: ignore[attr-defined]
         sched = self.scheduler
         deltas = sched.apply_decode_stretch(stretch, num_steps)
         self.last_stats = sched.last_iteration_stats
         self.last_stats.step_time = end - stretch.start_time
-        self.scheduler_stats = sched.stats()
+        self._snapshot()
         if self.check_integrity:
             sched.check_integrity()
         return deltas

@@ -410,16 +410,17 @@ class SimExecutor:
             cost = np.where(knee, cost + hinge, cost)
         return np.maximum(cost, self._min_cost).tolist()
 
-    def charge_decode_run(self, costs: Sequence[float]) -> None:
+    def charge_decode_run(self, costs: Sequence[float], end: float | None = None) -> None:
         """The first steps of a decode run ran (`decode_run_costs`' leading `costs`): charge them
-        as that many `execute` calls would, one addition at a time."""
+        as that many `execute` calls would, one addition at a time. `end`: the clock reading
+        after them, if the caller has summed the costs onto the clock's reading already."""
         if not costs:
             return
         self.last_step_cost = costs[-1]
         self.total_cost = reduce(add, costs, self.total_cost)
         self.num_steps += len(costs)
         if self.clock is not None:
-            self.clock.advance_to(reduce(add, costs, self.clock.now()))
+            self.clock.advance_to(reduce(add, costs, self.clock.now()) if end is None else end)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ This module logs nothing; the engine logs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -228,6 +228,49 @@ class KVCacheManager:
         # A duplicate (the same prefix computed twice at once) stays unhashed: harmless.
         self.pool.cache_blocks(table[start:num_full], hashes[start:num_full])
         self._num_cached[rid] = num_full
+
+    def decode_blocks(self, requests: Sequence[Request], starts: Sequence[int],
+                      events: Iterable[tuple[int, int, int]]) -> None:
+        """The block operations of consecutive decode steps, one token per row a step: `events`
+        lists (step, 0 allocate | 1 publish, row) in the order single steps run them, row i of
+        `requests` holding `starts[i]` computed tokens before step 0. The same blocks, evictions,
+        hashes and free-queue order as `allocate_slots(request, 1)` before and
+        `cache_computed_blocks(request)` after each of those steps, without their per-call work
+        (and each table's id tuple extended once, at the end). Reads the requests' tokens, not
+        their `num_computed_tokens`: the caller sets those."""
+        bs, pool, hash_block = self.block_size, self.pool, self._hash_block
+        tables = [self._tables[r.request_id] for r in requests]
+        new_ids: list[list[int]] = [[] for _ in requests]
+        published = [-1] * len(requests)  # rows' blocks published so far, once they publish
+        for j, kind, i in events:
+            table = tables[i]
+            if not kind:
+                # Step j computes position starts[i] + j, the first past the table: one new block.
+                assert starts[i] + j == len(table) * bs, "a decode allocates only at a block boundary"
+                block = pool.allocate_one()
+                if block is None:
+                    raise AssertionError(f"{requests[i].request_id}: the decode steps ran out of blocks")
+                table.append(block)
+                new_ids[i].append(block.block_id)
+                continue
+            # Step j fills block n (its last position is starts[i] + j); the blocks before it are published.
+            n = (starts[i] + j + 1) // bs - 1
+            req = requests[i]
+            if published[i] < 0:
+                published[i] = self._num_cached[req.request_id]
+            assert published[i] == n and (starts[i] + j + 1) % bs == 0, "a decode fills one block a step"
+            hashes = self._hashes.setdefault(req.request_id, [])
+            if len(hashes) == n:
+                hashes.append(hash_block(hashes[-1] if n else None, req.token_ids_slice(n * bs, n * bs + bs),
+                                         req.cache_salt))
+            pool.cache(table[n], hashes[n])  # (a duplicate of a block already cached stays unhashed)
+            published[i] = n + 1
+        for req, ids, num in zip(requests, new_ids, published, strict=True):
+            rid = req.request_id
+            if ids:
+                self._table_ids[rid] += tuple(ids)
+            if num >= 0:
+                self._num_cached[rid] = num
 
     def free(self, request: Request, *, keep_hashes: bool = False) -> None:
         """Release the request's blocks, tail first. Safe to call for a request holding none.

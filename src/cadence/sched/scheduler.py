@@ -526,6 +526,9 @@ class Scheduler:
         if prefill is not None:
             events += [(j, kind, row) for j in range(num_steps) for kind in (0, 1)]
         events.sort()
+        if prefill is None:
+            kv.decode_blocks(reqs, starts, events)
+            return
         allocate, publish = kv.allocate_slots, kv.cache_computed_blocks
         for j, kind, i in events:
             if i == row:

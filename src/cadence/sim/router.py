@@ -39,13 +39,13 @@ class LeastLoaded:
         self._next = 0
 
     def choose(self, req: WorkloadRequest, outstanding: Sequence[int]) -> int:
-        n = len(outstanding)
-        start = self._next % n
-        best, best_load = start, outstanding[start]
-        for k in range(1, n):
-            i = (start + k) % n
-            if outstanding[i] < best_load:
-                best, best_load = i, outstanding[i]
+        # The first replica with the fewest, looking from `_next` on and wrapping around.
+        start = self._next % len(outstanding)
+        least = min(outstanding)
+        try:
+            best = outstanding.index(least, start)
+        except ValueError:
+            best = outstanding.index(least)
         self._next = best + 1
         return best
 
