@@ -82,6 +82,10 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> Block | None:
         return self._by_hash.get(block_hash)
 
+    def holds_any(self, hashes: Iterable[BlockHash]) -> bool:
+        """Whether any of `hashes` is cached (in a used or a free block)."""
+        return not self._by_hash.keys().isdisjoint(hashes)
+
     def _live_queue(self, limit: int | None = None) -> list[Block]:
         """The free queue's live entries in order (the first `limit` of them)."""
         if not self._num_stale:

@@ -18,7 +18,7 @@ This module logs nothing; the engine logs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -230,18 +230,79 @@ class KVCacheManager:
         self._num_cached[rid] = num_full
 
     def decode_blocks(self, requests: Sequence[Request], starts: Sequence[int],
-                      events: Iterable[tuple[int, int, int]]) -> None:
+                      events: list[tuple[int, int, int]]) -> None:
         """The block operations of consecutive decode steps, one token per row a step: `events`
         lists (step, 0 allocate | 1 publish, row) in the order single steps run them, row i of
         `requests` holding `starts[i]` computed tokens before step 0. The same blocks, evictions,
         hashes and free-queue order as `allocate_slots(request, 1)` before and
         `cache_computed_blocks(request)` after each of those steps, without their per-call work
-        (and each table's id tuple extended once, at the end). Reads the requests' tokens, not
-        their `num_computed_tokens`: the caller sets those."""
-        bs, pool, hash_block = self.block_size, self.pool, self._hash_block
+        (each table's id tuple is extended once, at the end). Reads the requests' tokens, not
+        their `num_computed_tokens`: the caller sets those.
+
+        The allocations are one `allocate` of them all, handed out in event order, and the
+        publications one `cache_blocks` after them: the same outcome as the interleaved order
+        unless a block the run publishes has the hash of a cached block that one of its
+        allocations evicts later (published first, it stays unhashed as a duplicate). So where
+        any hash it publishes is cached already, the events run one by one instead."""
         tables = [self._tables[r.request_id] for r in requests]
+        pubs = [i for _, kind, i in events if kind]  # rows, in publication order
+        # The block each publication fills (a row fills its blocks in turn) and that block's hash.
+        nxt = self._decode_hashes(requests, pubs)
+        chains = [self._hashes.get(r.request_id) for r in requests]
+        pub_blocks, pub_hashes = [], []
+        for i in pubs:
+            n = nxt[i]
+            nxt[i] = n + 1
+            pub_blocks.append(n)
+            pub_hashes.append(chains[i][n])  # type: ignore[index]
         new_ids: list[list[int]] = [[] for _ in requests]
-        published = [-1] * len(requests)  # rows' blocks published so far, once they publish
+        if self.pool.holds_any(pub_hashes):
+            self._decode_events(requests, starts, events, tables, new_ids, iter(pub_blocks), iter(pub_hashes))
+        else:
+            allocs = [i for _, kind, i in events if not kind]
+            blocks = self.pool.allocate(len(allocs))
+            if blocks is None:
+                raise AssertionError("the decode steps ran out of blocks")
+            for i, block in zip(allocs, blocks, strict=True):
+                tables[i].append(block)
+                new_ids[i].append(block.block_id)
+            self.pool.cache_blocks([tables[i][n] for i, n in zip(pubs, pub_blocks, strict=True)], pub_hashes)
+        for req, ids, num in zip(requests, new_ids, nxt, strict=True):
+            rid = req.request_id
+            if ids:
+                self._table_ids[rid] += tuple(ids)
+            if num >= 0:
+                self._num_cached[rid] = num
+
+    def _decode_hashes(self, requests: Sequence[Request], pubs: list[int]) -> list[int]:
+        """Extend each publishing row's hash chain over the blocks it publishes (one per entry of
+        `pubs`, from its first unpublished block on); returns those first blocks (-1: none)."""
+        bs, hash_block = self.block_size, self._hash_block
+        counts = [0] * len(requests)
+        for i in pubs:
+            counts[i] += 1
+        first = [-1] * len(requests)
+        for i, count in enumerate(counts):
+            if not count:
+                continue
+            req = requests[i]
+            rid = req.request_id
+            first[i] = n0 = self._num_cached[rid]
+            hashes = self._hashes.setdefault(rid, [])
+            have, need = len(hashes), n0 + count
+            if have < need:
+                tokens = req.token_ids_slice(have * bs, need * bs)  # one copy for all its new blocks
+                parent = hashes[-1] if hashes else None
+                for k in range(0, len(tokens), bs):
+                    parent = hash_block(parent, tokens[k : k + bs], req.cache_salt)
+                    hashes.append(parent)
+        return first
+
+    def _decode_events(self, requests: Sequence[Request], starts: Sequence[int], events: list[tuple[int, int, int]],
+                       tables: list[list[Block]], new_ids: list[list[int]], pub_blocks: Iterator[int],
+                       pub_hashes: Iterator[BlockHash]) -> None:
+        """`decode_blocks` one event at a time, in order."""
+        bs, pool = self.block_size, self.pool
         for j, kind, i in events:
             table = tables[i]
             if not kind:
@@ -252,25 +313,10 @@ class KVCacheManager:
                     raise AssertionError(f"{requests[i].request_id}: the decode steps ran out of blocks")
                 table.append(block)
                 new_ids[i].append(block.block_id)
-                continue
-            # Step j fills block n (its last position is starts[i] + j); the blocks before it are published.
-            n = (starts[i] + j + 1) // bs - 1
-            req = requests[i]
-            if published[i] < 0:
-                published[i] = self._num_cached[req.request_id]
-            assert published[i] == n and (starts[i] + j + 1) % bs == 0, "a decode fills one block a step"
-            hashes = self._hashes.setdefault(req.request_id, [])
-            if len(hashes) == n:
-                hashes.append(hash_block(hashes[-1] if n else None, req.token_ids_slice(n * bs, n * bs + bs),
-                                         req.cache_salt))
-            pool.cache(table[n], hashes[n])  # (a duplicate of a block already cached stays unhashed)
-            published[i] = n + 1
-        for req, ids, num in zip(requests, new_ids, published, strict=True):
-            rid = req.request_id
-            if ids:
-                self._table_ids[rid] += tuple(ids)
-            if num >= 0:
-                self._num_cached[rid] = num
+            else:
+                n = next(pub_blocks)
+                assert starts[i] + j + 1 == (n + 1) * bs, "a decode step fills the block after the published ones"
+                pool.cache(table[n], next(pub_hashes))  # (a duplicate of a cached block stays unhashed)
 
     def free(self, request: Request, *, keep_hashes: bool = False) -> None:
         """Release the request's blocks, tail first. Safe to call for a request holding none.

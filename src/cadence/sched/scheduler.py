@@ -516,12 +516,10 @@ class Scheduler:
         kv = self.kv
         bs = kv.block_size
         reqs, starts = stretch.requests, stretch.starts
-        events: list[tuple[int, int, int]] = []  # (step, 0 allocate | 1 publish, row)
-        for i, first in enumerate(stretch.first_allocations):
-            events += [(j, 0, i) for j in range(first, num_steps, bs)]
-        if kv.enable_prefix_caching:  # (publishing is a no-op otherwise)
-            for i, start in enumerate(starts):
-                events += [(j, 1, i) for j in range((-start - 1) % bs, num_steps, bs)]  # start + j + 1 fills a block
+        # (step, 0 allocate | 1 publish, row); one comprehension each (most rows of a short stretch have none).
+        events = [(j, 0, i) for i, first in enumerate(stretch.first_allocations) for j in range(first, num_steps, bs)]
+        if kv.enable_prefix_caching:  # (publishing is a no-op otherwise); start + j + 1 fills a block
+            events += [(j, 1, i) for i, start in enumerate(starts) for j in range((-start - 1) % bs, num_steps, bs)]
         prefill, row = stretch.prefill, len(reqs)
         if prefill is not None:
             events += [(j, kind, row) for j in range(num_steps) for kind in (0, 1)]
