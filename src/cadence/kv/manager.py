@@ -123,7 +123,9 @@ class KVCacheManager:
         rid = request.request_id
         known = self._hashes.get(rid, [])
         if len(known) < request.num_tokens // self.block_size:
-            known = self._hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt, known)
+            # (A request with no outputs yet, the usual case, hashes its prompt list without a copy.)
+            tokens = request.all_token_ids if request.output_token_ids else request.prompt_token_ids
+            known = self._hash_full_blocks(tokens, self.block_size, request.cache_salt, known)
             self._hashes[rid] = known
         return known
 

@@ -35,8 +35,8 @@ class PromptSynth:
         pool = [100 + x % (VOCAB_BASE - 100) for x in raw]
         self._pool = pool + pool  # doubled: any slice of up to _POOL_SIZE tokens is contiguous
 
-    def _fill(self, key: int, n: int) -> list[int]:
-        out: list[int] = []
+    def _fill(self, key: int, n: int, out: list[int]) -> list[int]:
+        """Append n pool tokens for `key` to `out` (each slice is copied once, straight into it)."""
         off = (key * _MIX) % _POOL_SIZE
         while n > 0:
             take = min(n, _POOL_SIZE)
@@ -49,7 +49,7 @@ class PromptSynth:
         tag = [kind, key % VOCAB_BASE, (key // VOCAB_BASE) % VOCAB_BASE]
         if n <= _TAG_LEN:
             return tag[:n]
-        return tag + self._fill(key * 4 + kind, n - _TAG_LEN)
+        return self._fill(key * 4 + kind, n - _TAG_LEN, tag)
 
     def block(self, block_id: int, n: int) -> list[int]:
         """The first n tokens of shared block `block_id` (n <= block_tokens)."""
@@ -65,5 +65,8 @@ class PromptSynth:
                 break
             out += self.block(block_id, min(b, total - start))
         if len(out) < total:
-            out += self._segment(_TAG_REQUEST, index, total - len(out))
+            tail = self._segment(_TAG_REQUEST, index, total - len(out))
+            if not out:
+                return tail  # (no prefix blocks, the usual case: no copy)
+            out += tail
         return out
