@@ -9,6 +9,7 @@ engine runs this in a background thread and calls `add_request` / `abort_request
 from __future__ import annotations
 
 import logging
+import math
 from bisect import bisect_left
 from collections.abc import Iterable
 from itertools import accumulate
@@ -202,14 +203,18 @@ class EngineCore:
         if stretch is None:
             return None
         costs = self.executor.decode_run_costs(stretch.run)  # type: ignore[attr-defined]
-        # Clock readings at each step's start, then after the last: one addition per step, as the
-        # clock advances by each cost. Steps that would start at or after the deadline are dropped.
-        times = list(accumulate(costs, initial=now))
-        num_steps = bisect_left(times, stretch.not_after, 0, len(costs))
-        if not num_steps:
-            return None
-        stretch.num_steps, stretch.start_time = num_steps, now
-        stretch.costs, stretch.step_ends = costs[:num_steps], times[1 : num_steps + 1]
+        # Clock readings after each step: one addition per step, as the clock advances by each
+        # cost (the first element, `now`, is dropped in place rather than sliced off).
+        ends = list(accumulate(costs, initial=now))
+        del ends[0]
+        if stretch.not_after < math.inf:  # steps that would start at or after the deadline are dropped
+            num_steps = bisect_left(ends, stretch.not_after, 0, len(costs) - 1) + 1 if now < stretch.not_after else 0
+            if not num_steps:
+                return None
+            if num_steps < len(costs):
+                del costs[num_steps:], ends[num_steps:]
+        stretch.num_steps, stretch.start_time = len(costs), now
+        stretch.costs, stretch.step_ends = costs, ends
         self._stretch = stretch
         return stretch
 
@@ -227,7 +232,8 @@ class EngineCore:
         # moved since (nothing ran on this core): the clock's additions are done.
         end = stretch.step_ends[num_steps - 1]
         assert self.clock.now() == stretch.start_time, "the clock moved since the stretch was planned"
-        self.executor.charge_decode_run(stretch.costs[:num_steps], end)  # type: ignore[attr-defined]
+        costs = stretch.costs if num_steps == len(stretch.costs) else stretch.costs[:num_steps]
+        self.executor.charge_decode_run(costs, end)  # type: ignore[attr-defined]
         sched = self.scheduler
         deltas = sched.apply_decode_stretch(stretch, num_steps)
         self.last_stats = sched.last_iteration_stats

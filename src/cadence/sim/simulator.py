@@ -366,7 +366,7 @@ class Simulator:
         st.steps += m
         self._steps += m
         self.fast_forwarded_steps += m
-        ends = stretch.step_ends[:m]
+        ends = stretch.step_ends if m == len(stretch.step_ends) else stretch.step_ends[:m]
         self._busy(rep, stretch.start_time, ends[-1])
         t0 = self._t0
         # (A virtual clock starts at 0, and t - 0.0 is t: no subtraction to make.)
