@@ -189,9 +189,10 @@ class EngineCore:
 
     # ------------------------------------------------------------------ decode stretches (simulator)
     def plan_decode_stretch(self, max_steps: int) -> DecodeStretch | None:
-        """The next steps, if they would each schedule the same plain decodes and at most one
-        prompt chunk of the same size (sched/stretch.py says when), with their costs and end times on this core's
-        clock; None otherwise, or if the executor does not cost decode runs. Changes nothing: the
+        """The next steps, if they would each schedule the same plain decodes (fewer once some
+        finish) and at most one prompt chunk of the same size (sched/stretch.py says when), with
+        the costs and end times on this core's clock of their first run of alike steps (the rest:
+        `cost_stretch`); None otherwise, or if the executor does not cost decode runs. Changes nothing: the
         caller then applies some leading part of it with `apply_decode_stretch` before anything
         else touches this core (a request added, a step). Steps that would start at or after a
         pending deadline are left out."""
@@ -202,32 +203,47 @@ class EngineCore:
         stretch = self.scheduler.plan_decode_stretch(now, self.executor.token_id, max_steps)  # type: ignore[attr-defined]
         if stretch is None:
             return None
-        costs = self.executor.decode_run_costs(stretch.run)  # type: ignore[attr-defined]
+        runs = stretch.runs  # (more than one where requests leave mid-stretch, and no deadline is pending)
+        costs = self.executor.decode_run_costs(runs[0])  # type: ignore[attr-defined]
         # Clock readings after each step: one addition per step, as the clock advances by each
         # cost (the first element, `now`, is dropped in place rather than sliced off).
         ends = list(accumulate(costs, initial=now))
         del ends[0]
         if stretch.not_after < math.inf:  # steps that would start at or after the deadline are dropped
+            assert len(runs) == 1
             num_steps = bisect_left(ends, stretch.not_after, 0, len(costs) - 1) + 1 if now < stretch.not_after else 0
             if not num_steps:
                 return None
             if num_steps < len(costs):
                 del costs[num_steps:], ends[num_steps:]
-        stretch.num_steps, stretch.start_time = len(costs), now
-        stretch.costs, stretch.step_ends = costs, ends
+            stretch.num_steps = num_steps
+        stretch.start_time = now
+        stretch.costs, stretch.step_ends, stretch.pending_runs = costs, ends, runs[1:]
         self._stretch = stretch
         return stretch
 
+    def cost_stretch(self, stretch: DecodeStretch, num_steps: int) -> None:
+        """Cost the stretch's steps up to `num_steps` (`costs` and `step_ends` grow a run at a time:
+        the same additions onto the clock's reading as costing them all at once)."""
+        costs, ends = stretch.costs, stretch.step_ends
+        while len(costs) < num_steps:
+            more = self.executor.decode_run_costs(stretch.pending_runs.pop(0))  # type: ignore[attr-defined]
+            more_ends = list(accumulate(more, initial=ends[-1]))
+            del more_ends[0]
+            costs += more
+            ends += more_ends
+
     def apply_decode_stretch(self, stretch: DecodeStretch, num_steps: int) -> list[RequestDelta]:
         """Run the first `num_steps` steps of the stretch just planned (0 drops it): the same state
-        as that many `step` calls. Returns what the last of them would have: the final deltas of
-        the requests it finishes (only the stretch's last step finishes any); `last_decoded` lists
-        the requests that went on, and `last_stats` sums the steps (see `Scheduler.apply_decode_stretch`)."""
+        as that many `step` calls. Returns what they would have, together: the final deltas of
+        the requests they finish, in step order; `last_decoded` lists the requests that went on
+        in the last one, and `last_stats` sums the steps (see `Scheduler.apply_decode_stretch`)."""
         if stretch is not self._stretch:
             raise RuntimeError("not the decode stretch planned last on this core")
         self._stretch = None
         if not num_steps:
             return []
+        self.cost_stretch(stretch, num_steps)
         # The step ends are the costs summed onto the clock's reading at planning, which has not
         # moved since (nothing ran on this core): the clock's additions are done.
         end = stretch.step_ends[num_steps - 1]

@@ -333,18 +333,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode stretches (simulator)
     def plan_decode_stretch(self, now: float, token: int, max_steps: int) -> DecodeStretch | None:
-        """The steps from `now` on that would each schedule the running requests' plain decodes,
-        every decode sampling `token`, and at most the prompt chunk of the last running request
-        (up to `max_steps`; None if none). Changes nothing (see sched/stretch.py)."""
+        """The steps from `now` on that would each schedule the running requests' plain decodes
+        (those left, once some finish), every decode sampling `token`, and at most the prompt
+        chunk of the last running request (up to `max_steps`; None if none). Changes nothing
+        (see sched/stretch.py)."""
         running = self.running
         if not running or len(running) > self.config.max_num_batched_tokens or self._pending_deltas:
             return None  # with more running requests than the token budget, some wait their turn
         prefill, chunk = self._stretch_prefill()
         decodes = running[:-1] if prefill is not None else running
         not_after = self._deadlines[0][0] if self._deadlines else math.inf
-        # The steps in which every request goes on, then the step in which the first ones finish.
-        finish_step = self._decode_steps_left(decodes, token, max_steps) if now < not_after else -1
-        num_steps = min(finish_step + 1, max_steps)
+        # Each request's last step (by length), capped at max_steps; None unless all are plain decodes.
+        last = self._decode_last_steps(decodes, token, max_steps) if now < not_after else None
+        if last is None:
+            return None
+        finish_step = min(last, default=max_steps)
+        if finish_step < 0:
+            return None
+        # The stretch ends with the step in which the first requests finish, unless nothing waits:
+        # then the others go on without them (a prompt chunk or fair-share counters aside).
+        go_on = prefill is None and not self.waiting and not self.waiting.tracks_service and not_after == math.inf
+        num_steps = min((max(last) if go_on else finish_step) + 1, max_steps)
         kv = self.kv
         tables = kv.block_tables
         prefill_blocks = None
@@ -359,7 +368,7 @@ class Scheduler:
         bs = kv.block_size
         first = first_allocations(starts, [len(tables.get(r.request_id, ())) for r in decodes], bs)
         # Steps the free blocks last (nothing is freed in a stretch); a step short of blocks preempts.
-        num_steps = steps_within(first, bs, num_steps, kv.num_free_blocks, prefill_blocks)
+        num_steps = steps_within(first, bs, num_steps, kv.num_free_blocks, prefill_blocks, last)
         if num_steps < 1:
             return None
         # (A static batch admits only when it is empty; a prompt chunk spends the whole budget.)
@@ -370,7 +379,8 @@ class Scheduler:
             num_steps = steps_within(first, bs, limits[1], limits[0])
             if num_steps < 1:
                 return None
-        stretch = DecodeStretch(self._step, tuple(decodes), starts, first, token, num_steps, not_after, finish_step)
+        stretch = DecodeStretch(self._step, tuple(decodes), starts, first, token, num_steps, not_after, finish_step,
+                                tuple(last))
         if prefill is not None:
             stretch.prefill, stretch.prefill_start, stretch.chunk = prefill, prefill.num_computed_tokens, chunk
         return stretch
@@ -390,21 +400,22 @@ class Scheduler:
             return None, 0
         return last, chunk
 
-    def _decode_steps_left(self, decodes: list[Request], token: int, max_steps: int) -> int:
-        """Steps (up to `max_steps`) in which every one of `decodes` decodes and goes on; -1 unless
-        each is a plain decode that `token` does not stop."""
-        steps = max_steps
+    def _decode_last_steps(self, decodes: list[Request], token: int, max_steps: int) -> list[int] | None:
+        """The step in which each of `decodes` samples its last token (by length), capped at
+        `max_steps`; None unless each is a plain decode that `token` does not stop."""
         max_len = self.max_model_len
-        for req in reversed(decodes):  # newest first: the likeliest to be mid-prefill
+        last = [0] * len(decodes)
+        for i in range(len(decodes) - 1, -1, -1):  # newest first: the likeliest to be mid-prefill
+            req = decodes[i]
             outputs = req.output_token_ids
             start = req.num_computed_tokens
             sp = req.sampling_params
             if (not outputs or start != len(req.prompt_token_ids) + len(outputs) - 1 or not sp.plain_decode
                     or req.last_token_time is None or token in req.eos_token_ids or token in sp.stop_token_ids):
-                return -1
+                return None
             # Step j appends output len(outputs) + j + 1 at context start + j + 2 (see _update_decodes).
-            steps = min(steps, sp.max_tokens - len(outputs) - 1, max_len - start - 2)
-        return steps
+            last[i] = min(max_steps, sp.max_tokens - len(outputs) - 1, max_len - start - 2)
+        return last
 
     def _waiting_limits(self, starts: tuple[int, ...], first: list[int], num_steps: int) -> tuple[float, int] | None:
         """With requests waiting: (blocks, steps) a stretch of up to `num_steps` steps may take
@@ -457,35 +468,39 @@ class Scheduler:
     def apply_decode_stretch(self, stretch: DecodeStretch, num_steps: int) -> list[RequestDelta]:
         """Apply the first `num_steps` steps of `stretch`, planned on this very state, as that many
         single steps would; `stretch.step_ends[j]` is the clock reading after step j (the `now`
-        its update sees). Returns the final deltas of the requests that finish in the last of
-        them (`stretch.finish_step`), in scheduling order; `last_decoded` lists the rest. The
-        iteration stats of those steps come as one: their counters summed, without the per-token
-        latencies (one entry per token is what a stretch exists to avoid)."""
+        its update sees). Returns the final deltas of the requests that finish in them, in step
+        order, then scheduling order (what those steps would have returned, all together);
+        `last_decoded` lists the requests that went on in the last one. The iteration stats of
+        those steps come as one: their counters summed, without the per-token latencies (one
+        entry per token is what a stretch exists to avoid)."""
         assert stretch.step == self._step, "the scheduler moved since the stretch was planned"
         assert 0 < num_steps <= stretch.num_steps
-        reqs, starts = stretch.requests, stretch.starts
+        reqs, starts, last = stretch.requests, stretch.starts, stretch.last_steps
+        ends = stretch.step_ends
+        # Each request's steps: all of them, or up to the one in which it finishes.
+        done = [min(num_steps, j + 1) for j in last]
         tokens = [stretch.token] * num_steps
-        for req in reqs:
-            req.output_token_ids.extend(tokens)  # first: the blocks published below hash them
+        for req, k in zip(reqs, done, strict=True):
+            req.output_token_ids.extend(tokens if k == num_steps else tokens[:k])  # first: the blocks published below hash them
         self._stretch_blocks(stretch, num_steps)
-        end = stretch.step_ends[num_steps - 1]
-        for req, start in zip(reqs, starts, strict=True):
-            req.num_computed_tokens = start + num_steps
-            req.last_token_time = end
+        for req, start, k in zip(reqs, starts, done, strict=True):
+            req.num_computed_tokens = start + k
+            req.last_token_time = ends[k - 1]
         if self.waiting.tracks_service:
+            assert all(k == num_steps for k in done), "fair share: no request leaves mid-stretch"
             self.waiting.account_decodes(reqs, num_steps)
-        num_tokens = len(reqs) * num_steps
+        num_tokens = sum(done)
         prompt_tokens = stretch.chunk * num_steps
         if stretch.prefill is not None:
             stretch.prefill.num_computed_tokens = stretch.prefill_start + prompt_tokens
             self._stats.num_prompt_tokens += prompt_tokens
         self._num_live_tokens += num_tokens + prompt_tokens
         self._step += num_steps
-        self._now = stretch.step_ends[num_steps - 2] if num_steps > 1 else stretch.start_time
+        self._now = ends[num_steps - 2] if num_steps > 1 else stretch.start_time
         # The first step's output would have carried these to the executor.
         self._finished_ids.clear()
         self._preempted_ids.clear()
-        deltas = self._finish_stretch(stretch, end) if num_steps == stretch.finish_step + 1 else []
+        deltas = self._finish_stretch(stretch, num_steps) if min(last, default=num_steps) < num_steps else []
         self.last_decoded = [r.request_id for r in reqs if r.status is _RUNNING]
         stats = self._stats
         stats.step, stats.now = self._step, self._now
@@ -493,18 +508,27 @@ class Scheduler:
         self._close_stats()
         return deltas
 
-    def _finish_stretch(self, stretch: DecodeStretch, now: float) -> list[RequestDelta]:
-        """The stretch's last step ends some requests (length limits): what `_update_decodes` does
-        for them, in scheduling order. (Their blocks return to the pool after the step's
-        publications rather than between them: a free never touches a block's hash, a
-        publication never the free queue, so the order between the two changes nothing.)"""
+    def _finish_stretch(self, stretch: DecodeStretch, num_steps: int) -> list[RequestDelta]:
+        """The requests that finish in the first `num_steps` steps (length limits): what
+        `_update_decodes` does for them, in step order, then scheduling order. (Their blocks return
+        to the pool after the stretch's allocations and publications rather than between them: a
+        free never touches a block's hash, nor the blocks at the head of the free queue that the
+        stretch's allocations take, since `steps_within` counts no freed block.) Only those of the
+        last step stay listed as finished: the next step's output would have carried the others."""
         deltas = []
-        token = stretch.token
-        for req in stretch.requests:
-            status, stop_reason = self._stop_status(req, token)
-            if status is not None:
-                self._finish(req, status, now, stop_reason=stop_reason)
-                deltas.append(final_delta(req, (token,)))
+        token, ends, last = stretch.token, stretch.step_ends, stretch.last_steps
+        step = -1
+        for step in sorted({j for j in last if j < num_steps}):
+            self._finished_ids.clear()  # (those of an earlier step went out with the step after it)
+            for i, j in enumerate(last):
+                if j == step:
+                    req = stretch.requests[i]
+                    status, stop_reason = self._stop_status(req, token)
+                    assert status is RequestStatus.FINISHED_LENGTH, f"{req.request_id}: planned to finish by length"
+                    self._finish(req, status, ends[step], stop_reason=stop_reason)
+                    deltas.append(final_delta(req, (token,)))
+        if step < num_steps - 1:
+            self._finished_ids.clear()
         return deltas
 
     def _stretch_blocks(self, stretch: DecodeStretch, num_steps: int) -> None:
@@ -516,10 +540,14 @@ class Scheduler:
         kv = self.kv
         bs = kv.block_size
         reqs, starts = stretch.requests, stretch.starts
+        # Each row's steps end with its last one (a finishing request takes part in that step).
+        ends = [min(num_steps, k + 1) for k in stretch.last_steps] if stretch.last_steps else [num_steps] * len(reqs)
         # (step, 0 allocate | 1 publish, row); one comprehension each (most rows of a short stretch have none).
-        events = [(j, 0, i) for i, first in enumerate(stretch.first_allocations) for j in range(first, num_steps, bs)]
+        events = [(j, 0, i) for i, (first, end) in enumerate(zip(stretch.first_allocations, ends, strict=True))
+                  for j in range(first, end, bs)]
         if kv.enable_prefix_caching:  # (publishing is a no-op otherwise); start + j + 1 fills a block
-            events += [(j, 1, i) for i, start in enumerate(starts) for j in range((-start - 1) % bs, num_steps, bs)]
+            events += [(j, 1, i) for i, (start, end) in enumerate(zip(starts, ends, strict=True))
+                       for j in range((-start - 1) % bs, end, bs)]
         prefill, row = stretch.prefill, len(reqs)
         if prefill is not None:
             events += [(j, kind, row) for j in range(num_steps) for kind in (0, 1)]

@@ -11,10 +11,17 @@ operations. The block pool sees the same operations in the same order as m singl
 step's allocations in scheduling order, then its publications), so block ids, evictions and
 published hashes come out identical, and so does everything else the steps change.
 
-A stretch ends with the first step in which requests finish (their output length limit or
-`max_model_len`; a stretch is only planned when the executor's scripted token is no stop token of
-any running request): that step applies like the others, then finishes them in scheduling order.
-It ends before the first step in which anything else could differ:
+Requests finish only by length (their output limit or `max_model_len`; a stretch is only planned
+when the executor's scripted token is no stop token of any running request), so the step in which
+each one finishes is known ahead (`last_steps`). A step in which some finish applies like the
+others, then finishes them in scheduling order. If nothing waits (and no deadline is pending, and
+no fair-share counters are kept), the stretch goes on past it with the requests left: a freed seat
+or freed blocks could only matter to a waiting request, and the blocks the stretch takes are
+counted against those free at its start, so its allocations never reach the freed ones at the
+tail of the free queue (the frees can wait for the end). Its steps then form runs of alike steps
+(`runs`), costed one run at a time as the caller reaches them. Otherwise the stretch ends with the
+step in which the first requests finish. It ends before the first step in which anything else
+could differ:
 
 - the blocks the steps allocate would outrun the free queue (the single step then preempts);
 - a deadline falls due (the engine core checks the step times against the earliest deadline);
@@ -62,23 +69,60 @@ class DecodeStretch:
     num_steps: int  # steps planned; the engine core may cut them at a deadline
     not_after: float  # the earliest pending deadline: no step of the stretch may start at or after it
     finish_step: int  # the step in which the first requests finish (by length), if the stretch reaches it
+    # Each request's last step: it samples its last token there (by length) and leaves. Values at or
+    # past `num_steps` go on after the stretch. With the waiting queue empty, a stretch runs past
+    # the first finishes with the requests left (see "Finishing" in the module doc).
+    last_steps: tuple[int, ...] = ()
     prefill: Request | None = None  # the running request in its prompt, scheduled after the decodes
     prefill_start: int = 0  # its computed tokens before the first step
     chunk: int = 0  # the prompt tokens it gets in each step
     start_time: float = 0.0  # clock reading at the first step (set by the engine core)
     costs: list[float] = field(default_factory=list)  # each step's cost (engine core)
     step_ends: list[float] = field(default_factory=list)  # clock reading after each step (engine core)
+    # Runs not costed yet: past the first finishes, steps are costed a run at a time as they are
+    # needed (EngineCore.cost_stretch), so that a stretch cut short costs little more than it ran.
+    pending_runs: list[DecodeRun] = field(default_factory=list)
+
+    def finish_groups(self) -> dict[int, list[int]]:
+        """The steps in which requests finish, in order, each with its rows in scheduling order."""
+        n = self.num_steps
+        groups: dict[int, list[int]] = {}
+        for i, j in sorted(enumerate(self.last_steps), key=lambda e: e[1]):
+            if j >= n:
+                break
+            groups.setdefault(j, []).append(i)
+        return groups
+
+    def finish_points(self) -> list[int]:
+        """The steps in which requests finish, in order (each such step has effects beyond its replica)."""
+        return list(self.finish_groups())
 
     @property
-    def finishes(self) -> bool:
-        """Whether requests finish in the stretch's last step (so the step has effects beyond its replica)."""
-        return self.num_steps == self.finish_step + 1
-
-    @property
-    def run(self) -> DecodeRun:
-        starts = self.starts
-        return DecodeRun(len(starts), sum(starts), max(starts, default=0), self.num_steps, self.chunk,
-                         self.prefill_start)
+    def runs(self) -> list[DecodeRun]:
+        """The stretch's steps as runs of alike steps: a new run wherever requests have left."""
+        starts, last, n = self.starts, self.last_steps, self.num_steps
+        if not last or min(last) >= n - 1:  # every row decodes in every step
+            return [DecodeRun(len(starts), sum(starts), max(starts, default=0), n, self.chunk, self.prefill_start)]
+        # Rows by their last step; the rows of a run are a suffix of that order (its sums and maxima
+        # taken from the back), and a run ends after each step in which some leave.
+        order = sorted(range(len(starts)), key=last.__getitem__)
+        size = len(order)
+        suffix_sum, suffix_max = [0] * (size + 1), [0] * (size + 1)
+        for p in range(size - 1, -1, -1):
+            s = starts[order[p]]
+            suffix_sum[p] = suffix_sum[p + 1] + s
+            suffix_max[p] = max(suffix_max[p + 1], s) if p < size - 1 else s
+        out, a, p = [], 0, 0
+        while a < n:
+            assert p < size, "every row left before the stretch's last step"
+            b = min(last[order[p]] + 1, n)  # the run ends after the next rows' last step
+            rows = size - p
+            out.append(DecodeRun(rows, suffix_sum[p] + a * rows, suffix_max[p] + a, b - a, self.chunk,
+                                 self.prefill_start + a * self.chunk))
+            while p < size and last[order[p]] < b:
+                p += 1
+            a = b
+        return out
 
     @property
     def request_ids(self) -> list[str]:
@@ -91,9 +135,13 @@ def first_allocations(starts: Sequence[int], blocks_held: Sequence[int], block_s
     return [held * block_size - start for start, held in zip(starts, blocks_held, strict=True)]
 
 
-def blocks_allocated(first: Sequence[int], block_size: int, num_steps: int) -> int:
-    """Blocks the first `num_steps` steps take together (`first`: `first_allocations`)."""
-    return sum((num_steps - 1 - j) // block_size + 1 for j in first if j < num_steps)
+def blocks_allocated(first: Sequence[int], block_size: int, num_steps: int, last: Sequence[int] = ()) -> int:
+    """Blocks the first `num_steps` steps take together (`first`: `first_allocations`; `last`, if
+    given: each row's last step, after which it takes none)."""
+    if not last:
+        return sum((num_steps - 1 - j) // block_size + 1 for j in first if j < num_steps)
+    return sum((min(num_steps - 1, k) - j) // block_size + 1 for j, k in zip(first, last, strict=True)
+               if j < num_steps and j <= k)
 
 
 def chunk_blocks(prefill: tuple[int, int, int] | None, block_size: int, num_steps: int) -> int:
@@ -106,12 +154,14 @@ def chunk_blocks(prefill: tuple[int, int, int] | None, block_size: int, num_step
 
 
 def steps_within(first: Sequence[int], block_size: int, num_steps: int, num_blocks: float,
-                 prefill: tuple[int, int, int] | None = None) -> int:
+                 prefill: tuple[int, int, int] | None = None, last: Sequence[int] = ()) -> int:
     """The most leading steps, up to `num_steps`, whose allocations together take at most `num_blocks`:
-    the decode rows' (`first`: `first_allocations`), and with `prefill` a prompt's chunks' (`chunk_blocks`)."""
+    the decode rows' (`first`: `first_allocations`; `last`: see `blocks_allocated`), and with `prefill`
+    a prompt's chunks' (`chunk_blocks`). (Blocks that finishing rows free count for nothing: the
+    allocations then never reach them in the free queue, so the order of frees and takes is moot.)"""
 
     def taken(steps: int) -> int:
-        return blocks_allocated(first, block_size, steps) + chunk_blocks(prefill, block_size, steps)
+        return blocks_allocated(first, block_size, steps, last) + chunk_blocks(prefill, block_size, steps)
 
     if taken(num_steps) <= num_blocks:
         return num_steps

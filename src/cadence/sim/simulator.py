@@ -104,7 +104,8 @@ class SimResult:
 
 
 class _Replica:
-    __slots__ = ("index", "core", "clock", "executor", "stats", "in_heap", "last_end", "busy_from", "stretch")
+    __slots__ = ("index", "core", "clock", "executor", "stats", "in_heap", "last_end", "busy_from", "stretch",
+                 "finish_points", "entry")
 
     def __init__(self, index: int, core: EngineCore, clock: Any, executor: Any) -> None:
         self.index, self.core, self.clock, self.executor = index, core, clock, executor
@@ -115,8 +116,10 @@ class _Replica:
         self.stats = ReplicaStats(index)
         self.in_heap = False
         # Decode steps planned and not yet applied (see Simulator._coast); its heap entry is the
-        # end of the last of them, where the next single step starts.
+        # start of the next of them that finishes requests, else the end of the last of them.
         self.stretch: DecodeStretch | None = None
+        self.finish_points: list[int] = []  # its stretch's steps that finish requests, not yet come up
+        self.entry = 0.0  # where its heap entry is, while coasting
 
 
 class _Client:
@@ -196,6 +199,7 @@ class Simulator:
         self._fast_forward = options.fast_forward and on_step is None
         self.fast_forwarded_steps = 0  # steps applied as parts of stretches
         self.stretches_cut = 0  # stretches cut short by an arrival
+        self.finished_mid_stretch = 0  # requests that finished in a stretch that went on without them
 
     # -- requests in -------------------------------------------------------------------------------
 
@@ -291,13 +295,15 @@ class Simulator:
     #
     # A replica whose next steps would each schedule the same plain decodes (EngineCore.
     # plan_decode_stretch) coasts: its heap entry moves to where the stretch's effects outside the
-    # replica happen, and the steps are applied when it comes up there, or, when a request reaches
-    # it sooner, up to the first step that starts at or after that arrival. Nothing else reaches
-    # into a replica, and its stretch steps reach nothing outside it but through the requests its
-    # last step may finish; so that step keeps its place in the order (the entry is its start),
-    # and a stretch without one ends where the next step starts. Applying steps late then changes
-    # no result: the records, the routing, the closed loop's sends and every replica's stats are
-    # those of stepping one at a time.
+    # replica happen, and the steps are applied when it comes up at its end, or, when a request
+    # reaches it sooner, up to the first step that starts at or after that arrival. Nothing else
+    # reaches into a replica, and its stretch steps reach nothing outside it but through the
+    # requests they finish; so each step that finishes requests keeps its place in the order (an
+    # entry at its start, where their records end and the router and the client learn of it,
+    # while the steps themselves wait), and a stretch ends where the next step starts (or, if its
+    # last step finishes requests, at that step's start, as a single step would). Applying steps
+    # late then changes no result: the records, the routing, the closed loop's sends and every
+    # replica's stats are those of stepping one at a time.
 
     def _coast(self, rep: _Replica) -> bool:
         """Plan a stretch of decode steps on `rep` (its turn has come); False if none."""
@@ -305,63 +311,90 @@ class Simulator:
         if stretch is None:
             return False
         rep.stretch = stretch
-        heapq.heappush(self._heap, (self._entry(stretch), rep.index))
+        rep.finish_points = list(reversed(stretch.finish_groups().items()))  # the next one last
+        self._push_entry(rep)
         return True
 
-    @staticmethod
-    def _entry(stretch: DecodeStretch) -> float:
-        """When a coasting replica comes up: its stretch's finishing step's start, or its end."""
-        ends = stretch.step_ends
-        if not stretch.finishes:
-            return ends[-1]
-        return ends[-2] if len(ends) > 1 else stretch.start_time
-
-    def _arrive(self, rep: _Replica) -> None:
-        """Coasting `rep` came up: apply its whole stretch, then step on as `_step` would."""
+    def _push_entry(self, rep: _Replica) -> None:
+        """Queue coasting `rep` where its stretch next has an effect: the start of the next step that
+        finishes requests, else the stretch's end."""
         stretch = rep.stretch
         assert stretch is not None
-        if not stretch.finishes:
+        if rep.finish_points:
+            step = rep.finish_points[-1][0]
+            rep.core.cost_stretch(stretch, step)
+            rep.entry = stretch.step_ends[step - 1] if step else stretch.start_time
+        else:
+            rep.core.cost_stretch(stretch, stretch.num_steps)
+            rep.entry = stretch.step_ends[-1]
+        heapq.heappush(self._heap, (rep.entry, rep.index))
+
+    def _arrive(self, rep: _Replica) -> None:
+        """Coasting `rep` came up: the requests its next finishing step ends are done (the steps wait,
+        but for the last one's: the stretch is applied); or, at its end, apply it and step on as
+        `_step` would."""
+        stretch = rep.stretch
+        assert stretch is not None
+        if not rep.finish_points:  # its end: the next step starts now
             self._land(rep, stretch.num_steps)
             if not self._coast(rep):
                 self._step(rep)
             return
-        deltas = self._land(rep, stretch.num_steps)
-        rel = rep.last_end - self._t0
-        live = self._live
-        for d in deltas:  # their last token's time is in already, with the others'
-            self._finish(d, live[d.request_id][0], rep, rel)
+        step, rows = rep.finish_points.pop()
+        self._finish_rows(rep, stretch, step, rows)
+        if step < stretch.num_steps - 1:
+            self.finished_mid_stretch += len(rows)
+            self._push_entry(rep)
+            return
+        self._land(rep, stretch.num_steps)
         if rep.core.has_unfinished_requests():
             heapq.heappush(self._heap, (rep.last_end, rep.index))
         else:
             rep.in_heap = False
 
+    def _finish_rows(self, rep: _Replica, stretch: DecodeStretch, step: int, rows: list[int]) -> None:
+        """The records of the requests (`rows` of the stretch) that its step `step` finishes (by
+        length, the steps not applied yet): their token times to that step's end, then their end."""
+        rep.core.cost_stretch(stretch, step + 1)
+        ends, t0 = stretch.step_ends, self._t0
+        rels = array("d", ends[: step + 1]) if t0 == 0.0 else array("d", [t - t0 for t in ends[: step + 1]])
+        rel = rels[-1]
+        times = self._times
+        for i in rows:
+            req = stretch.requests[i]
+            rid = req.request_id
+            times[rid].extend(rels)
+            queue = None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
+            self._end(rid, self._live[rid][0], rep, rel, "length", queue, None)
+
     def _cut(self, rep: _Replica, t: float) -> None:
         """A request reaches coasting `rep` at `t`: apply the stretch's steps that start before it
-        (they ran first) and drop the rest; the replica's next step starts where they end."""
+        (they ran first; the requests they finish are done already) and drop the rest; the
+        replica's next step starts where they end."""
         stretch = rep.stretch
         assert stretch is not None
-        ends = stretch.step_ends
+        ends = stretch.step_ends  # (costed at least to the step its heap entry is at, which t does not pass)
         last = len(ends) - 1
         # Step 0 starts at start_time and step j at ends[j - 1].
         m = 1 + bisect.bisect_left(ends, t, 0, last) if stretch.start_time < t else 0
-        if m <= last:
+        if m < stretch.num_steps:
             self.stretches_cut += 1
             heap = self._heap
-            heap.remove((self._entry(stretch), rep.index))
+            heap.remove((rep.entry, rep.index))
             heapq.heapify(heap)
             heapq.heappush(heap, (ends[m - 1] if m else stretch.start_time, rep.index))
-        deltas = self._land(rep, m)
-        assert not deltas, "a finishing step starts after the arrivals that cut its stretch"
+        self._land(rep, m)
 
-    def _land(self, rep: _Replica, m: int) -> list[Any]:
-        """Apply the first `m` steps of `rep`'s stretch and record them as `_step` would have; the
-        deltas of the requests the last one finishes are the caller's to record."""
+    def _land(self, rep: _Replica, m: int) -> None:
+        """Apply the first `m` steps of `rep`'s stretch and record them as `_step` would have (the
+        requests they finish have been recorded as done, each at its step's start)."""
         stretch = rep.stretch
         assert stretch is not None
         rep.stretch = None
         deltas = rep.core.apply_decode_stretch(stretch, m)
+        assert all(d.request_id not in self._live and d.finish_reason.value == "length" for d in deltas)
         if not m:
-            return deltas
+            return
         st = rep.stats
         st.steps += m
         self._steps += m
@@ -373,23 +406,27 @@ class Simulator:
         rels = array("d", ends) if t0 == 0.0 else array("d", [t - t0 for t in ends])
         times = self._times
         for rid in stretch.request_ids:
-            times[rid].extend(rels)
-        return deltas
+            rec_times = times.get(rid)  # (none for those finished)
+            if rec_times is not None:
+                rec_times.extend(rels)
 
     def _finish(self, d: Any, rec: RequestRecord, rep: _Replica, rel: float) -> None:
-        del self._live[d.request_id], self._times[d.request_id]
+        m = d.metrics
+        self._end(d.request_id, rec, rep, rel, d.finish_reason.value, None if m is None else m.queue_time, d.error)
+
+    def _end(self, rid: str, rec: RequestRecord, rep: _Replica, rel: float, reason: str, queue_time: float | None,
+             error: str | None) -> None:
+        del self._live[rid], self._times[rid]
         rec.output_tokens = len(rec.token_times)
-        reason = d.finish_reason.value
         rec.finish_reason = reason
         rec.end_time = rel
-        m = d.metrics
-        if m is not None and m.queue_time is not None:
-            rec.queue_time = m.queue_time
+        if queue_time is not None:
+            rec.queue_time = queue_time
         if reason in _OK_REASONS:
             rec.status = 200
         else:
             rec.status = 408 if reason == "deadline" else 500
-            rec.error = f"{reason}: {d.error}" if d.error else reason
+            rec.error = f"{reason}: {error}" if error else reason
         self._outstanding[rep.index] -= 1
         self._client.on_done(rel)
 
