@@ -212,13 +212,13 @@ def _pool_state(kv: KVCacheManager) -> tuple:
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("algo", ["sha256", "builtin"])
 @pytest.mark.parametrize("same_leftovers", [True, False])
-def test_decode_blocks_equal_single_step_calls(seed: int, algo: str, same_leftovers: bool,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """`decode_blocks` leaves the pool as per-step `allocate_slots(r, 1)` + `cache_computed_blocks(r)`
+def test_step_blocks_equal_single_step_calls(seed: int, algo: str, same_leftovers: bool) -> None:
+    """`step_blocks` leaves the pool as per-step `allocate_slots(r, 1)` + `cache_computed_blocks(r)`
     would: the same block ids, published hashes (a duplicate stays unhashed), evictions and queue.
     Identical prompts decode side by side (they fill equal blocks in the same step), and the free
     queue holds cached blocks of earlier requests, evicted mid-run: of the same prompts (so with
-    the very hashes the run publishes: the events go one by one) or of others (all at once)."""
+    the very hashes the run publishes: it declines and changes nothing, the calls go one by one)
+    or of others (all at once)."""
     import random
 
     rng = random.Random(seed)
@@ -226,9 +226,6 @@ def test_decode_blocks_equal_single_step_calls(seed: int, algo: str, same_leftov
     old_prompts = prompts if same_leftovers else [[rng.randrange(50, 99) for _ in range(len(p))] for p in prompts]
     kvs = [KVCacheManager(52, BS, hash_algo=algo) for _ in range(2)]
     reqs: list[list[Request]] = [[], []]
-    one_by_one = []
-    orig = KVCacheManager._decode_events
-    monkeypatch.setattr(KVCacheManager, "_decode_events", lambda *a: one_by_one.append(1) or orig(*a))
     for k, kv in enumerate(kvs):
         # An earlier request of each prompt decodes 12 tokens and leaves: its blocks sit cached in the queue.
         for p in old_prompts:
@@ -263,8 +260,16 @@ def test_decode_blocks_equal_single_step_calls(seed: int, algo: str, same_leftov
             r.output_token_ids.append(7)
     for r in live[1]:
         r.output_token_ids.extend([7] * steps)
-    fast.decode_blocks(live[1], starts, events)
-    assert bool(one_by_one) == same_leftovers
+    before = _pool_state(fast)
+    if not fast.step_blocks(live[1], starts, [1] * len(starts), events):
+        assert same_leftovers
+        assert _pool_state(fast)[:2] == before[:2] and _pool_state(fast)[3:] == before[3:]  # (hash memos aside)
+        for j, kind, i in events:
+            r = live[1][i]
+            r.num_computed_tokens = starts[i] + j + kind
+            assert fast.cache_computed_blocks(r) is None if kind else fast.allocate_slots(r, 1) is not None
+    else:
+        assert not same_leftovers
     for r, start in zip(live[1], starts, strict=True):
         r.num_computed_tokens = start + steps
     assert _pool_state(fast) == _pool_state(ref)

@@ -18,7 +18,7 @@ This module logs nothing; the engine logs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -231,94 +231,91 @@ class KVCacheManager:
         self.pool.cache_blocks(table[start:num_full], hashes[start:num_full])
         self._num_cached[rid] = num_full
 
-    def decode_blocks(self, requests: Sequence[Request], starts: Sequence[int],
-                      events: list[tuple[int, int, int]]) -> None:
-        """The block operations of consecutive decode steps, one token per row a step: `events`
-        lists (step, 0 allocate | 1 publish, row) in the order single steps run them, row i of
-        `requests` holding `starts[i]` computed tokens before step 0. The same blocks, evictions,
-        hashes and free-queue order as `allocate_slots(request, 1)` before and
-        `cache_computed_blocks(request)` after each of those steps, without their per-call work
-        (each table's id tuple is extended once, at the end). Reads the requests' tokens, not
-        their `num_computed_tokens`: the caller sets those.
+    def step_blocks(self, requests: Sequence[Request], starts: Sequence[int], widths: Sequence[int],
+                    events: list[tuple[int, int, int]]) -> bool:
+        """The block operations of consecutive steps in which row i of `requests` computes
+        `widths[i]` tokens a step from `starts[i]` on (a decode 1, a prompt chunk more): `events`
+        lists (step, 0 allocate | 1 publish, row) in the order single steps run them, and each
+        does what `allocate_slots(request, width)` before the step (0) and
+        `cache_computed_blocks(request)` after it (1) would. Done all at once: one `allocate` of
+        every block they take, handed out in event order, then one `cache_blocks` of every block
+        they fill; each table's id tuple is extended once. Reads the requests' tokens, not their
+        `num_computed_tokens` (the caller sets those).
 
-        The allocations are one `allocate` of them all, handed out in event order, and the
-        publications one `cache_blocks` after them: the same outcome as the interleaved order
-        unless a block the run publishes has the hash of a cached block that one of its
-        allocations evicts later (published first, it stays unhashed as a duplicate). So where
-        any hash it publishes is cached already, the events run one by one instead."""
+        That is the outcome of the interleaved calls unless a block the run publishes has the hash
+        of a cached block that one of its allocations evicts later (published first, it would stay
+        unhashed as a duplicate). So where any hash it would publish is cached already, it returns
+        False having changed nothing (but for extending the requests' hash memos): the caller then
+        makes the calls one by one."""
+        bs = self.block_size
         tables = [self._tables[r.request_id] for r in requests]
-        pubs = [i for _, kind, i in events if kind]  # rows, in publication order
-        # The block each publication fills (a row fills its blocks in turn) and that block's hash.
-        nxt = self._decode_hashes(requests, pubs)
-        chains = [self._hashes.get(r.request_id) for r in requests]
-        pub_blocks, pub_hashes = [], []
-        for i in pubs:
-            n = nxt[i]
-            nxt[i] = n + 1
-            pub_blocks.append(n)
-            pub_hashes.append(chains[i][n])  # type: ignore[index]
-        new_ids: list[list[int]] = [[] for _ in requests]
-        if self.pool.holds_any(pub_hashes):
-            self._decode_events(requests, starts, events, tables, new_ids, iter(pub_blocks), iter(pub_hashes))
-        else:
-            allocs = [i for _, kind, i in events if not kind]
-            blocks = self.pool.allocate(len(allocs))
-            if blocks is None:
-                raise AssertionError("the decode steps ran out of blocks")
-            for i, block in zip(allocs, blocks, strict=True):
-                tables[i].append(block)
-                new_ids[i].append(block.block_id)
-            self.pool.cache_blocks([tables[i][n] for i, n in zip(pubs, pub_blocks, strict=True)], pub_hashes)
-        for req, ids, num in zip(requests, new_ids, nxt, strict=True):
-            rid = req.request_id
-            if ids:
-                self._table_ids[rid] += tuple(ids)
-            if num >= 0:
-                self._num_cached[rid] = num
-
-    def _decode_hashes(self, requests: Sequence[Request], pubs: list[int]) -> list[int]:
-        """Extend each publishing row's hash chain over the blocks it publishes (one per entry of
-        `pubs`, from its first unpublished block on); returns those first blocks (-1: none)."""
-        bs, hash_block = self.block_size, self._hash_block
-        counts = [0] * len(requests)
-        for i in pubs:
-            counts[i] += 1
-        first = [-1] * len(requests)
-        for i, count in enumerate(counts):
-            if not count:
+        held = [len(t) for t in tables]
+        caching = self.enable_prefix_caching
+        published = [self._num_cached[r.request_id] for r in requests] if caching else []
+        first = list(published)
+        alloc_rows: list[int] = []  # the row of each block taken, in order
+        pub_rows: list[int] = []  # the row and block index of each block filled, in order
+        pub_blocks: list[int] = []
+        for j, kind, i in events:
+            width = widths[i]
+            if width == 1:  # a decode: its events come at block boundaries only, one block each
+                if not kind:
+                    alloc_rows.append(i)
+                elif caching:
+                    pub_rows.append(i)
+                    pub_blocks.append(published[i])
+                    published[i] += 1
                 continue
-            req = requests[i]
+            reach = starts[i] + (j + 1) * width  # tokens computed once step j has run
+            if not kind:
+                need = -(-reach // bs) - held[i]
+                if need > 0:
+                    alloc_rows += [i] * need
+                    held[i] += need
+            elif caching:
+                n, full = published[i], reach // bs
+                if full > n:
+                    pub_rows += [i] * (full - n)
+                    pub_blocks += range(n, full)
+                    published[i] = full
+        chains = self._extend_hashes(requests, first, published) if pub_rows else []
+        pub_hashes = [chains[i][n] for i, n in zip(pub_rows, pub_blocks, strict=True)]
+        if pub_hashes and self.pool.holds_any(pub_hashes):
+            return False
+        blocks = self.pool.allocate(len(alloc_rows))
+        if blocks is None:
+            raise AssertionError("the steps ran out of blocks")
+        new_ids: list[list[int]] = [[] for _ in requests]
+        for i, block in zip(alloc_rows, blocks, strict=True):
+            tables[i].append(block)
+            new_ids[i].append(block.block_id)
+        if pub_rows:
+            self.pool.cache_blocks([tables[i][n] for i, n in zip(pub_rows, pub_blocks, strict=True)], pub_hashes)
+        for k, req in enumerate(requests):
             rid = req.request_id
-            first[i] = n0 = self._num_cached[rid]
-            hashes = self._hashes.setdefault(rid, [])
-            have, need = len(hashes), n0 + count
-            if have < need:
-                tokens = req.token_ids_slice(have * bs, need * bs)  # one copy for all its new blocks
+            if new_ids[k]:
+                self._table_ids[rid] += tuple(new_ids[k])
+            if caching:
+                self._num_cached[rid] = published[k]
+        return True
+
+    def _extend_hashes(self, requests: Sequence[Request], first: list[int], upto: list[int]) -> list[list[BlockHash]]:
+        """Each request's hash chain, extended to cover its blocks below `upto` (from its first
+        unhashed one; `first`: its published blocks, which are hashed)."""
+        bs, hash_block = self.block_size, self._hash_block
+        chains = []
+        for req, n0, n1 in zip(requests, first, upto, strict=True):
+            hashes = self._hashes.setdefault(req.request_id, [])
+            have = len(hashes)
+            if have < n1:
+                assert have >= n0, "published blocks are hashed"
+                tokens = req.token_ids_slice(have * bs, n1 * bs)  # one copy for all its new blocks
                 parent = hashes[-1] if hashes else None
                 for k in range(0, len(tokens), bs):
                     parent = hash_block(parent, tokens[k : k + bs], req.cache_salt)
                     hashes.append(parent)
-        return first
-
-    def _decode_events(self, requests: Sequence[Request], starts: Sequence[int], events: list[tuple[int, int, int]],
-                       tables: list[list[Block]], new_ids: list[list[int]], pub_blocks: Iterator[int],
-                       pub_hashes: Iterator[BlockHash]) -> None:
-        """`decode_blocks` one event at a time, in order."""
-        bs, pool = self.block_size, self.pool
-        for j, kind, i in events:
-            table = tables[i]
-            if not kind:
-                # Step j computes position starts[i] + j, the first past the table: one new block.
-                assert starts[i] + j == len(table) * bs, "a decode allocates only at a block boundary"
-                block = pool.allocate_one()
-                if block is None:
-                    raise AssertionError(f"{requests[i].request_id}: the decode steps ran out of blocks")
-                table.append(block)
-                new_ids[i].append(block.block_id)
-            else:
-                n = next(pub_blocks)
-                assert starts[i] + j + 1 == (n + 1) * bs, "a decode step fills the block after the published ones"
-                pool.cache(table[n], next(pub_hashes))  # (a duplicate of a cached block stays unhashed)
+            chains.append(hashes)
+        return chains
 
     def free(self, request: Request, *, keep_hashes: bool = False) -> None:
         """Release the request's blocks, tail first. Safe to call for a request holding none.

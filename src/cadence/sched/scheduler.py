@@ -549,12 +549,17 @@ class Scheduler:
             events += [(j, 1, i) for i, (start, end) in enumerate(zip(starts, ends, strict=True))
                        for j in range((-start - 1) % bs, end, bs)]
         prefill, row = stretch.prefill, len(reqs)
-        if prefill is not None:
-            events += [(j, kind, row) for j in range(num_steps) for kind in (0, 1)]
-        events.sort()
+        widths = [1] * row
         if prefill is None:
-            kv.decode_blocks(reqs, starts, events)
+            rows, row_starts = reqs, starts
+        else:
+            events += [(j, kind, row) for j in range(num_steps) for kind in (0, 1)]
+            rows, row_starts = (*reqs, prefill), (*starts, stretch.prefill_start)
+            widths.append(stretch.chunk)
+        events.sort()
+        if kv.step_blocks(rows, row_starts, widths, events):
             return
+        # One by one (a block it publishes may duplicate a cached block that it evicts).
         allocate, publish = kv.allocate_slots, kv.cache_computed_blocks
         for j, kind, i in events:
             if i == row:
