@@ -53,6 +53,7 @@ def _state(engine: EngineCore) -> tuple:
     counters = dict(sched.waiting.counters) if isinstance(sched.waiting, FairQueue) else None
     ex = engine.executor
     return (sched._step, sched._num_live_tokens, [r.request_id for r in sched.running], reqs,
+            list(sched._finished_ids), list(sched._preempted_ids),  # what the next step's output carries
             [r.request_id for r in sched.waiting], counters, dict(kv._table_ids), dict(kv._num_cached),
             # (Of running requests only: a waiting one's hash memo is a cache that planning may fill first.)
             {r.request_id: tuple(kv._hashes.get(r.request_id, ())) for r in sched.running}, pool.free_block_ids(),

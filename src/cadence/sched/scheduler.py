@@ -367,7 +367,7 @@ class Scheduler:
         starts = tuple(r.num_computed_tokens for r in decodes)
         bs = kv.block_size
         first = first_allocations(starts, [len(tables.get(r.request_id, ())) for r in decodes], bs)
-        # Steps the free blocks last (nothing is freed in a stretch); a step short of blocks preempts.
+        # Steps the free blocks last (what the stretch frees counts for nothing); a step short of blocks preempts.
         num_steps = steps_within(first, bs, num_steps, kv.num_free_blocks, prefill_blocks, last)
         if num_steps < 1:
             return None
@@ -516,18 +516,20 @@ class Scheduler:
         stretch's allocations take, since `steps_within` counts no freed block.) Only those of the
         last step stay listed as finished: the next step's output would have carried the others."""
         deltas = []
-        token, ends, last = stretch.token, stretch.step_ends, stretch.last_steps
-        step = -1
-        for step in sorted({j for j in last if j < num_steps}):
+        token, ends = stretch.token, stretch.step_ends
+        done = -1  # the last step that finished requests
+        for step, rows in stretch.finish_groups().items():
+            if step >= num_steps:
+                break
+            done = step
             self._finished_ids.clear()  # (those of an earlier step went out with the step after it)
-            for i, j in enumerate(last):
-                if j == step:
-                    req = stretch.requests[i]
-                    status, stop_reason = self._stop_status(req, token)
-                    assert status is RequestStatus.FINISHED_LENGTH, f"{req.request_id}: planned to finish by length"
-                    self._finish(req, status, ends[step], stop_reason=stop_reason)
-                    deltas.append(final_delta(req, (token,)))
-        if step < num_steps - 1:
+            for i in rows:
+                req = stretch.requests[i]
+                status, stop_reason = self._stop_status(req, token)
+                assert status is RequestStatus.FINISHED_LENGTH, f"{req.request_id}: planned to finish by length"
+                self._finish(req, status, ends[step], stop_reason=stop_reason)
+                deltas.append(final_delta(req, (token,)))
+        if done < num_steps - 1:
             self._finished_ids.clear()
         return deltas
 
