@@ -118,7 +118,9 @@ class _Replica:
         # Decode steps planned and not yet applied (see Simulator._coast); its heap entry is the
         # start of the next of them that finishes requests, else the end of the last of them.
         self.stretch: DecodeStretch | None = None
-        self.finish_points: list[int] = []  # its stretch's steps that finish requests, not yet come up
+        # Its stretch's steps that finish requests and have not come up yet, each with the rows it
+        # finishes (the next one last, to pop).
+        self.finish_points: list[tuple[int, list[int]]] = []
         self.entry = 0.0  # where its heap entry is, while coasting
 
 
