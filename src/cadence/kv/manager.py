@@ -253,31 +253,32 @@ class KVCacheManager:
         caching = self.enable_prefix_caching
         published = [self._num_cached[r.request_id] for r in requests] if caching else []
         first = list(published)
-        alloc_rows: list[int] = []  # the row of each block taken, in order
-        pub_rows: list[int] = []  # the row and block index of each block filled, in order
-        pub_blocks: list[int] = []
-        for j, kind, i in events:
-            width = widths[i]
-            if width == 1:  # a decode: its events come at block boundaries only, one block each
+        alloc_rows: list[int]  # the row of each block taken, in order
+        pub_rows: list[int]  # the row and block index of each block filled, in order
+        pub_blocks: list[int]
+        if max(widths, default=1) == 1:
+            # Decodes only: each event is one block, at a block boundary; step j fills block
+            # (start + j + 1) // bs - 1 of its row.
+            alloc_rows = [i for _, kind, i in events if not kind]
+            pub_rows = [i for _, kind, i in events if kind] if caching else []
+            pub_blocks = [(starts[i] + j + 1) // bs - 1 for j, kind, i in events if kind] if caching else []
+            for i, n in zip(pub_rows, pub_blocks, strict=True):
+                published[i] = n + 1
+        else:
+            alloc_rows, pub_rows, pub_blocks = [], [], []
+            for j, kind, i in events:
+                reach = starts[i] + (j + 1) * widths[i]  # tokens computed once step j has run
                 if not kind:
-                    alloc_rows.append(i)
+                    need = -(-reach // bs) - held[i]
+                    if need > 0:
+                        alloc_rows += [i] * need
+                        held[i] += need
                 elif caching:
-                    pub_rows.append(i)
-                    pub_blocks.append(published[i])
-                    published[i] += 1
-                continue
-            reach = starts[i] + (j + 1) * width  # tokens computed once step j has run
-            if not kind:
-                need = -(-reach // bs) - held[i]
-                if need > 0:
-                    alloc_rows += [i] * need
-                    held[i] += need
-            elif caching:
-                n, full = published[i], reach // bs
-                if full > n:
-                    pub_rows += [i] * (full - n)
-                    pub_blocks += range(n, full)
-                    published[i] = full
+                    n, full = published[i], reach // bs
+                    if full > n:
+                        pub_rows += [i] * (full - n)
+                        pub_blocks += range(n, full)
+                        published[i] = full
         chains = self._extend_hashes(requests, first, published) if pub_rows else []
         pub_hashes = [chains[i][n] for i, n in zip(pub_rows, pub_blocks, strict=True)]
         if pub_hashes and self.pool.holds_any(pub_hashes):
