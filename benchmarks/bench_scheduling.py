@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -132,12 +133,14 @@ DEFAULT_OUTPUT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "
 MAX_MIXED_OUTPUT = 512
 
 
-def mixed_length_jobs(llm: LLM, n: int, scale: float, trace: Path | None = None) -> list[Job]:
+def mixed_length_jobs(llm: LLM, n: int, scale: float, trace: Path | None = None,
+                      long: tuple[int, int] = (64, 128), long_share: float = 0.15) -> list[Job]:
     """Short prompts (chat's, capped at 32 tokens) and mixed output lengths: many short, a few long.
 
     With `trace` (an Azure LLM CSV), the output lengths are a seeded sample of the trace's
     GeneratedTokens, capped at 512: the code trace's are median 13, p90 55, p99 252, a production
-    mix of exactly that shape. Without it, a synthetic stand-in: 85% of 8..32 tokens, 15% of 64..128.
+    mix of exactly that shape. Without it, a synthetic stand-in: 85% of 8..32 tokens, 15% of 64..128
+    (`long`, `long_share`: the long ones' range and share).
     Prompts are kept short because both modes do the same prefill work: what differs is how full
     the decode batch stays, and long prompts would only dilute that."""
     rng = random.Random(f"mixed:{SEED}")
@@ -145,7 +148,7 @@ def mixed_length_jobs(llm: LLM, n: int, scale: float, trace: Path | None = None)
         lengths = [r.output_tokens for r in read_azure_csv(trace).requests]
         outs = [min(MAX_MIXED_OUTPUT, rng.choice(lengths)) for _ in range(n)]
     else:
-        outs = [rng.randint(64, 128) if rng.random() < 0.15 else rng.randint(8, 32) for _ in range(n)]
+        outs = [rng.randint(*long) if rng.random() < long_share else rng.randint(8, 32) for _ in range(n)]
     return [
         Job(f"m{i}", random_prompt(rng, p, llm), max(2, int(out * scale)))
         for i, ((p, _), out) in enumerate(zip(chat_sizes(n, 32), outs, strict=True))
@@ -186,20 +189,28 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def bench_batching(tiny: bool, n: int, scale: float, max_num_seqs: int = 8, trace: Path | None = None) -> list[Row]:
-    traces = {}
-    for mode in ("continuous", "static"):
-        llm = make_llm(tiny, scheduler=mode, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
-        traces[mode] = run_jobs(llm, mixed_length_jobs(llm, n, scale, trace))
-        del llm
-    tput = {m: t.output_tokens() / (t.end - t.start) for m, t in traces.items()}
-    p50 = {m: percentile(t.e2es(), 50) for m, t in traces.items()}
-    p95 = {m: percentile(t.e2es(), 95) for m, t in traces.items()}
+def bench_batching(tiny: bool, n: int, scale: float, max_num_seqs: int = 8, trace: Path | None = None,
+                   long: tuple[int, int] = (64, 128), long_share: float = 0.15, rounds: int = 1) -> list[Row]:
+    """The two modes run one after the other, `rounds` times (alternating, so a machine whose speed
+    drifts favours neither): each figure is the median over the rounds."""
+    runs: dict[str, list[Trace]] = {"continuous": [], "static": []}
+    llms = {mode: make_llm(tiny, scheduler=mode, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+            for mode in runs}
+    for _ in range(rounds):
+        for mode, llm in llms.items():
+            runs[mode].append(run_jobs(llm, mixed_length_jobs(llm, n, scale, trace, long, long_share)))
+    del llms
+    tput = {m: statistics.median(t.output_tokens() / (t.end - t.start) for t in ts) for m, ts in runs.items()}
+    p50 = {m: statistics.median(percentile(t.e2es(), 50) for t in ts) for m, ts in runs.items()}
+    p95 = {m: statistics.median(percentile(t.e2es(), 95) for t in ts) for m, ts in runs.items()}
     ratio = tput["continuous"] / tput["static"]
     ok = ratio >= 2.0 and p95["continuous"] <= p95["static"]
+    each = ", ".join(f"{a.output_tokens() / (a.end - a.start) / (b.output_tokens() / (b.end - b.start)):.2f}"
+                     for a, b in zip(runs["continuous"], runs["static"], strict=True))
     return [
         (f"1 batching (max_num_seqs {max_num_seqs}): tok/s cont | static", f"{tput['continuous']:.1f} | {tput['static']:.1f}",
          f"{ratio:.2f}x", ">= 2x", verdict(ok)),
+        *([(f"  ratio in each of {rounds} rounds", each, "", "", "")] if rounds > 1 else []),
         ("  e2e p50 s cont | static", f"{p50['continuous']:.2f} | {p50['static']:.2f}",
          f"{p50['static'] / p50['continuous']:.2f}x", "", ""),
         ("  e2e p95 s cont | static", f"{p95['continuous']:.2f} | {p95['static']:.2f}",
@@ -271,7 +282,17 @@ def main() -> None:
     ap.add_argument("--output-trace", default=str(DEFAULT_OUTPUT_TRACE),
                     help="batching: an Azure LLM CSV whose output lengths the mix samples ('' for the "
                          "synthetic 85%% short / 15%% long mix)")
+    ap.add_argument("--long-outputs", default="64,128",
+                    help="batching, synthetic mix: the long outputs' token range LO,HI (short: 8..32)")
+    ap.add_argument("--long-share", type=float, default=0.15, help="batching, synthetic mix: the long outputs' share")
+    ap.add_argument("--rounds", type=int, default=1, help="batching: alternating runs of each mode (medians)")
     args = ap.parse_args()
+    try:
+        lo, hi = (int(x) for x in args.long_outputs.split(","))
+    except ValueError:
+        ap.error(f"--long-outputs: expected LO,HI, got {args.long_outputs!r}")
+    if not (1 <= lo <= hi) or not (0.0 <= args.long_share <= 1.0) or args.rounds < 1:
+        ap.error("--long-outputs: 1 <= LO <= HI; --long-share: between 0 and 1; --rounds: >= 1")
     t0 = time.perf_counter()
     tiny = args.tiny
     trace = Path(args.output_trace) if args.output_trace else None
@@ -280,8 +301,9 @@ def main() -> None:
         trace = None
     parts = {
         "batching": lambda: bench_batching(tiny, args.batching_requests or 3 * args.max_num_seqs, 0.5,
-                                           args.max_num_seqs, trace) if tiny
-        else bench_batching(tiny, args.batching_requests or 12 * args.max_num_seqs, 1.0, args.max_num_seqs, trace),
+                                           args.max_num_seqs, trace, (lo, hi), args.long_share, args.rounds) if tiny
+        else bench_batching(tiny, args.batching_requests or 12 * args.max_num_seqs, 1.0, args.max_num_seqs, trace,
+                            (lo, hi), args.long_share, args.rounds),
         "prefix": lambda: bench_prefix(tiny, 8, 400) if tiny else bench_prefix(tiny, 24, 400),
         "chunked": lambda: bench_chunked(tiny, 18, 800, 2) if tiny else bench_chunked(tiny, 36, 1024, 3),
     }
