@@ -36,3 +36,11 @@ def test_reports_compare_without_the_timing_line() -> None:
     b = "requests 3\nnote: simulated in 9.9s (10 steps)\nreplica 0"
     assert sim_scale.comparable(a) == sim_scale.comparable(b) != sim_scale.comparable(a.replace("3", "4"))
     assert sim_scale.simulated_seconds(a) == "1.2"
+
+
+def test_repeat_goes_with_the_default_workload_only() -> None:
+    sim_scale = _load()
+    assert sim_scale.sim_command(sim_scale.DEFAULT_SIM_ARGS, None)[-2:] == ["--repeat", "5"]
+    assert sim_scale.sim_command(sim_scale.DEFAULT_SIM_ARGS, 1)[-2:] == ["--repeat", "1"]
+    assert sim_scale.sim_command("--trace t.jsonl --replicas 16", None) == ["--trace", "t.jsonl", "--replicas", "16"]
+    assert sim_scale.sim_command("--trace t.jsonl", 3) == ["--trace", "t.jsonl", "--repeat", "3"]
