@@ -147,7 +147,7 @@ def test_no_stretch_where_a_step_would_differ() -> None:
     engine.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True)))
     engine.step()  # the first token: 5 to go, the last of which finishes
     stretch = engine.plan_decode_stretch(100)
-    assert stretch is not None and stretch.num_steps == 5 and stretch.finish_points() == [4]
+    assert stretch is not None and stretch.num_steps == 5 and list(stretch.finish_groups()) == [4]
     (done,) = engine.apply_decode_stretch(stretch, 5)
     assert done.finish_reason == "length" and done.new_token_ids == (engine.executor.token_id,)
     assert not engine.has_unfinished_requests() and engine.last_decoded == []
@@ -168,7 +168,7 @@ def test_no_stretch_where_a_step_would_differ() -> None:
             two.add_request(Request("f", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)))
         stretch = two.plan_decode_stretch(100)
         assert stretch is not None and stretch.last_steps == (2, 7)
-        assert (stretch.num_steps, stretch.finish_points()) == ((3, [2]) if waiting else (8, [2, 7]))
+        assert (stretch.num_steps, list(stretch.finish_groups())) == ((3, [2]) if waiting else (8, [2, 7]))
         assert len(stretch.runs) == 1 + (not waiting) and [r.num_seqs for r in stretch.runs] == [2, 1][: len(stretch.runs)]
         deltas = two.apply_decode_stretch(stretch, stretch.num_steps)
         assert [d.request_id for d in deltas] == (["d"] if waiting else ["d", "e"])

@@ -219,14 +219,7 @@ class KVCacheManager:
             self.pool.cache(table[start], block_hash)
             self._num_cached[rid] = num_full
             return
-        if len(hashes) < num_full:
-            # Hash only the blocks just filled, reading their tokens in place (a decode fills a
-            # block every `block_size` steps: copying the whole context each time would be quadratic).
-            bs, salt, hash_block = self.block_size, request.cache_salt, self._hash_block
-            parent = hashes[-1] if hashes else None
-            for i in range(len(hashes), num_full):
-                parent = hash_block(parent, request.token_ids_slice(i * bs, (i + 1) * bs), salt)
-                hashes.append(parent)
+        self._extend_chain(request, hashes, num_full)
         # A duplicate (the same prefix computed twice at once) stays unhashed: harmless.
         self.pool.cache_blocks(table[start:num_full], hashes[start:num_full])
         self._num_cached[rid] = num_full
@@ -303,20 +296,27 @@ class KVCacheManager:
     def _extend_hashes(self, requests: Sequence[Request], first: list[int], upto: list[int]) -> list[list[BlockHash]]:
         """Each request's hash chain, extended to cover its blocks below `upto` (from its first
         unhashed one; `first`: its published blocks, which are hashed)."""
-        bs, hash_block = self.block_size, self._hash_block
         chains = []
         for req, n0, n1 in zip(requests, first, upto, strict=True):
             hashes = self._hashes.setdefault(req.request_id, [])
-            have = len(hashes)
-            if have < n1:
-                assert have >= n0, "published blocks are hashed"
-                tokens = req.token_ids_slice(have * bs, n1 * bs)  # one copy for all its new blocks
-                parent = hashes[-1] if hashes else None
-                for k in range(0, len(tokens), bs):
-                    parent = hash_block(parent, tokens[k : k + bs], req.cache_salt)
-                    hashes.append(parent)
+            assert len(hashes) >= n0, "published blocks are hashed"
+            self._extend_chain(req, hashes, n1)
             chains.append(hashes)
         return chains
+
+    def _extend_chain(self, request: Request, hashes: list[BlockHash], upto: int) -> None:
+        """Hash `request`'s blocks from `len(hashes)` to `upto` onto its chain `hashes`, reading only
+        their tokens (a decode fills a block every `block_size` steps: copying the whole context
+        each time would be quadratic)."""
+        have = len(hashes)
+        if have >= upto:
+            return
+        bs, hash_block, salt = self.block_size, self._hash_block, request.cache_salt
+        tokens = request.token_ids_slice(have * bs, upto * bs)  # one copy for all the new blocks
+        parent = hashes[-1] if hashes else None
+        for k in range(0, len(tokens), bs):
+            parent = hash_block(parent, tokens[k : k + bs], salt)
+            hashes.append(parent)
 
     def free(self, request: Request, *, keep_hashes: bool = False) -> None:
         """Release the request's blocks, tail first. Safe to call for a request holding none.

@@ -379,8 +379,7 @@ class Scheduler:
             num_steps = steps_within(first, bs, limits[1], limits[0])
             if num_steps < 1:
                 return None
-        stretch = DecodeStretch(self._step, tuple(decodes), starts, first, token, num_steps, not_after, finish_step,
-                                tuple(last))
+        stretch = DecodeStretch(self._step, tuple(decodes), starts, first, token, num_steps, not_after, tuple(last))
         if prefill is not None:
             stretch.prefill, stretch.prefill_start, stretch.chunk = prefill, prefill.num_computed_tokens, chunk
         return stretch
@@ -482,7 +481,7 @@ class Scheduler:
         tokens = [stretch.token] * num_steps
         for req, k in zip(reqs, done, strict=True):
             req.output_token_ids.extend(tokens if k == num_steps else tokens[:k])  # first: the blocks published below hash them
-        self._stretch_blocks(stretch, num_steps)
+        self._stretch_blocks(stretch, num_steps, done)
         for req, start, k in zip(reqs, starts, done, strict=True):
             req.num_computed_tokens = start + k
             req.last_token_time = ends[k - 1]
@@ -533,22 +532,21 @@ class Scheduler:
             self._finished_ids.clear()
         return deltas
 
-    def _stretch_blocks(self, stretch: DecodeStretch, num_steps: int) -> None:
+    def _stretch_blocks(self, stretch: DecodeStretch, num_steps: int, done: list[int]) -> None:
         """The block operations of a stretch's first `num_steps` steps, in single-step order: each step
         allocates for the rows entering a new block, then publishes the blocks rows filled, both in
         scheduling order. Only those events are visited (one per decode row every `block_size`
         steps; the prompt chunk's row, after the decodes, has both every step: `allocate_slots`
-        and `cache_computed_blocks` do nothing where it needs no block and fills none)."""
+        and `cache_computed_blocks` do nothing where it needs no block and fills none). `done`:
+        each decode row's steps, the last of which it may finish in."""
         kv = self.kv
         bs = kv.block_size
         reqs, starts = stretch.requests, stretch.starts
-        # Each row's steps end with its last one (a finishing request takes part in that step).
-        ends = [min(num_steps, k + 1) for k in stretch.last_steps] if stretch.last_steps else [num_steps] * len(reqs)
         # (step, 0 allocate | 1 publish, row); one comprehension each (most rows of a short stretch have none).
-        events = [(j, 0, i) for i, (first, end) in enumerate(zip(stretch.first_allocations, ends, strict=True))
+        events = [(j, 0, i) for i, (first, end) in enumerate(zip(stretch.first_allocations, done, strict=True))
                   for j in range(first, end, bs)]
         if kv.enable_prefix_caching:  # (publishing is a no-op otherwise); start + j + 1 fills a block
-            events += [(j, 1, i) for i, (start, end) in enumerate(zip(starts, ends, strict=True))
+            events += [(j, 1, i) for i, (start, end) in enumerate(zip(starts, done, strict=True))
                        for j in range((-start - 1) % bs, end, bs)]
         prefill, row = stretch.prefill, len(reqs)
         widths = [1] * row

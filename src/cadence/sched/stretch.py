@@ -68,7 +68,6 @@ class DecodeStretch:
     token: int  # what every decode samples
     num_steps: int  # steps planned; the engine core may cut them at a deadline
     not_after: float  # the earliest pending deadline: no step of the stretch may start at or after it
-    finish_step: int  # the step in which the first requests finish (by length), if the stretch reaches it
     # Each request's last step: it samples its last token there (by length) and leaves. Values at or
     # past `num_steps` go on after the stretch. With the waiting queue empty, a stretch runs past
     # the first finishes with the requests left (see "Finishing" in the module doc).
@@ -93,10 +92,6 @@ class DecodeStretch:
             groups.setdefault(j, []).append(i)
         return groups
 
-    def finish_points(self) -> list[int]:
-        """The steps in which requests finish, in order (each such step has effects beyond its replica)."""
-        return list(self.finish_groups())
-
     @property
     def runs(self) -> list[DecodeRun]:
         """The stretch's steps as runs of alike steps: a new run wherever requests have left."""
@@ -111,7 +106,7 @@ class DecodeStretch:
         for p in range(size - 1, -1, -1):
             s = starts[order[p]]
             suffix_sum[p] = suffix_sum[p + 1] + s
-            suffix_max[p] = max(suffix_max[p + 1], s) if p < size - 1 else s
+            suffix_max[p] = max(suffix_max[p + 1], s)  # (positions are >= 0)
         out, a, p = [], 0, 0
         while a < n:
             assert p < size, "every row left before the stretch's last step"

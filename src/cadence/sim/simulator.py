@@ -36,6 +36,7 @@ from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError, ErrorKind
 from cadence.executor.cost_model import SimExecutor, StepCostModel
 from cadence.request import Request, SamplingParams
+from cadence.sched.records import request_metrics
 from cadence.sched.stretch import DecodeStretch
 from cadence.sim.router import Router, make_router
 from cadence.sim.synth import PromptSynth
@@ -358,16 +359,20 @@ class Simulator:
         """The records of the requests (`rows` of the stretch) that its step `step` finishes (by
         length, the steps not applied yet): their token times to that step's end, then their end."""
         rep.core.cost_stretch(stretch, step + 1)
-        ends, t0 = stretch.step_ends, self._t0
-        rels = array("d", ends[: step + 1]) if t0 == 0.0 else array("d", [t - t0 for t in ends[: step + 1]])
+        rels = self._rels(stretch.step_ends[: step + 1])
         rel = rels[-1]
         times = self._times
         for i in rows:
             req = stretch.requests[i]
             rid = req.request_id
             times[rid].extend(rels)
-            queue = None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
-            self._end(rid, self._live[rid][0], rep, rel, "length", queue, None)
+            self._end(rid, self._live[rid][0], rep, rel, "length", request_metrics(req).queue_time, None)
+
+    def _rels(self, ends: list[float]) -> array:
+        """Clock readings as record times (relative to the start of the run)."""
+        t0 = self._t0
+        # (A virtual clock starts at 0, and t - 0.0 is t: no subtraction to make.)
+        return array("d", ends) if t0 == 0.0 else array("d", [t - t0 for t in ends])
 
     def _cut(self, rep: _Replica, t: float) -> None:
         """A request reaches coasting `rep` at `t`: apply the stretch's steps that start before it
@@ -403,9 +408,7 @@ class Simulator:
         self.fast_forwarded_steps += m
         ends = stretch.step_ends if m == len(stretch.step_ends) else stretch.step_ends[:m]
         self._busy(rep, stretch.start_time, ends[-1])
-        t0 = self._t0
-        # (A virtual clock starts at 0, and t - 0.0 is t: no subtraction to make.)
-        rels = array("d", ends) if t0 == 0.0 else array("d", [t - t0 for t in ends])
+        rels = self._rels(ends)
         times = self._times
         for rid in stretch.request_ids:
             rec_times = times.get(rid)  # (none for those finished)
