@@ -81,12 +81,13 @@ class CadenceStreams:
     def __init__(self, runner: ModelRunner, prompts: list[list[int]], max_steps: int, first_block: int) -> None:
         self.runner = runner
         self.step = 0
-        n_blocks = -(-(PROMPT_LEN + max_steps + 1) // BLOCK)
+        prompt_len = len(prompts[0])
+        n_blocks = -(-(prompt_len + max_steps + 1) // BLOCK)
         self.tables = {f"r{i}": tuple(range(first_block + i * n_blocks, first_block + (i + 1) * n_blocks))
                        for i in range(len(prompts))}
         self.last = self._run([ScheduledRequest(rid, tuple(p), 0, self.tables[rid], True, GREEDY)
                                for rid, p in zip(self.tables, prompts, strict=True)])
-        self.pos = PROMPT_LEN
+        self.pos = prompt_len
 
     def _run(self, reqs: list[ScheduledRequest]) -> dict[str, int]:
         self.step += 1

@@ -20,6 +20,7 @@ configuration builds its own engine (options that differ need a new one) and is 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -314,7 +315,11 @@ def main() -> None:
     from cadence.engine.builder import resolve_device
 
     model = ("tiny random model" if args.tiny else "default model, bfloat16") + f", on {resolve_device('auto')}"
-    print(f"\ncadence scheduling benchmarks ({model}, seed {SEED}, {time.perf_counter() - t0:.0f} s)")
+    # The OpenMP wait policy moves the batching ratio (a sleeping thread makes thin steps dearer):
+    # say which one ran, so a figure can be compared with its like.
+    omp = ", ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ)
+    print(f"\ncadence scheduling benchmarks ({model}, seed {SEED}, {omp or 'OpenMP defaults'}, "
+          f"{time.perf_counter() - t0:.0f} s)")
     print_table(rows)
     print("4 scheduler cost: run .venv/bin/python benchmarks/bench_scheduler_cost.py (goal: < 5% of a step)")
 

@@ -1,10 +1,11 @@
 """Where the time of a decode step goes: tokens/s and a per-kind breakdown from torch's profiler.
 
     .venv/bin/python benchmarks/profile_step.py [--streams 1,8,32] [--dtype bfloat16] [--threads N]
-        [--context 64] [--ops 0]
+        [--context 64] [--weights bf16|q4_1] [--ops 0]
 
 For each batch size, streams of a `--context`-token prompt decode through `ModelRunner.execute`
-(flat batch, paged cache, sampler, exactly as the engine calls it) and the script prints the step
+(flat batch, paged cache, sampler, exactly as the engine calls it; `--weights q4_1` keeps the
+GGUF's four-bit layers as the server does, bf16 dequantises them) and the script prints the step
 time, then the profiled self time per kind of op: linear layers, attention (gather, kernels,
 masks), norms, RoPE, sampling, host-side preparation and the rest. `--ops N` also prints the top N
 torch ops. The OpenMP wait policy is whatever the environment says (cadence's default: a short
@@ -31,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from cadence.executor.model_runner import ModelRunner
 from cadence.model.cpu_kernels import cpu_kernels
+from cadence.model.loader import default_model_path, load_checkpoint
 
 OMP_ENV = f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}, GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')}"
 
@@ -112,19 +114,31 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ops", type=int, default=0, help="also print the top N torch ops")
+    ap.add_argument("--context", type=int, default=64, help="prompt tokens of each stream before it decodes")
+    ap.add_argument("--weights", choices=("bf16", "q4_1"), default="bf16",
+                    help="q4_1: the checkpoint's four-bit layers as served (needs --dtype bfloat16)")
     args = ap.parse_args()
+    if args.context < 1:
+        ap.error("--context: must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {OMP_ENV}, "
-          f"load average {os.getloadavg()[0]:.1f}, {args.dtype}")
-    arch, weights, _ = load_weights(torch.float32)
-    runner = ModelRunner(arch, weights, dtype=dtype)
+          f"load average {os.getloadavg()[0]:.1f}, {args.dtype}, {args.weights} weights, {args.context}-token context")
+    if args.weights == "q4_1":
+        if dtype is not torch.bfloat16:
+            ap.error("--weights q4_1: the four-bit kernels compute in bfloat16 (--dtype bfloat16)")
+        ckpt = load_checkpoint(default_model_path(), torch.float32)
+        arch, weights, q4_1 = ckpt.arch, ckpt.weights, ckpt.q4_1
+    else:
+        arch, weights, _ = load_weights(torch.float32)
+        q4_1 = None
+    runner = ModelRunner(arch, weights, dtype=dtype, q4_1=q4_1)
     sizes = [int(s) for s in args.streams.split(",")]
-    per_stream = -(-(64 + 4 * args.steps + 16) // BLOCK)
+    per_stream = -(-(args.context + 4 * args.steps + 16) // BLOCK)
     runner.initialize_kv_cache(num_blocks=per_stream * max(sizes) + 1, block_size=BLOCK)
     rng = random.Random(0)
-    prompts = [[rng.randrange(arch.vocab_size) for _ in range(64)] for _ in range(max(sizes))]
+    prompts = [[rng.randrange(arch.vocab_size) for _ in range(args.context)] for _ in range(max(sizes))]
     for b in sizes:
         s = Profiled(runner, prompts[:b], 4 * args.steps, 0)
         s.decode(3)
