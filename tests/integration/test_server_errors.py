@@ -92,7 +92,17 @@ def test_nan_and_infinity_literals(client):
     "body, param",
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "user"}], "max_tokens": "x"}, "max_tokens"),
+        ({"messages": CHAT, "max_tokens": "x"}, "max_tokens"),
+        ({"messages": [{"role": "user"}], "max_tokens": 2}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": None}], "max_tokens": 2}, "messages.0.content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            {"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
+            "messages.1.tool_calls",
+        ),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": CHAT, "top_logprobs": 2}, None),

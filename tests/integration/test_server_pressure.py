@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -116,6 +117,31 @@ def test_non_streaming_disconnect_while_running(one_seat):
     assert state(one_seat) == (0, 0)  # the gauges' snapshot follows the abort, with no step after it
     # The HTTP side releases its slot after the engine is done: the next test needs it free.
     wait_for(lambda: nothing_held(one_seat), 30, "the response slot to be released")
+
+
+def gauges(live) -> dict[str, float]:
+    text = httpx.get(live.url + "/metrics", timeout=30).text
+    names = ("running_requests", "waiting_requests", "kv_cache_usage_ratio", "live_tokens")
+    return {n: float(re.search(rf"^cadence:{n} (\S+)$", text, re.M).group(1)) for n in names}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_metrics_gauges_follow_a_disconnect_with_no_step_after_it(one_seat, stream):
+    wait_for(lambda: not one_seat.core.has_unfinished_requests() and nothing_held(one_seat), 30, "an idle server")
+    sock = raw_post(one_seat.url, "/v1/completions", {"prompt": "Hi", "stream": stream, **LONG})
+    wait_for(lambda: gauges(one_seat)["running_requests"] == 1, 10, "the request to run")
+    assert gauges(one_seat)["kv_cache_usage_ratio"] > 0
+    sock.close()
+    wait_for(lambda: not one_seat.core.has_unfinished_requests(), 30, "the abort")
+    assert one_seat.wait_idle()
+    # The engine is idle: no step runs after the abort, yet /metrics must not show the request.
+    wait_for(lambda: nothing_held(one_seat), 30, "the response slot to be released")
+    assert gauges(one_seat) == {
+        "running_requests": 0.0,
+        "waiting_requests": 0.0,
+        "kv_cache_usage_ratio": 0.0,
+        "live_tokens": 0.0,
+    }
 
 
 def test_queued_disconnect_and_bounded_queue(one_seat):

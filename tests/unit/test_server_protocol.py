@@ -127,6 +127,58 @@ def test_prompt_shapes_are_checked():
     assert param == "prompt"
 
 
+@pytest.mark.parametrize(
+    "body, message, param",
+    [
+        # One error per union member: the one that says what is wrong with the form used is reported,
+        # not "Input should be a valid string" for a list, nor "(and 3 more errors)" for one mistake.
+        ({"prompt": [-1]}, "prompt.0: Input should be greater than or equal to 0", "prompt.0"),
+        ({"prompt": [[1], [-2]]}, "prompt.1.0: Input should be greater than or equal to 0", "prompt.1.0"),
+        ({"prompt": ["a", ""]}, "prompt.1: String should have at least 1 character", "prompt.1"),
+        ({"prompt": ["a"] * 65}, "prompt: List should have at most 64 items", "prompt"),
+        ({"prompt": "x", "stop": ["x" * 257]}, "stop.0: String should have at most 256 characters", "stop.0"),
+        ({"prompt": [-1], "max_tokens": 0}, "prompt.0: Input should be greater than or equal to 0 (and 1 more error)", "prompt.0"),
+        # No member fits at all: the message lists the accepted forms.
+        ({"prompt": None}, "prompt: must be a non-empty string, a list of strings, a list of token ids", "prompt"),
+        ({"prompt": [1.5]}, "prompt: must be a non-empty string", "prompt"),
+        ({"prompt": "x", "stop": 5}, "stop: must be a string or a list of strings", "stop"),
+    ],
+)
+def test_union_errors_say_what_is_wrong_with_the_form_used(body, message, param):
+    got, got_param = refused(CompletionRequest, body)
+    assert got.startswith(message) and "more errors" not in got and got_param == param, got
+
+
+def test_chat_content_errors_name_the_part():
+    def chat(content):
+        return {"messages": [{"role": "user", "content": content}]}
+
+    message, param = refused(ChatCompletionRequest, chat([{"type": "image_url", "image_url": {"url": "x"}}]))
+    assert param == "messages.0.content.0.type" and "'text'" in message, message
+    message, param = refused(ChatCompletionRequest, chat(5))
+    assert param == "messages.0.content" and "a list of" in message, message
+
+
+def test_message_content_is_required_but_for_the_assistant():
+    for role in ("user", "system", "developer", "tool"):
+        for msg in ({"role": role}, {"role": role, "content": None}):
+            message, param = refused(ChatCompletionRequest, {"messages": [msg]})
+            assert param == "messages.0.content" and "required" in message, (msg, message)
+    ok = {"messages": [{"role": "user", "content": ""}, {"role": "assistant"}], "add_generation_prompt": False}
+    assert ChatCompletionRequest.model_validate_json(json.dumps(ok)).message_dicts()[1]["content"] == ""
+    _, param = refused(TokenizeRequest, {"messages": [{"role": "user"}]})
+    assert param == "messages.0.content"
+
+
+def test_tool_calls_in_history_are_refused_like_tools():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {"messages": [*CHAT["messages"], {"role": "assistant", "content": None, "tool_calls": [call]}]}
+    message, param = refused(ChatCompletionRequest, body)
+    assert param == "messages.1.tool_calls" and "not supported" in message
+    empty = {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}
+    ChatCompletionRequest.model_validate_json(json.dumps(empty))
+
+
 def test_choices_are_capped_across_prompts():
     message, _ = refused(CompletionRequest, {"prompt": ["x"] * 16, "n": MAX_CHOICES // 16 + 1})
     assert "prompts x n" in message

@@ -239,6 +239,10 @@ def _add_routes(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        # The gauges as of now, not as of the last step: an abort (a client that left) or a finish
+        # with nothing left to run changes them with no step after it. The core keeps a snapshot
+        # for exactly this read from another thread.
+        exporter.record_scheduler(engine.core.scheduler_stats)
         data, content_type = exporter.render()
         return Response(data, media_type=content_type)
 

@@ -123,19 +123,59 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|constrained-\w+)$|[
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 
+# Fields of several accepted forms (unions): when a value fits none of them, the message lists them.
+_UNION_FORMS = {
+    "prompt": "a non-empty string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": 'a string or a list of {"type": "text", "text": ...} parts',
+}
+
+
+def _is_tag(part: Any) -> bool:
+    return isinstance(part, str) and bool(_TYPE_TAG.search(part))
+
+
+def _pick(errors: list[dict[str, Any]]) -> tuple[dict[str, Any], str | None, int]:
+    """(the error to report, a message to use instead of its own, how many errors are about other fields).
+
+    A value that fits no member of a union gets one error per member, the first usually "Input
+    should be a valid string" even when the client clearly meant a list: an error that is not a mere
+    type mismatch (a bound, a length, a literal) says what is wrong with the form the client used.
+    When every member's error is a type mismatch, the message lists the accepted forms."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    cut = next((i for i, part in enumerate(loc) if _is_tag(part)), None)
+    if cut is None:
+        return first, None, len(errors) - 1
+    group = [
+        e
+        for e in errors
+        if len(e.get("loc", ())) > cut and tuple(e["loc"][:cut]) == loc[:cut] and _is_tag(e["loc"][cut])
+    ]
+    others = len(errors) - len(group)
+    if len(group) < 2:
+        return first, None, others
+    specific = next((e for e in group if not str(e.get("type", "")).endswith("_type")), None)
+    if specific is not None:
+        return specific, None, others
+    name = next((str(part) for part in reversed(loc[:cut]) if isinstance(part, str)), "")
+    forms = _UNION_FORMS.get(name)
+    return first, (f"must be {forms}" if forms else None), others
+
+
 def describe_validation(errors: list[dict[str, Any]] | Any) -> tuple[str, str | None]:
     """(message, param) for a list of pydantic errors: the first error names the parameter."""
     errors = list(errors)
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    first, instead, others = _pick(errors)
     loc = [p for p in first.get("loc", ()) if p != "body"]
     path = [str(p) for p in loc if isinstance(p, int) or not _TYPE_TAG.search(str(p))]
-    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    msg = instead or str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return f"invalid JSON body: {first.get('ctx', {}).get('error', msg)}", None
     param = ".".join(path) or param_of(msg)
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    more = f" (and {others} more error{'s' if others > 1 else ''})" if others else ""
     where = f"{param}: " if param and not msg.startswith(f"{param}:") else ""
     return f"{where}{msg}{more}", param
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cadence.request import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 
@@ -143,8 +143,29 @@ class TextPart(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(max_length=256)] | None = None
+    # Required (as OpenAI and llama.cpp require it) but for an assistant turn; validated when
+    # absent too, so that a missing content is refused rather than read as "".
+    content: str | Annotated[list[TextPart], Field(max_length=256)] | None = Field(
+        default=None, validate_default=True
+    )
     name: str | None = Field(default=None, max_length=256)
+    # Refused when given, like `tools`: the model would never see the calls.
+    tool_calls: list[Any] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, v: str | list[TextPart] | None, info: ValidationInfo) -> Any:
+        role = info.data.get("role")  # absent when the role itself was refused
+        if v is None and role is not None and role != "assistant":
+            raise ValueError(f"required for a {role!r} message (a string or a list of text parts)")
+        return v
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("not supported (this server takes no tools)")
+        return v
 
     def text(self) -> str:
         if self.content is None:
