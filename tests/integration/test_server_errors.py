@@ -74,6 +74,7 @@ def test_deeply_nested_json(client):
         ({"prompt": "x", "logit_bias": {"999999999": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"notanid": 1}}, "logit_bias"),
         ({"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
 def test_bad_completion_fields(client, body, param):
@@ -107,6 +108,7 @@ def test_nan_and_infinity_literals(client):
         ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": CHAT, "top_logprobs": 2}, None),
         ({"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
+        ({"messages": CHAT, "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
 def test_bad_chat_fields(client, body, param):

@@ -66,6 +66,14 @@ class SamplingFields(StrictModel):
     priority: int = Field(default=0, ge=-(1 << 31), lt=1 << 31)
     deadline: float | None = Field(default=None, gt=0.0, le=MAX_DEADLINE_S)
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streaming(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # As OpenAI and vLLM: options for a stream that is not asked for are a client's mistake.
+        if v is not None and info.data.get("stream") is False:
+            raise ValueError("only allowed when stream is true")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop_count(cls, v: str | list[str] | None) -> str | list[str] | None:
