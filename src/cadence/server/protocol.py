@@ -61,7 +61,7 @@ class SamplingFields(StrictModel):
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Scheduling inputs (cadence extensions): higher priority is served first under the priority
+    # Scheduling inputs (cadence extensions): a lower priority value is served first under the priority
     # policy; deadline is seconds from arrival after which the request is dropped if not done.
     priority: int = Field(default=0, ge=-(1 << 31), lt=1 << 31)
     deadline: float | None = Field(default=None, gt=0.0, le=MAX_DEADLINE_S)
