@@ -10,25 +10,22 @@ import argparse
 import dataclasses
 import json
 import logging
-import re
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from cadence.config import EngineConfig, ServerConfig, engine_option_fields
+from cadence.config import parse_size as config_parse_size
 from cadence.request import SamplingParams
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
 
 
 def parse_size(text: str) -> int:
     """'2GiB', '512MiB', '1e9' -> bytes."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 2GiB)")
-    unit = (m.group(2) or "").lower().removesuffix("b")
-    return int(float(m.group(1)) * _UNITS[unit])
+    try:
+        return config_parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_pairs(text: str) -> tuple[tuple[str, float], ...]:
@@ -36,9 +33,12 @@ def parse_pairs(text: str) -> tuple[tuple[str, float], ...]:
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"expected NAME=WEIGHT, got {part!r}")
-        out.append((name, float(value)))
+        try:
+            if not sep:
+                raise ValueError
+            out.append((name, float(value)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected NAME=WEIGHT[,NAME=WEIGHT...], got {part!r}") from None
     return tuple(out)
 
 
@@ -46,12 +46,14 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per engine option; defaults stay None so only what the user typed overrides the config."""
+def add_engine_args(parser: argparse.ArgumentParser, shown_defaults: dict[str, Any] | None = None) -> None:
+    """One flag per engine option; defaults stay None so only what the user typed overrides the config.
+    `shown_defaults`: what the help should say where the command's default is not the config's."""
     group = parser.add_argument_group("engine options")
+    shown = shown_defaults or {}
     for _section, f in engine_option_fields():
         kind = str(f.type)
-        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"(default: {f.default!r})"}
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"(default: {shown.get(f.name, f.default)!r})"}
         if f.name == "kv_cache_memory":
             kw["type"] = parse_size
         elif f.name == "tenant_weights":
@@ -121,7 +123,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="offline generation: a prompt, or a JSONL file of requests")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
-    src.add_argument("--input", help="JSONL: one request a line, {'prompt': ...} or {'messages': [...]}, plus sampling fields")
+    src.add_argument("--input", help="JSONL: one request a line, {'prompt': ...} or {'messages': [...]}, plus sampling "
+                                     "fields; every line gets a result or an {'id', 'error'} row, and the exit status "
+                                     "is 2 if any line was refused")
     p.add_argument("--output", default="-", help="JSONL results (default: stdout)")
     p.add_argument("--chat", action="store_true", help="treat --prompt as a user message and apply the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -135,60 +139,177 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_ROW_FIELDS = _SAMPLING_FIELDS | {"prompt", "messages", "id"}
+
+
+@dataclasses.dataclass
+class _Row:
+    """One request of `cadence generate`: where it came from, its id, and what to run (or why not)."""
+
+    where: str  # "FILE:LINE", or "--prompt"
+    id: Any
+    params: SamplingParams | None = None
+    prompt: str | list[int] | None = None
+    messages: list[Any] | None = None
+    error: str | None = None
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """Every line is answered: a result row, or {"id", "error"} for a line that was refused (also
+    on stderr, as FILE:LINE: why). The other lines are generated all the same; the exit status is 2
+    when any line was refused. Everything that needs no model is checked before it loads."""
     from cadence.llm import LLM
 
-    llm = LLM(tiny=args.tiny, **engine_config_from_args(args).as_options())
     base = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "top_k": args.top_k, "seed": args.sample_seed}
-    rows = [{"prompt": args.prompt}] if args.prompt is not None else list(_read_jsonl(args.input))
+    SamplingParams(**base)  # the flags themselves: a clear error before the model loads
+    options = engine_config_from_args(args).as_options()
+    if args.prompt is not None:
+        rows = [_make_row("--prompt", 0, {"prompt": args.prompt}, base, args.chat)]
+        if rows[0].error:
+            raise ValueError(rows[0].error)
+    elif not os.path.isfile(args.input):
+        raise ValueError(f"--input {args.input}: no such file")
+    else:
+        rows = _read_rows(args.input, base, args.chat)
+    if args.output != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise ValueError(f"--output {args.output}: its directory does not exist")
+    llm = LLM(tiny=args.tiny, **options)
+    if args.prompt is not None:
+        results = [_result_row(rows[0].id, _run_one(llm, rows[0]))]
+    else:
+        results = _run_rows(llm, rows)
     sink = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     try:
-        for i, row in enumerate(rows):
-            unknown = set(row) - _SAMPLING_FIELDS - {"prompt", "messages", "id"}
-            if unknown:
-                raise ValueError(f"line {i + 1}: unknown fields {sorted(unknown)}")
-            params = SamplingParams(**{**base, **{k: v for k, v in row.items() if k in _SAMPLING_FIELDS}})
-            if "messages" in row or args.chat:
-                msgs = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-                out = llm.chat(msgs, params, use_tqdm=False)[0]
-            else:
-                out = llm.generate(row["prompt"], params, use_tqdm=False)[0]
-            sink.write(json.dumps(_result_row(row.get("id", i), out)) + "\n")
-            sink.flush()
+        for result in results:
+            sink.write(json.dumps(result) + "\n")
     finally:
         if sink is not sys.stdout:
             sink.close()
+    refused = sum(1 for row in rows if row.error)
+    if refused:
+        rest = "none generated" if refused == len(rows) else "the others were generated"
+        print(f"cadence: error: {refused} of {len(rows)} requests refused ({rest})", file=sys.stderr)
+        return 2
     return 0
+
+
+def _run_one(llm: Any, row: _Row) -> Any:
+    assert row.params is not None
+    if row.messages is not None:
+        return llm.chat(row.messages, row.params, use_tqdm=False)[0]
+    return llm.generate([row.prompt], row.params, use_tqdm=False)[0]
+
+
+def _run_rows(llm: Any, rows: list[_Row]) -> list[dict[str, Any]]:
+    """A file's rows: each checked on its own (a refused one gets its error row), then all the
+    others generated together, as one batch that the engine schedules continuously."""
+    ready: dict[int, list[int]] = {}
+    for k, row in enumerate(rows):
+        if row.error:
+            continue
+        assert row.params is not None
+        try:
+            if row.messages is not None:
+                toks = llm.encode_chat(row.messages)
+            else:
+                toks = llm.tokenizer.encode(row.prompt) if isinstance(row.prompt, str) else row.prompt
+            ready[k] = llm.check_prompt(toks, row.params)
+        except (ValueError, TypeError) as e:
+            row.error = f"{row.where}: {e}"
+    for row in rows:
+        if row.error:
+            print(f"cadence: error: {row.error}", file=sys.stderr, flush=True)
+    order = list(ready)
+    outs = llm.generate([ready[k] for k in order], [rows[k].params for k in order]) if order else []
+    done = {k: _result_row(rows[k].id, out) for k, out in zip(order, outs, strict=True)}
+    return [done.get(k, {"id": row.id, "error": row.error}) for k, row in enumerate(rows)]
 
 
 def _result_row(rid: Any, out: Any) -> dict[str, Any]:
     m = out.metrics
-    return {
+    c = out.outputs[0]
+    row = {
         "id": rid,
-        "text": out.outputs[0].text,
-        "token_ids": out.outputs[0].token_ids,
-        "finish_reason": out.outputs[0].finish_reason,
+        "text": c.text,
+        "token_ids": c.token_ids,
+        "finish_reason": c.finish_reason,
         "num_prompt_tokens": len(out.prompt_token_ids),
         "num_cached_tokens": out.num_cached_tokens,
         "ttft_s": m.ttft if m else None,
         "e2e_s": m.e2e_latency if m else None,
     }
+    if c.logprobs is not None:
+        row["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                           for lp in c.logprobs]
+    return row
 
 
-def _read_jsonl(path: str):
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-                if not isinstance(row, dict) or not ({"prompt", "messages"} & set(row)):
-                    raise ValueError(f"{path}:{n}: expected an object with 'prompt' or 'messages'")
-                yield row
+def _read_rows(path: str, base: dict[str, Any], chat: bool) -> list[_Row]:
+    """Every non-blank line of a JSONL file as a `_Row`; a line that cannot be run carries its error."""
+    rows: list[_Row] = []
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            where, index = f"{path}:{n}", len(rows)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                rows.append(_Row(where, index, error=f"{where}: not UTF-8 ({e.reason} at byte {e.start})"))
+                continue
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                rows.append(_Row(where, index, error=f"{where}: not JSON ({e.msg}, column {e.colno})"))
+                continue
+            rows.append(_make_row(where, index, obj, base, chat))
+    if not rows:
+        raise ValueError(f"{path}: no requests (expected one JSON object a line)")
+    return rows
+
+
+def _make_row(where: str, index: int, obj: Any, base: dict[str, Any], chat: bool) -> _Row:
+    """Check one request without the model: its shape, its fields and its sampling values."""
+    if not isinstance(obj, dict):
+        return _Row(where, index, error=f"{where}: expected an object with 'prompt' or 'messages', "
+                                        f"got {type(obj).__name__}")
+    row = _Row(where, obj.get("id", index))
+
+    def refuse(why: str) -> _Row:
+        row.error = f"{where}: {why}"
+        return row
+
+    unknown = set(obj) - _ROW_FIELDS
+    if unknown:
+        return refuse(f"unknown fields {sorted(unknown)} (expected prompt or messages, id, and sampling "
+                      "fields such as max_tokens)")
+    if ("prompt" in obj) == ("messages" in obj):
+        return refuse("give exactly one of 'prompt' or 'messages'")
+    if obj.get("n", 1) != 1:
+        return refuse(f"n: cadence generate writes one completion a line, so n must be 1 (got {obj['n']!r}); "
+                      "repeat the line with different seeds instead")
+    try:
+        row.params = SamplingParams(**{**base, **{k: v for k, v in obj.items() if k in _SAMPLING_FIELDS}})
+    except (ValueError, TypeError) as e:
+        return refuse(str(e))
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            return refuse("messages: must be a non-empty list of {'role', 'content'} objects")
+        row.messages = msgs
+        return row
+    prompt = obj["prompt"]
+    if chat:
+        if not isinstance(prompt, str):
+            return refuse("prompt: with --chat, must be a string (the user message)")
+        row.messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                     and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        row.prompt = prompt
+    else:
+        return refuse(f"prompt: must be a string or a non-empty list of token ids, got {prompt!r:.60}")
+    return row
 
 
 def _add_optional(sub: argparse._SubParsersAction, module: str) -> None:

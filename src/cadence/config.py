@@ -8,6 +8,9 @@ field needs no other wiring.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -25,6 +28,51 @@ def _require(cond: bool, name: str, why: str) -> None:
         raise ValueError(f"{name}: {why}")
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '1e9', '1073741824' -> bytes; ValueError otherwise."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 2GiB)")
+    unit = (m.group(2) or "").lower().removesuffix("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    """Does `value` fit the annotation `kind` (a string, as `from __future__ import annotations`
+    leaves it)? bool is refused where an int or float is meant: `max_num_seqs=True` is a mistake."""
+    if value is None:
+        return kind.endswith("| None")
+    base = kind.removesuffix(" | None")
+    if base == "bool":
+        return isinstance(value, bool)
+    if base == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if base == "str":
+        return isinstance(value, str)
+    return True  # structured fields check themselves
+
+
+_TYPE_WORDS = {"bool": "True or False", "int": "an integer", "float": "a finite number", "str": "a string"}
+
+
+def _check_types(section: Any) -> None:
+    """ValueError naming the first field whose value has the wrong type (a float where an integer
+    is meant would otherwise be accepted and misused; a string where a bool is meant is truthy)."""
+    for f in fields(section):
+        kind = str(f.type)
+        value = getattr(section, f.name)
+        if not _type_ok(value, kind):
+            base = kind.removesuffix(" | None")
+            want = _TYPE_WORDS.get(base, base) + (" or None" if kind.endswith("| None") else "")
+            raise ValueError(f"{f.name}: must be {want}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # GGUF file or Hugging Face directory; None = the default model
@@ -36,6 +84,7 @@ class ModelConfig:
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
 
     def validate(self) -> None:
+        _check_types(self)
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}")
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
@@ -53,6 +102,7 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "sha256"
 
     def validate(self) -> None:
+        _check_types(self)
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128")
         _require(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
@@ -75,6 +125,7 @@ class SchedulerConfig:
     deadline_aging: float = 1.0  # seconds of waiting that count as one second nearer a deadline
 
     def validate(self) -> None:
+        _check_types(self)
         _require(self.scheduler in SCHEDULERS, "scheduler", f"must be one of {SCHEDULERS}")
         _require(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
@@ -84,6 +135,12 @@ class SchedulerConfig:
         _require(self.max_queue_len >= 1, "max_queue_len", "must be >= 1")
         _require(self.max_queued_tokens is None or self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1")
         _require(self.tenant_max_running is None or self.tenant_max_running >= 1, "tenant_max_running", "must be >= 1")
+        _require(
+            isinstance(self.tenant_weights, tuple)
+            and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and _type_ok(p[1], "float")
+                    for p in self.tenant_weights),
+            "tenant_weights", f"must be NAME=WEIGHT pairs such as {{'alice': 2.0}}, got {self.tenant_weights!r}",
+        )
         _require(all(w > 0 for _, w in self.tenant_weights), "tenant_weights", "weights must be > 0")
         _require(self.deadline_aging > 0, "deadline_aging", "must be > 0")
 
@@ -108,7 +165,7 @@ class EngineConfig:
             section = _FIELD_TO_SECTION.get(key)
             if section is None:
                 raise TypeError(f"unknown engine option {key!r}")
-            sections[section][key] = value
+            sections[section][key] = _normalise(key, value)
         cfg = cls(**{name: _SECTIONS[name](**kw) for name, kw in sections.items()})
         return cfg.validate()
 
@@ -147,6 +204,27 @@ class ServerConfig:
         _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
         _require(self.tenant_max_requests is None or self.tenant_max_requests >= 1, "tenant_max_requests", "must be >= 1")
         return self
+
+
+def _normalise(key: str, value: Any) -> Any:
+    """The spellings an option may take from Python besides the stored one: a path object for
+    `model`, a size string for `kv_cache_memory` (as on the command line), a dict or list of pairs
+    for `tenant_weights`."""
+    if key == "model" and isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if key == "kv_cache_memory" and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if key == "kv_cache_memory" and isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            raise ValueError(f"kv_cache_memory: {e}") from None
+    if key == "tenant_weights":
+        if isinstance(value, dict):
+            return tuple(value.items())
+        if isinstance(value, list):
+            return tuple(tuple(p) if isinstance(p, list) else p for p in value)
+    return value
 
 
 _SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -22,8 +22,11 @@ from cadence.errors import AdmissionError, ErrorKind
 from cadence.outputs import CompletionOutput, RequestOutput
 from cadence.request import Request, RequestStatus, SamplingParams
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict[str, Any]  # text, token ids, {"prompt": ...} or {"prompt_token_ids": ...}
 Message = dict[str, Any]
+# The roles the default chat templates know (the server accepts the same); a chat_template of
+# one's own may use others.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class LLM:
@@ -44,9 +47,12 @@ class LLM:
         priority: Sequence[int] | None = None,
         tenant: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in the prompts' order."""
+        """Generate for each prompt (text or token ids); outputs come back in the prompts' order.
+
+        Every prompt and parameter is checked before any is queued: a ValueError or TypeError names
+        the one at fault (`prompts[3]: ...`) and the engine is left as it was."""
         items = _as_prompt_list(prompts)
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in items]
         texts = [p if isinstance(p, str) else None for p in items]
         return self._run(token_lists, texts, sampling_params, use_tqdm, priority, tenant)
 
@@ -59,24 +65,50 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
-        if not messages:
-            raise ValueError("messages: must not be empty")
-        convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        token_lists = [
-            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, chat_template=chat_template)
-            for c in convs
-        ]
+        convs = _as_conversations(messages)
+        token_lists = [self.encode_chat(conv, chat_template, f"messages[{c}]" if len(convs) > 1 else "messages")
+                       for c, conv in enumerate(convs)]
         return self._run(token_lists, [None] * len(token_lists), sampling_params, use_tqdm, None, None)
+
+    def encode_chat(self, conversation: Sequence[Message], chat_template: str | None = None,
+                    name: str = "messages") -> list[int]:
+        """One conversation through the chat template (as `chat` applies it): its token ids, or a
+        ValueError naming the message at fault (`name[i].role: ...`)."""
+        if chat_template is None:
+            for i, m in enumerate(conversation):
+                role = m.get("role") if isinstance(m, dict) else None
+                if isinstance(role, str) and role and role not in CHAT_ROLES:
+                    raise ValueError(f"{name}[{i}].role: must be one of {CHAT_ROLES} with the model's "
+                                     f"chat template, got {role!r}")
+        try:
+            toks = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True,
+                                                      chat_template=chat_template)
+        except ValueError as e:
+            # The tokenizer names the message (messages[1].content: ...); say which conversation.
+            msg = str(e)
+            raise ValueError(name + msg[len("messages"):] if msg.startswith("messages") else msg) from None
+        return list(toks)
+
+    def check_prompt(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                     name: str = "prompt") -> list[int]:
+        """What `generate` checks of each prompt before queuing any (vocabulary, lengths, what the
+        engine's admission would refuse): the ids as a list, or a ValueError/TypeError naming `name`.
+        For callers that want to drop one bad request from a batch rather than fail the batch."""
+        return self._check_prompt(name, prompt_token_ids, sampling_params)
 
     # -- the loop ----------------------------------------------------------------------------
 
     def _run(self, token_lists, texts, sampling_params, use_tqdm, priority, tenant) -> list[RequestOutput]:
-        params = _as_params_list(sampling_params, len(token_lists))
+        n = len(token_lists)
+        params = _as_params_list(sampling_params, n)
+        priority = _per_prompt(priority, n, "priority", int, "an integer")
+        tenant = _per_prompt(tenant, n, "tenant", str, "a non-empty string")
+        name = (lambda i: f"prompts[{i}]") if n > 1 else (lambda i: "prompt")
+        token_lists = [self._check_prompt(name(i), toks, p) for i, (toks, p) in enumerate(zip(token_lists, params, strict=True))]
         results: list[RequestOutput] = []
         pending: list[Request] = []
         owner: dict[str, tuple[RequestOutput, int]] = {}
         for i, (toks, text, p) in enumerate(zip(token_lists, texts, params, strict=True)):
-            self._check_prompt(toks, p)
             ro = RequestOutput(str(next(self._ids)), text, toks, [CompletionOutput(j) for j in range(p.n)])
             results.append(ro)
             for j in range(p.n):
@@ -89,17 +121,37 @@ class LLM:
         self._drive(pending, owner, use_tqdm)
         return results
 
-    def _check_prompt(self, toks: Sequence[int], p: SamplingParams) -> None:
+    def _check_prompt(self, name: str, toks: Sequence[int], p: SamplingParams) -> list[int]:
+        """The prompt as a list of ints, or an error naming it; also everything the engine's admission
+        would refuse, so that no request is queued (and no work done) for a batch that must fail."""
+        toks = list(toks)
         if not toks:
-            raise ValueError("prompt: must contain at least one token")
-        bad = [t for t in toks if not 0 <= t < self.engine.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (size {self.engine.vocab_size})")
+            raise ValueError(f"{name}: must contain at least one token")
+        vocab = self.engine.vocab_size
+        for t in toks:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise TypeError(f"{name}: token ids must be integers, got {t!r}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"{name}: token id {t} is outside the vocabulary (size {vocab})")
+        for field_name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", [t for t, _ in p.logit_bias])):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{field_name}: token id {bad} is outside the vocabulary (size {vocab})")
         if len(toks) + p.max_tokens > self.engine.max_model_len:
             raise ValueError(
-                f"prompt: {len(toks)} prompt tokens + max_tokens {p.max_tokens} exceed max_model_len "
+                f"{name}: {len(toks)} prompt tokens + max_tokens {p.max_tokens} exceed max_model_len "
                 f"{self.engine.max_model_len}"
             )
+        sched = self.engine.core.scheduler
+        limit = sched.config.max_queued_tokens
+        if limit is not None and len(toks) > limit:
+            raise ValueError(f"{name}: {len(toks)} prompt tokens exceed max_queued_tokens ({limit}): "
+                             "it could never be queued")
+        try:  # the KV cache's capacity, and a prompt too long for one step without chunked prefill
+            sched.admission._check_lengths(Request("check", toks, p))
+        except AdmissionError as e:
+            raise ValueError(f"{name}: {e.message}") from None
+        return toks
 
     def _drive(self, pending: list[Request], owner: dict, use_tqdm: bool) -> None:
         core = self.engine.core
@@ -150,13 +202,71 @@ def _apply(target: tuple[RequestOutput, int], sd: StreamDelta) -> None:
         ro.finished = all(o.finished for o in ro.outputs)
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    return prompts
+_PROMPT_FORMS = "a string, a list of token ids, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, (str, bytes)) and all(isinstance(t, int) for t in x)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    """Prompts as text or token-id lists; TypeError naming the one that is neither."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif not isinstance(prompts, Iterable) or isinstance(prompts, bytes):
+        raise TypeError(f"prompts: expected {_PROMPT_FORMS}, or a list of them; got {type(prompts).__name__}")
+    else:
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            prompts = [prompts]  # one prompt given as token ids
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, dict):
+            if set(p) == {"prompt"} and isinstance(p["prompt"], str):
+                p = p["prompt"]
+            elif set(p) == {"prompt_token_ids"} and _is_ids(p["prompt_token_ids"]):
+                p = p["prompt_token_ids"]
+            else:
+                raise TypeError(f"prompts[{i}]: expected {_PROMPT_FORMS}; got a dict with keys {sorted(p)}")
+        if isinstance(p, str):
+            out.append(p)
+        elif _is_ids(p):
+            out.append(list(p))
+        else:
+            raise TypeError(f"prompts[{i}]: expected {_PROMPT_FORMS}; got {p!r:.80}")
+    return out
+
+
+def _as_conversations(messages: Any) -> list[list[Message]]:
+    """One conversation (a list of message dicts) or a list of them; TypeError otherwise."""
+    form = "a list of {'role': ..., 'content': ...} dicts (one conversation) or a list of such lists"
+    if isinstance(messages, dict):
+        raise TypeError(f"messages: expected {form}; got a single dict (wrap it in a list)")
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise TypeError(f"messages: expected {form}; got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages: must not be empty")
+    if isinstance(messages[0], dict):
+        return [list(messages)]
+    convs = []
+    for c, conv in enumerate(messages):
+        if not isinstance(conv, Sequence) or isinstance(conv, (str, bytes)):
+            raise TypeError(f"messages[{c}]: expected {form}; got {type(conv).__name__}")
+        convs.append(list(conv))
+    return convs
+
+
+def _per_prompt(values: Sequence[Any] | None, n: int, name: str, kind: type, words: str) -> list[Any] | None:
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name}: expected a list with one value per prompt, got {type(values).__name__}")
+    if len(values) != n:
+        raise ValueError(f"{name}: {len(values)} given for {n} prompts")
+    for i, v in enumerate(values):
+        if not isinstance(v, kind) or isinstance(v, bool) or v == "":
+            raise TypeError(f"{name}[{i}]: must be {words}, got {v!r}")
+    return list(values)
 
 
 def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -164,7 +274,12 @@ def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int
         return [SamplingParams()] * n
     if isinstance(sp, SamplingParams):
         return [sp] * n
+    if isinstance(sp, (str, bytes, dict)) or not isinstance(sp, Iterable):
+        raise TypeError(f"sampling_params: expected SamplingParams or a list of them, got {type(sp).__name__}")
     sp = list(sp)
     if len(sp) != n:
         raise ValueError(f"sampling_params: {len(sp)} given for {n} prompts")
+    for i, p in enumerate(sp):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}]: expected SamplingParams, got {type(p).__name__}")
     return sp

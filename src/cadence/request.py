@@ -65,7 +65,21 @@ def _check(cond: bool, name: str, why: str) -> None:
 
 
 def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int(x: object) -> bool:
+    """An integer that is not a bool: `max_tokens=True` is a mistake, not 1."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_key(k: object) -> int:
+    """A logit_bias key: an int, or its decimal string (JSON objects have string keys)."""
+    if _int(k):
+        return k  # type: ignore[return-value]
+    if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+        return int(k)
+    raise ValueError(k)
 
 
 @dataclass(frozen=True)
@@ -96,24 +110,44 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        # Accept lists/dicts from callers but store hashable tuples.
+        # Accept lists/dicts from callers but store hashable tuples; anything else is refused here,
+        # naming the field, rather than failing later as "'int' object is not iterable".
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, (list, tuple)):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.stop_token_ids, tuple):
+        else:
+            raise ValueError(f"stop: must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        elif isinstance(self.stop_token_ids, (list, tuple)):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if isinstance(self.logit_bias, dict):
-            object.__setattr__(self, "logit_bias", tuple((int(k), float(v)) for k, v in self.logit_bias.items()))
-        elif not isinstance(self.logit_bias, tuple):
-            object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
+        else:
+            raise ValueError(f"stop_token_ids: must be a list of token ids, got {self.stop_token_ids!r}")
+        bias = self.logit_bias
+        if bias is None:
+            bias = ()
+        elif isinstance(bias, dict):
+            try:
+                bias = tuple((_token_key(k), v) for k, v in bias.items())
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias: keys must be token ids (integers or their decimal strings)") from None
+        elif isinstance(bias, (list, tuple)):
+            if not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in bias):
+                raise ValueError("logit_bias: must be a dict {token_id: bias} or a list of (token_id, bias) pairs")
+            bias = tuple(tuple(e) for e in bias)
+        else:
+            raise ValueError(f"logit_bias: must be a dict {{token_id: bias}}, got {bias!r}")
+        object.__setattr__(self, "logit_bias", bias)
         self._validate()
 
     def _validate(self) -> None:
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        _check(_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
         _check(_finite(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: off)")
+        _check(_int(self.top_k) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: off)")
         _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         _check(
             _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
@@ -124,23 +158,25 @@ class SamplingParams:
             v = getattr(self, name)
             _check(_finite(v) and -2.0 <= v <= 2.0, name, "must be in [-2, 2]")
         _check(
-            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "must be in [0, 2^63)"
+            self.seed is None or (_int(self.seed) and 0 <= self.seed < 2**63), "seed", "must be in [0, 2^63)"
         )
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
         for s in self.stop:
             _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN, "stop", f"each stop string must have 1 to {MAX_STOP_STRING_LEN} characters")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
+        _check(all(_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
+        _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
         _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             f"must be in [0, {MAX_LOGPROBS}]",
         )
         _check(len(self.logit_bias) <= 1024, "logit_bias", "at most 1024 entries")
         for tok, bias in self.logit_bias:
-            _check(isinstance(tok, int) and tok >= 0, "logit_bias", "keys must be non-negative token ids")
+            _check(_int(tok) and tok >= 0, "logit_bias", "keys must be non-negative token ids")
             _check(_finite(bias) and -100.0 <= bias <= 100.0, "logit_bias", "values must be in [-100, 100]")
-        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
+        _check(_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,14 @@ MOONCAKE_BLOCK_TOKENS = 512  # the Mooncake release hashes prompts in blocks of 
 _HEADER_KEY = "cadence_workload"  # marks the optional first line of a workload JSONL
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkloadRequest:
     """One request of a workload.
@@ -50,20 +58,22 @@ class WorkloadRequest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix_group, tuple):
-            object.__setattr__(self, "prefix_group", tuple(int(i) for i in self.prefix_group))
+            if not isinstance(self.prefix_group, (list, range)) or not all(_is_int(i) for i in self.prefix_group):
+                raise ValueError(f"prefix_group: must be a list of integer block ids, got {self.prefix_group!r:.60}")
+            object.__setattr__(self, "prefix_group", tuple(self.prefix_group))
         if self.messages is not None and not isinstance(self.messages, tuple):
             object.__setattr__(self, "messages", tuple((str(r), str(c)) for r, c in self.messages))
-        if self.arrival_time is not None and not (math.isfinite(self.arrival_time) and self.arrival_time >= 0):
+        if self.arrival_time is not None and not (_is_number(self.arrival_time) and self.arrival_time >= 0):
             raise ValueError(f"arrival_time: must be a finite number >= 0, got {self.arrival_time!r}")
-        if not isinstance(self.prompt_tokens, int) or self.prompt_tokens < 1:
+        if not _is_int(self.prompt_tokens) or self.prompt_tokens < 1:
             raise ValueError(f"prompt_tokens: must be an integer >= 1, got {self.prompt_tokens!r}")
-        if not isinstance(self.output_tokens, int) or self.output_tokens < 1:
+        if not _is_int(self.output_tokens) or self.output_tokens < 1:
             raise ValueError(f"output_tokens: must be an integer >= 1, got {self.output_tokens!r}")
         if not isinstance(self.tenant, str) or not self.tenant:
             raise ValueError("tenant: must be a non-empty string")
-        if not isinstance(self.priority, int):
+        if not _is_int(self.priority):
             raise ValueError(f"priority: must be an integer, got {self.priority!r}")
-        if self.deadline is not None and not (math.isfinite(self.deadline) and self.deadline > 0):
+        if self.deadline is not None and not (_is_number(self.deadline) and self.deadline > 0):
             raise ValueError(f"deadline: must be a number of seconds > 0, got {self.deadline!r}")
 
     def to_dict(self) -> dict:
@@ -88,7 +98,15 @@ class WorkloadRequest:
             raise ValueError(f"unknown fields {sorted(unknown)}")
         d = dict(d)
         if "messages" in d and d["messages"] is not None:
-            d["messages"] = tuple((m["role"], m["content"]) for m in d["messages"])
+            msgs = d["messages"]
+            if not isinstance(msgs, list) or not msgs:
+                raise ValueError("messages: must be a non-empty list of {'role': str, 'content': str} objects")
+            for i, m in enumerate(msgs):
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise ValueError(f"messages[{i}]: expected {{'role': str, 'content': str}}, got {m!r:.60}")
+            d["messages"] = tuple((m["role"], m["content"]) for m in msgs)
+        if d.get("prompt") is not None and not isinstance(d["prompt"], str):
+            raise ValueError(f"prompt: must be a string, got {d['prompt']!r:.60}")
         if "prompt_tokens" not in d:
             # Explicit text without a size: estimate at 4 characters per token (the benchmark
             # reports the server's own count from usage when it sends one).
@@ -320,6 +338,16 @@ def _parse_azure_time(stamp: str) -> tuple[int, float]:
     return calendar.timegm(time.strptime(whole, "%Y-%m-%d %H:%M:%S")), float("0." + frac) if frac else 0.0
 
 
+def _count(row: dict, key: str, where: str) -> int:
+    try:
+        v = int(row[key])
+    except ValueError:
+        raise ValueError(f"{where}: {key}: expected a whole number of tokens, got {row[key]!r}") from None
+    if v < 0:
+        raise ValueError(f"{where}: {key}: must be >= 0, got {v}")
+    return v
+
+
 def read_azure_csv(path: str | Path) -> Workload:
     """Azure LLM inference trace 2023: TIMESTAMP, ContextTokens, GeneratedTokens."""
     path = Path(path)
@@ -330,7 +358,16 @@ def read_azure_csv(path: str | Path) -> Workload:
         if missing:
             raise ValueError(f"{path}: not an Azure LLM trace, missing columns {sorted(missing)}")
         for row in reader:
-            rows.append((_parse_azure_time(row["TIMESTAMP"]), int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+            where = f"{path}:{reader.line_num}"
+            if None in row or any(row[k] is None for k in ("TIMESTAMP", "ContextTokens", "GeneratedTokens")):
+                raise ValueError(f"{where}: expected {len(reader.fieldnames or ())} columns "
+                                 f"({', '.join(reader.fieldnames or ())})")
+            try:
+                stamp = _parse_azure_time(row["TIMESTAMP"])
+            except ValueError:
+                raise ValueError(f"{where}: TIMESTAMP: expected 'YYYY-MM-DD HH:MM:SS[.fraction]', "
+                                 f"got {row['TIMESTAMP']!r}") from None
+            rows.append((stamp, _count(row, "ContextTokens", where), _count(row, "GeneratedTokens", where)))
     if not rows:
         raise ValueError(f"{path}: no requests")
     rows.sort(key=lambda row: row[0])  # stable: ties keep file order
@@ -351,11 +388,22 @@ def read_mooncake_jsonl(path: str | Path) -> Workload:
                 continue
             try:
                 d = json.loads(line)
+                if not isinstance(d, dict):
+                    raise ValueError("expected a JSON object")
+                for key in ("timestamp", "input_length", "output_length"):
+                    if key not in d:
+                        raise ValueError(f"{key}: missing")
+                    if not _is_number(d[key]) or d[key] < 0:
+                        raise ValueError(f"{key}: must be a number >= 0, got {d[key]!r:.40}")
+                hashes = d.get("hash_ids", [])
+                if not isinstance(hashes, list) or not all(_is_int(h) for h in hashes):
+                    raise ValueError("hash_ids: must be a list of integers")
                 reqs.append(WorkloadRequest(arrival_time=d["timestamp"] / 1000.0, prompt_tokens=max(1, int(d["input_length"])),
-                                            output_tokens=max(1, int(d["output_length"])),
-                                            prefix_group=tuple(int(h) for h in d.get("hash_ids", ()))))
-            except (KeyError, TypeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a Mooncake trace line ({e})") from e
+                                            output_tokens=max(1, int(d["output_length"])), prefix_group=tuple(hashes)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: not a Mooncake trace line: {e}") from None
     if not reqs:
         raise ValueError(f"{path}: no requests")
     t0 = min(r.arrival_time or 0.0 for r in reqs)
@@ -389,12 +437,19 @@ def read_jsonl(path: str | Path) -> Workload:
             if not line.strip():
                 continue
             try:
-                d = json.loads(line)
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"not JSON ({e.msg})") from None
                 if not isinstance(d, dict):
                     raise ValueError("expected a JSON object")
                 if _HEADER_KEY in d:
-                    name, block = d.get("name", name), int(d.get("prefix_block_tokens", block))
-                    notes = list(d.get("notes", notes))
+                    name, block = str(d.get("name", name)), d.get("prefix_block_tokens", block)
+                    if not _is_int(block) or block < 1:
+                        raise ValueError(f"prefix_block_tokens: must be an integer >= 1, got {block!r}")
+                    notes = d.get("notes", notes)
+                    if not isinstance(notes, list) or not all(isinstance(x, str) for x in notes):
+                        raise ValueError("notes: must be a list of strings")
                     continue
                 reqs.append(WorkloadRequest.from_dict(d))
             except (ValueError, TypeError, KeyError) as e:

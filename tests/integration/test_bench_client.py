@@ -237,3 +237,39 @@ def test_cli_run_compare_and_sweep(fake_server, tmp_path: Path, capsys) -> None:
     nobody = f"http://127.0.0.1:{_free_port()}"
     assert main(["--base-url", nobody, "--rate", "1", "--num-requests", "2", "--no-progress"]) == 2
     assert "ConnectError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("answer", "says"), [
+    (None, "no answer within 1 s"),  # accepts, never answers: was a wait of --request-timeout
+    (b"hello", "the answer is not JSON"),  # was "Expecting value: line 1 column 1 (char 0)"
+    (b'{"data": [{"name": "x"}]}', "the first model has no 'id'"),  # was a KeyError traceback
+    (b'{"data": []}', "lists no models"),
+])
+def test_cli_a_server_that_is_not_openai_shaped_is_a_quick_clear_error(answer: bytes | None, says: str, capsys) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    conns: list[socket.socket] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conns.append(conn)
+        conn.recv(65536)
+        if answer is not None:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(answer), answer))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    t0 = time.monotonic()
+    try:
+        rc = main(["--base-url", url, "--rate", "1", "--num-requests", "2", "--no-progress", "--request-timeout", "1"])
+    finally:
+        thread.join(5)
+        for c in conns:
+            c.close()
+        listener.close()
+    assert rc == 2 and time.monotonic() - t0 < 10
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err

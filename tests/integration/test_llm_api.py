@@ -93,3 +93,151 @@ def test_cli_generate_jsonl(tmp_path, capsys) -> None:
     bad.write_text("{not json\n")
     assert cli_main(["generate", "--tiny", "--input", str(bad)]) == 2
     assert "not JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("prompts", "error", "says"),
+    [
+        (None, TypeError, r"prompts: expected"),  # was "'NoneType' object is not iterable"
+        (5, TypeError, r"prompts: expected"),
+        (["fine", None], TypeError, r"prompts\[1\]: expected"),
+        ([[1.5, 2]], TypeError, r"prompts\[0\]: expected"),  # floats were run as token ids
+        ([["a", "b"]], TypeError, r"prompts\[0\]: expected"),
+        ([[True, 5]], TypeError, r"prompt: token ids must be integers"),
+        ([{"text": "hi"}], TypeError, r"prompts\[0\]: expected .*keys \['text'\]"),
+        ([[5, -1]], ValueError, r"prompt: token id -1 is outside the vocabulary"),
+        (["fine", "word " * 3000], ValueError, r"prompts\[1\]: .* exceed max_model_len"),
+    ],
+)
+def test_bad_prompts_name_the_prompt(llm: LLM, prompts, error, says) -> None:
+    with pytest.raises(error, match=says):
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.core.has_unfinished_requests()
+
+
+def test_bad_batch_arguments_and_vllm_prompt_dicts(llm: LLM) -> None:
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with pytest.raises(TypeError, match=r"sampling_params\[0\]: expected SamplingParams, got dict"):
+        llm.generate(["a"], [{"max_tokens": 3}], use_tqdm=False)  # was an AttributeError
+    with pytest.raises(TypeError, match="sampling_params: expected SamplingParams"):
+        llm.generate(["a"], {"max_tokens": 3}, use_tqdm=False)
+    with pytest.raises(ValueError, match="priority: 1 given for 2 prompts"):
+        llm.generate(["a", "b"], sp, priority=[1], use_tqdm=False)  # was an IndexError
+    with pytest.raises(TypeError, match=r"tenant\[0\]: must be a non-empty string"):
+        llm.generate(["a"], sp, tenant=[5], use_tqdm=False)
+    for field in ("stop_token_ids", "logit_bias"):  # the server refuses these; the offline API ran them
+        bad = SamplingParams(max_tokens=2, **{field: [10**9] if field == "stop_token_ids" else {10**9: 1.0}})
+        with pytest.raises(ValueError, match=f"{field}: token id 1000000000 is outside the vocabulary"):
+            llm.generate("a", bad, use_tqdm=False)
+    # {"prompt": ...} was iterated as a dict: its key "prompt" was generated for.
+    text, ids = llm.generate([{"prompt": "hi"}, {"prompt_token_ids": [5, 6]}], sp, use_tqdm=False)
+    assert text.prompt == "hi" and ids.prompt_token_ids == [5, 6]
+    assert len(llm.generate((p for p in ["a", "b"]), sp, use_tqdm=False)) == 2  # any iterable, as before
+    assert not llm.engine.core.has_unfinished_requests()
+
+
+def test_admission_limits_are_checked_before_any_work() -> None:
+    # max_queue_len=1 feeds one request at a time: a refusal of the third used to come after the
+    # first two had run, and their outputs were lost with the error.
+    small = LLM(tiny=True, num_kv_blocks=4, block_size=16, max_queue_len=1, max_queued_tokens=8)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core, steps = small.engine.core, []
+    step = core.step
+    core.step = lambda *a, **k: steps.append(1) or step(*a, **k)
+    with pytest.raises(ValueError, match=r"prompts\[2\]: .* exceeds the KV cache capacity \(64 tokens\)"):
+        small.generate(["a", "b", "c"], [sp, sp, SamplingParams(max_tokens=70)], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: 9 prompt tokens exceed max_queued_tokens \(8\)"):
+        small.generate([[1, 2], list(range(1, 10))], sp, use_tqdm=False)  # was "the waiting queue is full"
+    assert steps == []  # refused before any step ran
+    assert not small.engine.core.has_unfinished_requests()
+    assert [len(o.outputs[0].token_ids) for o in small.generate(["a", "b"], sp, use_tqdm=False)] == [4, 4]
+
+
+@pytest.mark.parametrize(
+    ("messages", "error", "says"),
+    [
+        ({"role": "user", "content": "hi"}, TypeError, "got a single dict"),  # was KeyError: 0
+        ("hello", TypeError, "messages: expected"),
+        ([{"content": "hi"}], ValueError, r"messages\[0\]\.role"),
+        ([{"role": "wizard", "content": "hi"}], ValueError, r"messages\[0\]\.role: must be one of"),  # was accepted
+        ([{"role": "user", "content": None}], ValueError, r"messages\[0\]\.content"),
+        # the second conversation's error was reported as messages[0]
+        ([[{"role": "user", "content": "hi"}], [{"role": "user"}]], ValueError, r"messages\[1\]\[0\]\.content: missing"),
+    ],
+)
+def test_bad_chat_messages_name_the_message(llm: LLM, messages, error, says) -> None:
+    with pytest.raises(error, match=says):
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.core.has_unfinished_requests()
+
+
+def test_cli_generate_answers_every_line_and_fails_on_bad_ones(tmp_path, capsys) -> None:
+    good = json.dumps({"prompt": "one", "max_tokens": 2, "ignore_eos": True})
+    lines = [
+        good,
+        "{not json",
+        "",  # blank lines are skipped, but counted in line numbers
+        json.dumps({"prompt": "x", "max_tokens": 0}),
+        json.dumps({"max_tokens": 2}),
+        json.dumps({"prompt": "x", "stop": 5}),
+        json.dumps({"messages": [], "max_tokens": 2}),  # was a KeyError traceback
+        json.dumps({"prompt": "x", "n": 2}),  # n-1 completions were dropped
+        json.dumps({"prompt": "word " * 3000, "max_tokens": 2}),
+        json.dumps({"id": "last", "messages": [{"role": "user", "content": "two"}], "max_tokens": 2, "ignore_eos": True}),
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    dst = tmp_path / "out.jsonl"
+    assert cli_main(["generate", "--tiny", "--input", str(src), "--output", str(dst), "--num-kv-blocks", "64"]) == 2
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [0, 1, 2, 3, 4, 5, 6, 7, "last"]  # one row per request, in order
+    assert len(rows[0]["token_ids"]) == 2 and len(rows[-1]["token_ids"]) == 2  # good lines still run
+    errors = {r["id"]: r["error"] for r in rows if "error" in r}
+    assert errors[1].startswith(f"{src}:2: not JSON")
+    assert errors[2] == f"{src}:4: max_tokens: must be an integer >= 1"
+    assert errors[3] == f"{src}:5: give exactly one of 'prompt' or 'messages'"
+    assert errors[4].startswith(f"{src}:6: stop: must be a string")
+    assert errors[5].startswith(f"{src}:7: messages: must be a non-empty list")
+    assert errors[6].startswith(f"{src}:8: n: ")
+    assert errors[7].startswith(f"{src}:9: prompt: ") and "max_model_len" in errors[7]
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{src}:4: max_tokens" in err and "7 of 9 requests refused" in err
+
+
+def test_cli_generate_runs_a_file_as_one_batch_with_the_outputs_of_each_alone(tmp_path, monkeypatch) -> None:
+    """The accepted lines go to the engine together (continuous batching, not one request at a
+    time), and each line's greedy output is what it gets alone."""
+    prompts = ["one", "two three", "four five six", "seven"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p, "max_tokens": 3 + i, "temperature": 0.0,
+                                       "ignore_eos": True}) + "\n" for i, p in enumerate(prompts))
+                   + json.dumps({"prompt": "x", "max_tokens": 0}) + "\n")
+    calls: list[int] = []
+    real = LLM.generate
+
+    def counting(self, prompts, *args, **kw):
+        calls.append(len(prompts))
+        return real(self, prompts, *args, **kw)
+
+    monkeypatch.setattr(LLM, "generate", counting)
+    dst = tmp_path / "out.jsonl"
+    assert cli_main(["generate", "--tiny", "--input", str(src), "--output", str(dst), "--num-kv-blocks", "64"]) == 2
+    assert calls == [4]  # one batch of the four good lines; the bad one refused beside them
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["r0", "r1", "r2", "r3", 4] and "error" in rows[-1]
+    monkeypatch.setattr(LLM, "generate", real)
+    alone = LLM(tiny=True, num_kv_blocks=64)
+    for i, p in enumerate(prompts):
+        out = alone.generate(p, SamplingParams(max_tokens=3 + i, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+        assert rows[i]["token_ids"] == out.outputs[0].token_ids
+
+
+def test_cli_generate_refuses_an_empty_or_missing_file(tmp_path, capsys) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert cli_main(["generate", "--tiny", "--input", str(empty)]) == 2  # was exit 0, no output
+    assert "no requests" in capsys.readouterr().err
+    assert cli_main(["generate", "--tiny", "--input", str(tmp_path / "nope.jsonl")]) == 2
+    assert "--input" in capsys.readouterr().err
+    assert cli_main(["generate", "--tiny", "--prompt", "hi", "--output", str(tmp_path / "no" / "dir.jsonl")]) == 2
+    assert "its directory does not exist" in capsys.readouterr().err

@@ -156,3 +156,14 @@ def test_serving_overhead_line_is_never_negative() -> None:
     assert _line([1, 4, 16], [0.010, 0.013, 0.025]) == pytest.approx((0.001, 0.009))
     slope, icpt = _line([1, 4, 16], [0.02, 0.01, -0.03])  # serving cannot make steps cheaper
     assert slope == 0.0 and icpt == pytest.approx(0.0, abs=1e-12)
+
+
+def test_cli_plan_prints_boolean_options_as_serve_flags(capsys) -> None:
+    """The cheapest line is meant to be pasted into `cadence serve`: a boolean is --name or --no-name,
+    never `--name False` (a flag that does not exist)."""
+    rc = main(["sim", "plan", "--workload", "chat", "--num-requests", "20", "--rate", "2",
+               "--slo", "ttft_p95=30", "--max-replicas", "2", "--grid", "enable_prefix_caching=false"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    cheapest = next(line for line in text.splitlines() if line.startswith("cheapest:"))
+    assert "--no-enable-prefix-caching" in cheapest and "False" not in cheapest

@@ -78,6 +78,53 @@ def test_user_jsonl_errors_name_the_line(tmp_path: Path) -> None:
         read_jsonl(p)
 
 
+_OK = '{"prompt_tokens": 3, "output_tokens": 2}'
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ('{"prompt_tokens": 3, "output_tokens": 2, "messages": [{"role": "user"}]}',
+     r"messages\[0\]: expected \{'role': str, 'content': str\}"),  # was "'content'" (a KeyError)
+    ('{"prompt_tokens": 3, "output_tokens": 2, "prefix_group": ["a"]}', "prefix_group: must be a list of integer"),
+    ('{"prompt_tokens": 3, "output_tokens": 2, "arrival_time": "soon"}', "arrival_time: must be a finite number"),
+    ('{"prompt_tokens": 3, "output_tokens": 2, "prompt": 5}', "prompt: must be a string"),
+    ('{"prompt_tokens": true, "output_tokens": 2}', "prompt_tokens: must be an integer"),
+    ('{"cadence_workload": 1, "prefix_block_tokens": "big"}', "prefix_block_tokens: must be an integer"),
+    ('{not json', "not JSON"),
+])
+def test_user_jsonl_field_errors_name_the_line_and_field(tmp_path: Path, line: str, says: str) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_text(f"{_OK}\n{line}\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2: " + says):
+        read_jsonl(p)
+
+
+@pytest.mark.parametrize(("rows", "says"), [
+    ("2023-11-16 18:17:03.1,100,10\n2023-11-16 18:17:04.5,abc,10", "t.csv:3: ContextTokens: expected a whole number"),
+    ("not-a-time,100,10", "t.csv:2: TIMESTAMP: expected 'YYYY-MM-DD HH:MM:SS"),
+    ("2023-11-16 18:17:03.1,100,10\n2023-11-16 18:17:04.5,50", "t.csv:3: expected 3 columns"),
+    ("2023-11-16 18:17:03.1,100,-4", "t.csv:2: GeneratedTokens: must be >= 0"),
+])
+def test_azure_csv_errors_name_the_line_and_column(tmp_path: Path, rows: str, says: str) -> None:
+    p = tmp_path / "t.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows + "\n")
+    with pytest.raises(ValueError, match=says):  # were int()/strptime messages naming neither
+        read_azure_csv(p)
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ('{"timestamp": "x", "input_length": 100, "output_length": 10}', "timestamp: must be a number >= 0"),
+    ('{"timestamp": -5, "input_length": 100, "output_length": 10}', "timestamp: must be a number >= 0"),
+    ('{"timestamp": 5, "output_length": 10}', "input_length: missing"),
+    ('{"timestamp": 5, "input_length": 1, "output_length": 1, "hash_ids": "ab"}', "hash_ids: must be a list"),
+    ('{"timestamp": 5, "input_length": 100', "not JSON"),
+])
+def test_mooncake_errors_name_the_line_and_field(tmp_path: Path, line: str, says: str) -> None:
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 100, "output_length": 10}\n' + line + "\n")
+    with pytest.raises(ValueError, match="m.jsonl:2: .*" + says):
+        read_mooncake_jsonl(p)
+
+
 def test_explicit_prompt_without_size_is_estimated(tmp_path: Path) -> None:
     p = tmp_path / "w.jsonl"
     p.write_text('{"prompt": "' + "word " * 20 + '", "output_tokens": 2}\n')

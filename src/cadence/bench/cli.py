@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from cadence.bench import report
-from cadence.bench.client import BenchConfig, BenchResult, request_count, run_benchmark
+from cadence.bench.client import BenchConfig, BenchResult, _headers, request_count, run_benchmark
 from cadence.workload import (
     ARRIVALS,
     BUILTIN_WORKLOADS,
@@ -129,16 +130,53 @@ def _workload(args: argparse.Namespace, cfg: BenchConfig) -> Workload:
 def _arrival(args: argparse.Namespace) -> str:
     if args.arrival:
         return args.arrival
-    if args.rate or args.rates:
+    if args.rate is not None or args.rates:
         return "poisson"
-    if args.concurrency or args.concurrencies:
+    if args.concurrency is not None or args.concurrencies:
         return "none"
     if args.trace:
         return "trace"
     raise ValueError("load: give --rate (open loop), --concurrency (closed loop) or --trace (its timestamps)")
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """The numeric flags, named as typed, before anything connects or reads a file: a value that is
+    out of range must not be taken for an absent one (--rate 0) or fail only once the load starts."""
+    def bad(flag: str, why: str) -> ValueError:
+        return ValueError(f"{flag}: {why}")
+
+    def positive(flag: str, v: float | None) -> None:
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise bad(flag, f"must be > 0, got {v:g}")
+
+    positive("--rate", args.rate)
+    positive("--duration", args.duration)
+    positive("--burstiness", args.burstiness)
+    positive("--request-timeout", getattr(args, "request_timeout", None))
+    positive("--scale-lengths", args.scale_lengths)
+    positive("--scale-output", args.scale_output)
+    positive("--time-scale", args.time_scale)
+    for flag, v in (("--concurrency", args.concurrency), ("--num-requests", args.num_requests),
+                    ("--max-prompt-tokens", args.max_prompt_tokens), ("--max-output-tokens", args.max_output_tokens)):
+        if v is not None and v < 1:
+            raise bad(flag, f"must be >= 1, got {v}")
+    drain = getattr(args, "drain_timeout", None)
+    if drain is not None and not (math.isfinite(drain) and drain >= 0):
+        raise bad("--drain-timeout", f"must be >= 0 seconds, got {drain:g}")
+    temperature = getattr(args, "temperature", None)
+    if temperature is not None and not (math.isfinite(temperature) and 0 <= temperature <= 2):
+        raise bad("--temperature", f"must be in [0, 2], got {temperature:g}")
+    tokenizer = getattr(args, "tokenizer", "auto")
+    if tokenizer not in ("auto", "none") and not Path(tokenizer).exists():
+        raise bad("--tokenizer", f"{tokenizer}: no such file or directory (or give auto or none)")
+    for flag in ("trace", "requests_file"):
+        path = getattr(args, flag, None)
+        if path and not Path(path).is_file():
+            raise bad("--" + flag.replace("_", "-"), f"{path}: no such file")
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    _check_args(args)
     cfg = BenchConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
         arrival=_arrival(args), rate=args.rate, burstiness=args.burstiness, concurrency=args.concurrency,
@@ -149,10 +187,43 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
     if cfg.arrival in ("poisson", "gamma") and cfg.rate is None and args.rates:
         cfg.rate = max(args.rates)  # sizes the workload for the busiest point; each point sets its own
+    # Before the workload is read or anything connects (a sweep's points each set their concurrency).
+    (replace(cfg, concurrency=1) if args.concurrencies and cfg.concurrency is None else cfg).validate()
     cfg.workload = _workload(args, cfg)
     if args.save_workload:
         write_jsonl(cfg.workload, args.save_workload)
     return cfg
+
+
+PREFLIGHT_TIMEOUT_S = 30.0
+
+
+def resolve_model(cfg: BenchConfig) -> None:
+    """Ask the server for its model (unless --model names it) before any load, with a short
+    timeout: a server that accepts connections but never answers, or a URL that is not an
+    OpenAI-compatible server, is a clear error at once rather than a wait of --request-timeout
+    or a KeyError."""
+    if cfg.model:
+        return
+    url = cfg.base_url.rstrip("/") + "/v1/models"
+    wait = min(cfg.request_timeout, PREFLIGHT_TIMEOUT_S)
+    try:
+        r = httpx.get(url, headers=_headers(cfg.api_key), timeout=httpx.Timeout(wait, connect=min(wait, 10.0)))
+    except httpx.TimeoutException:
+        raise ValueError(f"{url}: no answer within {wait:g} s (is the server up and serving HTTP?)") from None
+    r.raise_for_status()
+    try:
+        doc = r.json()
+    except ValueError:
+        raise ValueError(f"{url}: the answer is not JSON: not an OpenAI-compatible server? "
+                         f"(or pass --model)") from None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{url}: the server lists no models; pass --model")
+    first = data[0]
+    if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+        raise ValueError(f"{url}: the first model has no 'id'; pass --model")
+    cfg.model = first["id"]
 
 
 def _run_one(cfg: BenchConfig) -> int:
@@ -300,8 +371,9 @@ def run(args: argparse.Namespace) -> int:
         if args.files:
             raise ValueError(f"unexpected arguments {args.files}")
         cfg = config_from_args(args)
+        resolve_model(cfg)
         return _sweep(args, cfg) if args.action == "sweep" else _run_one(cfg)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"cadence bench: error: {e}", file=sys.stderr)
         return 2
     except httpx.HTTPError as e:  # before the load starts: no server, wrong URL, bad API key

@@ -2,8 +2,8 @@
 
     cadence calibrate [--quick] [--out profile.json] [engine options]
     cadence sim --workload chat --rate 2 --num-requests 500 [--replicas 2 --router least-loaded] [--out DIR]
-    cadence sim --trace shared/traces/azure_llm_2023_conv.csv --rate-scale 5 --repeat 5
-    cadence sim plan --trace shared/traces/azure_llm_2023_code.csv --rate-scale 10 --slo ttft_p95=1.0
+    cadence sim --trace ../shared/traces/azure_llm_2023_conv.csv --rate-scale 5 --repeat 5
+    cadence sim plan --trace ../shared/traces/azure_llm_2023_code.csv --rate-scale 10 --slo ttft_p95=1.0
 
 `sim` takes the workload and load options of `cadence bench` and the engine options of
 `cadence serve`, and prints the same report.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import time
 from dataclasses import replace
@@ -31,7 +32,7 @@ _TARGET_DEFAULTS = dict(base_url="(simulated)", endpoint="completions", api_key=
 def _add_sim_args(p: argparse.ArgumentParser) -> None:
     from cadence.bench.cli import _add_load_args, _add_workload_args
 
-    add_engine_args(p)
+    add_engine_args(p, {"prefix_caching_hash_algo": "builtin"})  # (see sim_engine_config)
     _add_workload_args(p)  # after the engine options: the workload's --seed wins (the sim has no weights to seed)
     _add_load_args(p)
     g = p.add_argument_group("simulation")
@@ -89,11 +90,27 @@ def load_profile(path: str | None, args: argparse.Namespace):
     logging.getLogger("cadence.engine.core").setLevel(logging.WARNING)
     from cadence.sim.profile import default_profile_path  # (not calibrate: that imports torch)
 
-    model = StepCostModel.load(path or default_profile_path())
+    if path is not None and not Path(path).is_file():
+        raise ValueError(f"--profile {path}: no such file (write one with `cadence calibrate --out {path}`)")
+    try:
+        model = StepCostModel.load(path or default_profile_path())
+    except (ValueError, TypeError, AttributeError) as e:  # the loader's own messages name the file, mostly
+        message = str(e) if isinstance(e, ValueError) else f"malformed profile ({e})"
+        raise ValueError(message if path is None or message.startswith(str(path)) else f"{path}: {message}") from None
     if path is None and getattr(args, "model", None):
         raise ValueError("--model: the shipped profile is for the default model; run `cadence calibrate "
                          f"{args.model} --out p.json` and pass --profile p.json")
     return model
+
+
+def check_sim_args(args: argparse.Namespace) -> None:
+    """The simulation's own flags; a value out of range is an error, never quietly the default."""
+    if not (math.isfinite(args.rate_scale) and args.rate_scale > 0):
+        raise ValueError(f"--rate-scale: must be > 0, got {args.rate_scale:g}")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat: must be >= 1 (1 plays the workload once), got {args.repeat}")
+    if args.replicas < 1:
+        raise ValueError(f"--replicas: must be >= 1, got {args.replicas}")
 
 
 def prepare_workload(args: argparse.Namespace):
@@ -102,8 +119,7 @@ def prepare_workload(args: argparse.Namespace):
     from cadence.sim.workloads import repeat_workload
     from cadence.workload import assign_arrivals
 
-    if not (args.rate_scale > 0):
-        raise ValueError("--rate-scale: must be > 0")
+    check_sim_args(args)
     args.time_scale = args.time_scale / args.rate_scale
     cfg = config_from_args(args)  # bench's own parsing: same workloads, scaling and arrivals
     # Unlike bench (first 200 unless --num-requests), a trace is replayed whole: capacity questions
@@ -198,20 +214,51 @@ def _parse_grid(specs: list[str]) -> dict[str, list[Any]]:
         name = name.strip().replace("-", "_")
         if not sep or name not in kinds:
             raise ValueError(f"--grid {spec!r}: expected OPTION=V1,V2 with OPTION an engine option")
-        cast = int if kinds[name].startswith("int") else float if kinds[name].startswith("float") else str
-        grid[name] = [cast(v) for v in values.split(",") if v.strip()]
+        kind = kinds[name]
+        cast = _parse_bool if kind.startswith("bool") else int if kind.startswith("int") else \
+            float if kind.startswith("float") else str
+        try:
+            grid[name] = [cast(v.strip()) for v in values.split(",") if v.strip()]
+        except ValueError:
+            word = "true or false" if cast is _parse_bool else f"{cast.__name__} values"
+            raise ValueError(f"--grid {spec!r}: {name} takes {word}") from None
+        if not grid[name]:
+            raise ValueError(f"--grid {spec!r}: no values to try (expected OPTION=V1,V2)")
+    # Each value must make a valid config on its own: refuse a bad one now, not mid-plan.
+    for name, values in grid.items():
+        for v in values:
+            try:
+                EngineConfig.from_options(**{name: v})
+            except ValueError as e:
+                raise ValueError(f"--grid {name}={v}: {e}") from None
     return grid
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(text)
 
 
 def run_plan(args: argparse.Namespace) -> int:
     from cadence.sim.plan import Objective, format_plan, format_trial, plan
 
+    objectives = [Objective.parse(s) for s in args.objectives]
+    if not objectives:
+        raise ValueError("--slo: give at least one objective, e.g. --slo ttft_p95=1.0")
+    grid = _parse_grid(args.grid)
+    if args.max_replicas < 1:
+        raise ValueError(f"--max-replicas: must be >= 1, got {args.max_replicas}")
+    if not (0.0 <= args.max_error_rate <= 1.0):
+        raise ValueError(f"--max-error-rate: must be a fraction in [0, 1], got {args.max_error_rate:g}")
     model = load_profile(args.profile, args)
     engine_cfg = sim_engine_config(args)
-    objectives = [Objective.parse(s) for s in args.objectives]
     workload, cfg = prepare_workload(args)
     print(f"planning for {len(workload)} requests of {workload.name}; " + "; ".join(workload.notes[-2:]), flush=True)
-    result = plan(workload, engine_cfg, model, objectives, grid=_parse_grid(args.grid), router=args.router,
+    result = plan(workload, engine_cfg, model, objectives, grid=grid, router=args.router,
                   max_replicas=args.max_replicas, max_model_len=args.max_model_len, seed=args.seed,
                   max_error_rate=args.max_error_rate,
                   progress=lambda t: print("  tried " + format_trial(t, objectives), flush=True))
@@ -227,6 +274,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     if args.model_path and args.model is None:
         args.model = args.model_path
+    if args.repeats is not None and args.repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
+    out_dir = Path(args.out).parent
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {args.out}: {out_dir} is not a directory")
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > 0.5 * cores:
         print(f"warning: the machine is busy (load average {load:.1f} on {cores} CPUs): timings will be slow and "
