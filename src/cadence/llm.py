@@ -148,7 +148,7 @@ class LLM:
             raise ValueError(f"{name}: {len(toks)} prompt tokens exceed max_queued_tokens ({limit}): "
                              "it could never be queued")
         try:  # the KV cache's capacity, and a prompt too long for one step without chunked prefill
-            sched.admission._check_lengths(Request("check", toks, p))
+            sched.admission.check_lengths(Request("check", toks, p))
         except AdmissionError as e:
             raise ValueError(f"{name}: {e.message}") from None
         return toks

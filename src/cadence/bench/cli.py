@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from cadence.bench import report
-from cadence.bench.client import BenchConfig, BenchResult, _headers, request_count, run_benchmark
+from cadence.bench.client import BenchConfig, BenchResult, auth_headers, request_count, run_benchmark
 from cadence.workload import (
     ARRIVALS,
     BUILTIN_WORKLOADS,
@@ -208,7 +208,7 @@ def resolve_model(cfg: BenchConfig) -> None:
     url = cfg.base_url.rstrip("/") + "/v1/models"
     wait = min(cfg.request_timeout, PREFLIGHT_TIMEOUT_S)
     try:
-        r = httpx.get(url, headers=_headers(cfg.api_key), timeout=httpx.Timeout(wait, connect=min(wait, 10.0)))
+        r = httpx.get(url, headers=auth_headers(cfg.api_key), timeout=httpx.Timeout(wait, connect=min(wait, 10.0)))
     except httpx.TimeoutException:
         raise ValueError(f"{url}: no answer within {wait:g} s (is the server up and serving HTTP?)") from None
     r.raise_for_status()

@@ -80,7 +80,7 @@ class BenchResult:
     files: list[str] = field(default_factory=list)
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
+def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
@@ -126,7 +126,7 @@ def _make_tokenizer(cfg: BenchConfig, model: str) -> Tokenizer | None:
     if cfg.tokenizer == "none":
         return None
     if cfg.tokenizer == "auto":
-        return ServerTokenizer.probe(cfg.base_url, model, _headers(cfg.api_key))
+        return ServerTokenizer.probe(cfg.base_url, model, auth_headers(cfg.api_key))
     return LocalTokenizer(cfg.tokenizer)
 
 
@@ -301,7 +301,7 @@ async def run_benchmark_async(cfg: BenchConfig) -> BenchResult:
     cfg.validate()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # never throttle the load
     timeout = httpx.Timeout(cfg.request_timeout, connect=30.0)
-    async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=_headers(cfg.api_key),
+    async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=auth_headers(cfg.api_key),
                                  limits=limits, timeout=timeout) as client:
         model = cfg.model or await _resolve_model(client)
         workload = prepare_workload(cfg)

@@ -54,12 +54,14 @@ class AdmissionControl:
 
     def check(self, req: Request, waiting: RequestQueue, now: float) -> None:
         """Raise AdmissionError if `req` may not join `waiting` now."""
-        self._check_lengths(req)
+        self.check_lengths(req)
         if req.deadline is not None and req.deadline <= now:
             raise AdmissionError(ErrorKind.DEADLINE, "the request's deadline passed before it was queued")
         self._check_queue(req, waiting)
 
-    def _check_lengths(self, req: Request) -> None:
+    def check_lengths(self, req: Request) -> None:
+        """Raise AdmissionError if `req` could never run here, however empty the engine (its lengths
+        against max_model_len, the KV cache and, without chunked prefill, the token budget)."""
         cfg = self.config
         total = req.max_total_tokens
         lengths = f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling_params.max_tokens}) = {total}"
