@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -55,7 +56,8 @@ def test_step_stats_become_counters_gauges_and_histograms():
     assert s[("cadence:preempted_requests_total", ())] == 1
     assert s[("cadence:prefix_cache_query_tokens_total", ())] == 32
     assert s[("cadence:prefix_cache_hit_tokens_total", ())] == 16
-    assert s[("cadence:rejected_requests_total", (("reason", "queue_full"),))] == 2
+    # The HTTP side counts refusals as it answers them; the step's own count would arrive late (or never).
+    assert ("cadence:rejected_requests_total", (("reason", "queue_full"),)) not in s
     assert s[("cadence:running_requests", ())] == 3 and s[("cadence:waiting_requests", ())] == 4
     assert s[("cadence:kv_cache_usage_ratio", ())] == 0.25 and s[("cadence:live_tokens", ())] == 99
     assert s[("cadence:time_to_first_token_seconds_count", (("tenant", "a"),))] == 1
@@ -64,6 +66,24 @@ def test_step_stats_become_counters_gauges_and_histograms():
     assert s[("cadence:request_queue_time_seconds_sum", (("tenant", "a"),))] == 0.05
     assert s[("cadence:finished_requests_total", (("reason", "stop"), ("tenant", "a")))] == 1
     assert s[("cadence:goodput_requests_total", (("tenant", "a"),))] == 1  # no SLO: every success counts
+
+
+def test_refusals_are_counted_as_recorded_not_from_engine_steps():
+    exp = PrometheusExporter()
+    exp.record_step(IterationStats(rejections={"queue_full": 2}), None)
+    exp.record_rejection("queue_full")
+    s = samples(exp.render()[0])
+    assert s[("cadence:rejected_requests_total", (("reason", "queue_full"),))] == 1
+
+
+def test_queue_time_buckets_resolve_sub_millisecond_waits():
+    exp = PrometheusExporter()
+    exp.record_step(IterationStats(finished=[finished(queued=0.0003), finished(queued=0.004)]), None)
+    s = samples(exp.render()[0])
+    bucket = "cadence:request_queue_time_seconds_bucket"
+    assert s[(bucket, (("le", "0.001"), ("tenant", "a")))] == 1
+    assert s[(bucket, (("le", "0.005"), ("tenant", "a")))] == 2
+    assert s[(bucket, (("le", "960.0"), ("tenant", "a")))] == 2
 
 
 def test_goodput_counts_only_requests_within_every_slo():
@@ -145,3 +165,92 @@ def test_rejections_are_counted_by_reason(server):
         server.engine._draining = False
     s = samples(httpx.get(server.url + "/metrics").text)
     assert s[("cadence:rejected_requests_total", (("reason", "unavailable"),))] >= 1
+
+
+def delta(before: dict, after: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_refusals_are_counted_at_once_even_on_an_idle_engine(server):
+    """Every refused generation request counts once, when it is answered: the server's own 400s (bad
+    body, bad parameter, prompt longer than the context) and the engine's (prompt + max_tokens over
+    max_model_len), with no engine step after them."""
+    url = server.url
+    before = samples(httpx.get(url + "/metrics").text)
+    refused = [
+        ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
+        ("/v1/completions", {"prompt": "hi " * 2000, "max_tokens": 5}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 2000}], "max_tokens": 5}),
+        ("/v1/chat/completions", {"messages": "not a list"}),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 1024, "n": 2}),  # refused by the engine
+    ]
+    for path, body in refused:
+        r = httpx.post(url + path, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert server.wait_idle()
+    after = samples(httpx.get(url + "/metrics").text)
+    assert delta(before, after, "cadence:rejected_requests_total", reason="invalid_request") == len(refused) + 1
+    assert delta(before, after, "cadence:prompt_tokens_total") == 0
+
+
+def test_a_request_with_two_choices_counts_each_choice_once(server):
+    url = server.url
+    before = samples(httpx.get(url + "/metrics").text)
+    body = {"prompt": "Two choices", "max_tokens": 4, "n": 2, "ignore_eos": True, "temperature": 1.0}
+    r = httpx.post(url + "/v1/completions", json=body, headers={"X-Tenant": "twice"}, timeout=60)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 8
+    assert server.wait_idle()
+    after = samples(httpx.get(url + "/metrics").text)
+    t = {"tenant": "twice"}
+    assert delta(before, after, "cadence:generation_tokens_total") == usage["completion_tokens"]
+    assert delta(before, after, "cadence:time_to_first_token_seconds_count", **t) == 2
+    assert delta(before, after, "cadence:inter_token_latency_seconds_count", **t) == 2 * 3
+    assert delta(before, after, "cadence:e2e_request_latency_seconds_count", **t) == 2
+    assert delta(before, after, "cadence:request_queue_time_seconds_count", **t) == 2
+    assert delta(before, after, "cadence:finished_requests_total", reason="length", **t) == 2
+    # Prompt tokens: computed per choice, less the prefix-cache hits (usage counts the prompt once).
+    computed = delta(before, after, "cadence:prompt_tokens_total")
+    queried = delta(before, after, "cadence:prefix_cache_query_tokens_total")
+    hits = delta(before, after, "cadence:prefix_cache_hit_tokens_total")
+    assert queried == 2 * usage["prompt_tokens"] and computed == queried - hits
+
+
+def _finished(text: str, tenant: str) -> float:
+    return sum(v for (name, labels), v in samples(text).items()
+               if name == "cadence:finished_requests_total" and ("tenant", tenant) in labels)
+
+
+def _poll_finished(url: str, tenant: str, want: float, timeout: float = 5.0) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = _finished(httpx.get(url + "/metrics").text, tenant)
+        if got >= want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def test_finishes_between_steps_are_counted_when_the_engine_goes_idle(server):
+    """An abort (the client leaves) or a stop string found in the text ends a request between
+    engine steps, into the next step's stats. With nothing else to run no step follows: the
+    engine reports them as it goes idle (they used to wait for the next request's first step)."""
+    url = server.url
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), f"need a visible stop string in {text!r}"
+    r = httpx.post(url + "/v1/completions", json={**body, "stop": [stop]}, headers={"X-Tenant": "idle-stop"},
+                   timeout=60)
+    assert r.json()["choices"][0]["finish_reason"] == "stop", r.text
+    assert _poll_finished(url, "idle-stop", 1) == 1
+    with httpx.stream("POST", url + "/v1/completions", headers={"X-Tenant": "idle-abort"}, timeout=60,
+                      json={**body, "max_tokens": 400, "stream": True}) as s:
+        next(s.iter_lines())  # the first event: the request runs; then the client leaves
+    assert server.wait_idle()
+    assert _poll_finished(url, "idle-abort", 1) == 1
+    after = httpx.get(url + "/metrics").text
+    assert samples(after)[("cadence:running_requests", ())] == 0

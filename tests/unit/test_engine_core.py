@@ -150,3 +150,20 @@ def test_deadline_expiry_frees_blocks_in_the_engine() -> None:
     out = run_until_done(engine)
     assert out[r.request_id][-1].finish_reason == FinishReason.DEADLINE
     assert engine.kv.usage == 0 and 5 <= len(r.output_token_ids) <= 12
+
+
+def test_flush_stats_reports_what_ended_between_steps_when_nothing_is_left() -> None:
+    """An abort between steps is counted in the next step's stats; an engine with nothing left takes
+    no next step, so its loop closes them with flush_stats (once: a second flush finds nothing)."""
+    engine, _, _ = make_engine()
+    assert engine.flush_stats() is None  # nothing pending: no empty record
+    late = make_request(rid="late", max_tokens=8)
+    engine.add_request(late)
+    engine.step()
+    engine.abort_requests(["late"])
+    assert not engine.has_unfinished_requests()
+    assert engine.last_stats.finished == []  # the step ran before the abort
+    it = engine.flush_stats()
+    assert it is not None and [f.request_id for f in it.finished] == ["late"]
+    assert it.finished[0].finish_reason == FinishReason.ABORT and engine.last_stats is it
+    assert engine.flush_stats() is None

@@ -227,6 +227,8 @@ class AsyncEngine:
     def _run(self) -> None:
         failures = 0
         while True:
+            if not self.core.has_unfinished_requests():
+                self._flush_idle_stats()
             with self._wake:
                 if not self._inbox and not self._stop and not self.core.has_unfinished_requests():
                     self._wake.wait(_IDLE_WAIT_S)
@@ -268,6 +270,17 @@ class AsyncEngine:
             with self._wake:
                 if not self._inbox:
                     self._wake.wait(0.002)
+
+    def _flush_idle_stats(self) -> None:
+        """Report what ended between steps (an abort, a stop string) once nothing is left to run:
+        it would otherwise wait in the scheduler for a step that an idle engine does not take."""
+        try:
+            it = self.core.flush_stats()
+        except Exception:  # metrics must never take the engine down
+            log.exception("closing the idle engine's stats failed")
+            return
+        if it is not None:
+            self._run_hooks()
 
     def _run_hooks(self) -> IterationStats | None:
         it = None

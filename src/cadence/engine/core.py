@@ -178,6 +178,17 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def flush_stats(self) -> IterationStats | None:
+        """The counts gathered since the last step (requests ended between steps), closed now as
+        `last_stats`; None if there are none. For a loop that goes idle (see
+        `Scheduler.close_pending_stats`)."""
+        self._check_no_stretch()
+        it = self.scheduler.close_pending_stats(self.clock.now())
+        if it is not None:
+            self.last_stats = it
+            self._snapshot()
+        return it
+
     @property
     def scheduler_stats(self) -> SchedulerStats:
         """The gauges after the last step (or abort, or finish): see `snapshot_gauges`."""

@@ -5,6 +5,10 @@ Names follow `cadence:<what>_<unit>` (docs/metrics.md lists each one). Each expo
 `record_step`; the HTTP side calls `record_rejection` and `render`. prometheus_client is thread-safe,
 and the tenant-label table has its own lock.
 
+Refusals are counted by the HTTP side only, when it answers one (`record_rejection`), whoever refused:
+the engine core puts its own refusals in the next step's `IterationStats.rejections`, which an idle
+engine never runs, so `record_step` leaves that field to other readers (the simulator, benchmarks).
+
 Tenant labels are bounded: the first `max_tenant_labels` tenants seen keep their name, later ones
 are counted as "other", so a client inventing tenants cannot grow the series without limit.
 """
@@ -71,6 +75,9 @@ ITL_BUCKETS = (
     1.0,
     2.5,
 )
+# Queue time starts near zero (an idle server schedules a request within a millisecond) and grows to
+# minutes under overload: the latency buckets, with finer ones below 10 ms.
+QUEUE_TIME_BUCKETS = (0.001, 0.0025, 0.005)
 LATENCY_BUCKETS = (
     0.01,
     0.05,
@@ -162,7 +169,7 @@ class PrometheusExporter:
         )
         self.e2e = Histogram(
             "cadence:e2e_request_latency_seconds",
-            "Time from arrival to the last token.",
+            "Time from arrival to finish (any finish reason).",
             t,
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -171,7 +178,7 @@ class PrometheusExporter:
             "cadence:request_queue_time_seconds",
             "Time from arrival to first scheduling.",
             t,
-            buckets=LATENCY_BUCKETS,
+            buckets=QUEUE_TIME_BUCKETS + LATENCY_BUCKETS,
             registry=r,
         )
         self.running = Gauge("cadence:running_requests", "Requests holding KV blocks (running).", registry=r)
@@ -197,12 +204,15 @@ class PrometheusExporter:
         )
         self.rejected = Counter(
             "cadence:rejected_requests",
-            "Requests refused before any work, by reason.",
+            "Generation requests refused before any work (one per HTTP request), by reason.",
             ("reason",),
             registry=r,
         )
         self.finished = Counter(
-            "cadence:finished_requests", "Requests ended, by finish reason.", ("reason", "tenant"), registry=r
+            "cadence:finished_requests",
+            "Engine requests (one per choice) ended, by finish reason.",
+            ("reason", "tenant"),
+            registry=r,
         )
         self.goodput = Counter(
             "cadence:goodput_requests", "Finished requests that met every configured SLO.", t, registry=r
@@ -227,8 +237,7 @@ class PrometheusExporter:
             self.itl.labels(self.tenant(tenant)).observe(seconds)
         for f in it.finished:
             self.record_finished(f)
-        for reason, count in it.rejections.items():
-            _inc(self.rejected.labels(reason), count)
+        # it.rejections is not read: the HTTP side counts every refusal as it answers it (module doc).
 
     def record_scheduler(self, st: SchedulerStats) -> None:
         self.running.set(st.num_running)
@@ -248,7 +257,8 @@ class PrometheusExporter:
             self.goodput.labels(tenant).inc()
 
     def record_rejection(self, reason: str, count: int = 1) -> None:
-        """A refusal the engine core never saw (the server's own: draining, invalid input, ...)."""
+        """A refused generation request, as the server answers it: its own refusals (invalid input,
+        tenant quota, draining) and the engine's (queue full, too long for the KV cache, deadline)."""
         _inc(self.rejected.labels(reason), count)
 
     # -- reading ------------------------------------------------------------------------------------

@@ -819,6 +819,18 @@ class Scheduler:
         self.last_iteration_stats = self._stats
         self._stats = IterationStats()
 
+    def close_pending_stats(self, now: float) -> IterationStats | None:
+        """Close what was counted since the last step as a record of its own (`last_iteration_stats`),
+        or None if nothing was. Requests ended between steps (aborts, stop strings found in the
+        text) and refusals go into the next step's stats; an engine with nothing left to run takes
+        no next step, so its loop closes them here to report them."""
+        st = self._stats
+        if not (st.finished or st.rejections or st.num_preemptions):
+            return None
+        st.step, st.now = self._step, now
+        self._close_stats()
+        return self.last_iteration_stats
+
     # ------------------------------------------------------------------ state
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

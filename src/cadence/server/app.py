@@ -194,7 +194,9 @@ def _add_routes(
         responses={200: {"model": CompletionResponse}, **_ERRORS},
     )
     async def completions(raw: Request) -> Response:
-        return await serving.completions(await read_json(raw, CompletionRequest), raw)
+        with serving.counting_refusals():
+            body = await read_json(raw, CompletionRequest)
+        return await serving.completions(body, raw)
 
     @app.post(
         "/v1/chat/completions",
@@ -202,7 +204,9 @@ def _add_routes(
         responses={200: {"model": ChatCompletionResponse}, **_ERRORS},
     )
     async def chat_completions(raw: Request) -> Response:
-        return await serving.chat(await read_json(raw, ChatCompletionRequest), raw)
+        with serving.counting_refusals():
+            body = await read_json(raw, ChatCompletionRequest)
+        return await serving.chat(body, raw)
 
     @app.post("/tokenize", openapi_extra=_body_doc(TokenizeRequest), responses=_ERRORS)
     async def tokenize(raw: Request) -> dict[str, Any]:

@@ -9,10 +9,11 @@ queued or running, streaming or not, has its request aborted within one engine s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from fastapi import Request
@@ -23,7 +24,7 @@ from cadence.engine.async_engine import AsyncEngine, RequestStream
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.metrics.prometheus import PrometheusExporter
-from cadence.server.errors import error_payload
+from cadence.server.errors import APIError, error_payload
 from cadence.server.formats import (
     DONE_EVENT,
     ChatFormatter,
@@ -78,8 +79,9 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.inputs.check_model(body.model)
-        prompts = [await self.inputs.prompt_ids(p, "prompt") for p in body.prompts()]
-        job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt")
+        with self.counting_refusals():
+            prompts = [await self.inputs.prompt_ids(p, "prompt") for p in body.prompts()]
+            job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt")
         fmt = CompletionFormatter(
             job.request_id,
             self.engine.model_name,
@@ -92,10 +94,11 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.inputs.check_model(body.model)
-        ids = self.inputs.chat_ids(body.message_dicts(), body.add_generation_prompt, body.chat_template)
-        job = self.inputs.job(
-            "chatcmpl", body, raw, [ids], body.requested_max_tokens(), body.num_logprobs(), "messages"
-        )
+        with self.counting_refusals():
+            ids = self.inputs.chat_ids(body.message_dicts(), body.add_generation_prompt, body.chat_template)
+            job = self.inputs.job(
+                "chatcmpl", body, raw, [ids], body.requested_max_tokens(), body.num_logprobs(), "messages"
+            )
         fmt = ChatFormatter(
             job.request_id, self.engine.model_name, int(time.time()), body.n, self.tokens, body.logprobs
         )
@@ -121,13 +124,33 @@ class OpenAIServing:
         self.inputs.check_ids(body.tokens, "tokens")
         return {"prompt": self.engine.tokenizer.decode(body.tokens)}
 
+    # -- refusals -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def counting_refusals(self) -> Iterator[None]:
+        """Count a generation request refused as invalid (HTTP 400) while its body is read or its
+        engine input built, before the engine sees it: a prompt longer than the context, a bad
+        parameter, a body that does not parse."""
+        try:
+            yield
+        except (APIError, CadenceError) as e:
+            if e.kind is ErrorKind.INVALID_REQUEST:
+                self._count_refusal(ErrorKind.INVALID_REQUEST)
+            raise
+        except ValueError:  # pydantic's ValidationError and SamplingParams' checks: answered 400
+            self._count_refusal(ErrorKind.INVALID_REQUEST)
+            raise
+
+    def _count_refusal(self, kind: ErrorKind) -> None:
+        if self.exporter is not None:
+            self.exporter.record_rejection(kind.value)
+
     # -- running ------------------------------------------------------------------------------------
 
     def _acquire(self, job: Job) -> None:
         cap = self.config.tenant_max_requests
         if cap is not None and self.tenant_in_flight[job.tenant] >= cap:
-            if self.exporter is not None:
-                self.exporter.record_rejection(ErrorKind.TENANT_QUOTA.value)
+            self._count_refusal(ErrorKind.TENANT_QUOTA)
             raise AdmissionError(
                 ErrorKind.TENANT_QUOTA,
                 f"tenant {job.tenant!r} has {cap} requests in flight, its cap; retry later",
@@ -184,8 +207,9 @@ class OpenAIServing:
                 cache_salt=job.cache_salt,
             )
         except CadenceError as e:
-            if self.exporter is not None and not isinstance(e, AdmissionError):
-                self.exporter.record_rejection(e.kind.value)  # the core counts its own refusals
+            # The engine's refusals too, counted here as they are answered: the core reports its own
+            # only with its next step, which an idle engine never runs.
+            self._count_refusal(e.kind)
             raise
 
     @staticmethod
