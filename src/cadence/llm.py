@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from cadence.config import EngineConfig
 from cadence.engine.builder import Engine, build_engine
-from cadence.engine.output_processor import OutputProcessor, StreamDelta
+from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
 from cadence.errors import AdmissionError, ErrorKind
 from cadence.outputs import CompletionOutput, RequestOutput
 from cadence.request import Request, RequestStatus, SamplingParams
@@ -163,7 +163,7 @@ class LLM:
                 self._admit(queue, proc)
                 deltas, stopped = proc.process(core.step())
                 if stopped:
-                    core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+                    attach_final_metrics(deltas, core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED))
                 for sd in deltas:
                     _apply(owner[sd.request_id], sd)
                     if sd.finished:

@@ -241,3 +241,17 @@ def test_cli_generate_refuses_an_empty_or_missing_file(tmp_path, capsys) -> None
     assert "--input" in capsys.readouterr().err
     assert cli_main(["generate", "--tiny", "--prompt", "hi", "--output", str(tmp_path / "no" / "dir.jsonl")]) == 2
     assert "its directory does not exist" in capsys.readouterr().err
+
+
+def test_a_stop_string_finish_keeps_its_metrics(llm: LLM) -> None:
+    """A stop string ends the request outside the core (in the detokenized text); its output still
+    carries the request's metrics (they came only with the core's own final delta)."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    text = llm.generate("Once upon a time", greedy, use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), text
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                         stop=[stop]), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop"
+    m = out.metrics
+    assert m is not None and m.queue_time is not None and m.ttft is not None and m.e2e_latency is not None

@@ -246,6 +246,7 @@ def test_finishes_between_steps_are_counted_when_the_engine_goes_idle(server):
     r = httpx.post(url + "/v1/completions", json={**body, "stop": [stop]}, headers={"X-Tenant": "idle-stop"},
                    timeout=60)
     assert r.json()["choices"][0]["finish_reason"] == "stop", r.text
+    assert r.json()["usage"]["queue_time"] is not None  # a stop string's finish keeps its metrics
     assert _poll_finished(url, "idle-stop", 1) == 1
     with httpx.stream("POST", url + "/v1/completions", headers={"X-Tenant": "idle-abort"}, timeout=60,
                       json={**body, "max_tokens": 400, "stream": True}) as s:

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from cadence.clock import Clock, RealClock
 from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
-from cadence.engine.output_processor import OutputProcessor, StreamDelta
+from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.metrics.stats import IterationStats, SchedulerStats
 from cadence.request import Request, RequestStatus, SamplingParams
+from cadence.sched.output import RequestDelta
 
 if TYPE_CHECKING:
     from cadence.engine.builder import Engine
@@ -262,7 +263,7 @@ class AsyncEngine:
             self._send_errors(ids, CadenceError(ErrorKind.INTERNAL, f"output processing failed: {exc}"))
             return
         if stopped:
-            self._finish_in_core(stopped, RequestStatus.FINISHED_STOPPED)
+            attach_final_metrics(out, self._finish_in_core(stopped, RequestStatus.FINISHED_STOPPED))
         it = self._run_hooks()
         self._dispatch(out)
         if it is not None and it.num_prompt_tokens == 0 and it.num_generation_tokens == 0 and not out:
@@ -375,11 +376,12 @@ class AsyncEngine:
                 error = item.error or CadenceError(ErrorKind.UNAVAILABLE, "request aborted")
                 self._call(group.loop, self._deliver, [(group.queue, error)])
 
-    def _finish_in_core(self, ids: list[str], status: RequestStatus) -> None:
+    def _finish_in_core(self, ids: list[str], status: RequestStatus) -> list[RequestDelta]:
         try:
-            self.core.finish_requests(ids, status)
+            return self.core.finish_requests(ids, status)
         except Exception:
             log.exception("finishing %d requests in the core failed", len(ids))
+            return []
 
     def _send_errors(self, sub_ids: list[str], error: CadenceError) -> None:
         for group in {id(g): g for g in (self._owner.get(r) for r in sub_ids) if g is not None}.values():

@@ -104,3 +104,12 @@ class OutputProcessor:
             metrics=d.metrics,
             error=d.error,
         )
+
+
+def attach_final_metrics(stream: list[StreamDelta], final: Iterable[RequestDelta]) -> None:
+    """Requests ended here by a stop string: their last stream delta came from a token delta, which
+    carries no metrics; `final` (what the core returned when told to finish them) has them."""
+    ended = {d.request_id: d.metrics for d in final}
+    for sd in stream:
+        if sd.finished and sd.metrics is None and sd.request_id in ended:
+            sd.metrics = ended[sd.request_id]
