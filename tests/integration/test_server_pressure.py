@@ -282,6 +282,41 @@ def test_a_failing_step_fails_its_requests_and_the_server_lives(server_factory):
     assert ok.status_code == 200 and live.wait_idle() and all_blocks_free(live)
 
 
+def test_failed_output_processing_fails_its_requests_and_still_counts_the_step(server_factory):
+    """Detokenizing a step's output raises: its requests end with a server error, and the step's
+    tokens and finishes still reach the metrics (the hooks used to be skipped on that path)."""
+    live = server_factory()
+    proc = live.engine._proc
+    real = proc.process
+    state = {"fail": True}
+
+    def broken(deltas):
+        if state["fail"]:
+            state["fail"] = False
+            raise RuntimeError("injected detokenizer fault")
+        return real(deltas)
+
+    proc.process = broken
+    gen = "cadence:generation_tokens_total"
+
+    def counter(name: str, **labels: str) -> float:
+        text = httpx.get(live.url + "/metrics").text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        pat = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "") + r" ([0-9.e+]+)"
+        m = re.search(pat, text)
+        return float(m.group(1)) if m else 0.0
+
+    before = counter(gen)
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=30)
+    assert r.status_code == 500 and "injected detokenizer fault" in r.json()["error"]["message"], r.text
+    assert live.wait_idle()
+    wait_for(lambda: counter(gen) == before + 1, what="the failed step's token counted")
+    wait_for(lambda: counter("cadence:finished_requests_total", reason="error", tenant="default") >= 1,
+             what="the failed request counted as finished with an error")
+    ok = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200 and live.wait_idle() and all_blocks_free(live)
+
+
 def test_a_dead_loop_shows_in_health(server_factory):
     live = server_factory()
 

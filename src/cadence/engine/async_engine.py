@@ -261,6 +261,7 @@ class AsyncEngine:
             ids = list({d.request_id for d in deltas})
             self._finish_in_core(ids, RequestStatus.FINISHED_ERROR)
             self._send_errors(ids, CadenceError(ErrorKind.INTERNAL, f"output processing failed: {exc}"))
+            self._run_hooks()  # the step ran: its tokens and finishes still count
             return
         if stopped:
             attach_final_metrics(out, self._finish_in_core(stopped, RequestStatus.FINISHED_STOPPED))
