@@ -204,3 +204,54 @@ def test_table_switches_to_seconds_when_milliseconds_would_fill_the_columns() ->
     ttft = next(line for line in long.splitlines() if line.startswith("ttft")).split()
     assert ttft[1] == "2" and float(ttft[-1]) == 90_000.0  # count, then max, each its own column
     assert all(len(line.split()) == 8 for line in long.splitlines() if line.split()[0] in ("ttft", "itl", "e2e"))
+
+
+def _replay(events: list[tuple[float, dict]], source_from_text: bool = False) -> RequestRecord:
+    """Fold a recorded stream (arrival time, SSE event) into a record the way the client does."""
+    from cadence.bench.client import _on_event
+
+    r = RequestRecord(index=0, send_time=1.0, status=200, output_tokens_asked=8)
+    for now, obj in events:
+        _on_event(r, obj, now)
+    r.end_time = events[-1][0]
+    if source_from_text:  # no usage: the client re-counts the text (2 tokens here)
+        r.output_tokens, r.output_count_source = 2, "tokenize"
+    return r
+
+
+def _chat_chunk(delta: dict, finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "usage": None}
+
+
+def test_tpot_spans_an_end_of_sequence_token_that_streams_no_text() -> None:
+    """cadence and vLLM stream "Yes" "." then EOS as an empty chunk with finish_reason stop, and
+    count it in usage (3 tokens, one step apart): TPOT is 0.1 s, not (1.2 - 1.1) / 2 = 0.05."""
+    events = [
+        (1.05, _chat_chunk({"role": "assistant", "content": ""})),
+        (1.1, _chat_chunk({"content": "Yes"})),
+        (1.2, _chat_chunk({"content": "."})),
+        (1.3, _chat_chunk({}, "stop")),
+        (1.31, {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 3}}),
+    ]
+    r = _replay(events)
+    assert (r.output_tokens, r.output_count_source, r.finish_reason) == (3, "usage", "stop")
+    assert r.ttft == pytest.approx(0.1) and r.itls == pytest.approx([0.1])  # text chunks only
+    assert r.tpot == pytest.approx(0.1)
+    assert RequestRecord.from_dict(r.to_dict()).tpot == pytest.approx(0.1)  # re-analysis of requests.jsonl
+    # Counted from the text (no usage), the EOS is not among the tokens: the span ends at the text.
+    assert _replay(events[:-1], source_from_text=True).tpot == pytest.approx(0.1)
+    # The cap reached with text in the finishing chunk: nothing changes.
+    capped = _replay([(1.1, _chat_chunk({"content": "a"})), (1.2, _chat_chunk({"content": "b"}, "length")),
+                      (1.21, {"choices": [], "usage": {"completion_tokens": 2}})])
+    assert capped.tpot == pytest.approx(0.1)
+
+
+def test_short_outputs_without_exact_lengths_asked_do_not_blame_the_server() -> None:
+    """--no-exact-output sends no ignore_eos/min_tokens: a model stopping early is what was asked."""
+    eos = rec(0, 0.0, [0.1, 0.2], end=0.3, finish_reason="stop")
+    eos.output_tokens_asked = 5
+    asked = summarize([eos], {}, {"force_output_lengths": True})["warnings"]
+    assert any("does not honour ignore_eos" in w for w in asked)
+    free = summarize([eos], {}, {"force_output_lengths": False})["warnings"]
+    assert not any("does not honour" in w for w in free)
+    assert any("1 of 1 completed requests stopped before max_tokens" in w and "model chose" in w for w in free)

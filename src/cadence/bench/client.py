@@ -116,7 +116,11 @@ def prepare_workload(cfg: BenchConfig) -> Workload:
         w = replace(w, requests=w.requests[:n])
     w = assign_arrivals(w, cfg.arrival, cfg.rate, cfg.seed, cfg.burstiness)
     if cfg.duration is not None and cfg.arrival != "none":
-        w = replace(w, requests=tuple(r for r in w.requests if (r.arrival_time or 0.0) <= cfg.duration))
+        within = tuple(r for r in w.requests if (r.arrival_time or 0.0) <= cfg.duration)
+        if within and len(within) == len(w.requests):  # the workload, not the duration, ends the sends
+            w = w.with_note(f"all {len(within)} requests of the workload arrive before the {cfg.duration:g}s "
+                            "duration ends: it ran out first")
+        w = replace(w, requests=within)
     if not w.requests:
         raise ValueError("workload: no requests to send")
     return w
@@ -179,6 +183,7 @@ def _on_event(rec: RequestRecord, obj: dict, now: float) -> None:
             rec.text += piece
         if choice.get("finish_reason"):
             rec.finish_reason = choice["finish_reason"]
+            rec.finish_time = now  # an EOS token's chunk has no text: TPOT's span ends here
     usage = obj.get("usage")
     if usage and usage.get("completion_tokens") is not None:
         rec.output_tokens, rec.output_count_source = int(usage["completion_tokens"]), "usage"
@@ -342,8 +347,13 @@ def _meta(cfg: BenchConfig, model: str, w: Workload, builder: PromptBuilder, sen
     if builder.inexact:
         notes.append(f"{len(builder.inexact)} prompts could not be cut to their exact size (wanted, got): "
                      f"{builder.inexact[:5]}")
-    if cfg.duration is not None and sent == prepared:
+    # Open loop: `prepare_workload` already cut the workload at the duration (and said so if it ran
+    # out first), so every prepared request is sent unless a --concurrency cap still held it back.
+    if cfg.duration is not None and cfg.arrival == "none" and sent == prepared:
         notes.append(f"all {prepared} prepared requests were sent before the {cfg.duration:g}s duration ended")
+    if cfg.arrival != "none" and sent < prepared:
+        notes.append(f"{prepared - sent} of {prepared} requests were never sent: still waiting for one of the "
+                     f"{cfg.concurrency} --concurrency slots when the drain timeout ended the run")
     return {
         "label": cfg.label, "base_url": cfg.base_url, "model": model, "endpoint": cfg.endpoint,
         "workload": w.name, "arrival": cfg.arrival, "rate": cfg.rate, "burstiness": cfg.burstiness,

@@ -9,7 +9,10 @@ gaps) and applies the same formula to the sorted values.
 Definitions (all in seconds, per request, measured by the client):
 - TTFT: first non-empty token chunk minus send time.
 - ITL: gaps between consecutive token chunks (pooled over all requests for the distribution).
-- TPOT: (last token chunk - first token chunk) / (output tokens - 1), requests with >= 2 tokens.
+- TPOT: (last token - first token chunk) / (output tokens - 1), requests with >= 2 tokens. The
+  last token is the last token chunk, or, when the server counted the tokens (usage, timings) and
+  the stream ended with finish_reason stop or length in a chunk of its own, that chunk: an EOS
+  token streams no text but is counted among the output tokens, so the span must include its step.
 - E2E: end of stream minus send time.
 - queue: what the server reports (x-queue-time header or usage.queue_time), when it does.
 """
@@ -24,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 PERCENTILES = (50, 90, 95, 99)
+_TOKEN_FINISHES = ("stop", "length")  # a stream ends on a generated token (EOS, stop string, the cap)
+_SERVER_COUNTS = ("usage", "timings")  # counts that include a token that streams no text (EOS)
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e", "queue")
 
 
@@ -44,6 +49,7 @@ class RequestRecord:
     # of them as list items would be float objects that every full garbage collection walks.
     token_times: MutableSequence[float] = field(default_factory=list)
     end_time: float | None = None
+    finish_time: float | None = None  # when the chunk carrying finish_reason arrived
     output_tokens: int = 0
     output_count_source: str = "chunks"  # usage | timings | tokenize | chunks
     server_prompt_tokens: int | None = None
@@ -79,7 +85,17 @@ class RequestRecord:
     def tpot(self) -> float | None:
         if not self.ok or self.output_tokens < 2 or len(self.token_times) < 2:
             return None
-        return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
+        return (self.last_token_time - self.token_times[0]) / (self.output_tokens - 1)
+
+    @property
+    def last_token_time(self) -> float | None:
+        """When the last of the `output_tokens` was streamed: the last text chunk, or a later chunk
+        that ends the stream without text (an EOS token) when the server's count includes it."""
+        last = self.token_times[-1] if len(self.token_times) else None
+        if (self.finish_time is not None and self.finish_reason in _TOKEN_FINISHES
+                and self.output_count_source in _SERVER_COUNTS):
+            return self.finish_time if last is None else max(last, self.finish_time)
+        return last
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -303,7 +319,7 @@ def summarize(records: Sequence[RequestRecord], slos: dict[str, float], meta: di
         "per_priority": prios,
         "fairness": {"tenants": _fairness(tenants), "priorities": _fairness(prios)},
         "errors": _error_counts(records),
-        "warnings": _warnings(records, overall),
+        "warnings": _warnings(records, overall, (meta or {}).get("force_output_lengths", True)),
     }
 
 
@@ -316,16 +332,21 @@ def _error_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
     return out
 
 
-def _warnings(records: Sequence[RequestRecord], overall: dict) -> list[str]:
+def _warnings(records: Sequence[RequestRecord], overall: dict, exact_asked: bool = True) -> list[str]:
+    """`exact_asked`: whether the requests carried ignore_eos/min_tokens (not with --no-exact-output,
+    where a model stopping at its end-of-sequence token is what was asked for, not the server's fault)."""
     out = []
     if overall["short_outputs"]:
         short = [r for r in records if r.ok and r.output_tokens < r.output_tokens_asked]
         # Stopped at a stop token (or with no reason given): the server ignored ignore_eos/min_tokens.
         # Any other reason (a deadline, a length cap) is the server's own decision, said as such.
         eos = [r for r in short if r.finish_reason in (None, "stop")]
-        if eos:
+        if eos and exact_asked:
             out.append(f"{len(eos)} of {overall['completed']} completed requests stopped before the asked length: "
                        "the server does not honour ignore_eos/min_tokens; tokens/s count what it produced")
+        elif eos:
+            out.append(f"{len(eos)} of {overall['completed']} completed requests stopped before max_tokens (no "
+                       "ignore_eos/min_tokens sent: the model chose its length); tokens/s count what it produced")
         reasons: dict[str, int] = {}
         for r in short:
             if r.finish_reason not in (None, "stop"):
