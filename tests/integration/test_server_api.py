@@ -241,3 +241,20 @@ def test_openapi_schema_documents_every_route(client, server):
     props = schema["components"]["schemas"][name]["properties"]
     assert {"messages", "max_tokens", "priority", "deadline", "top_logprobs"} <= set(props)
     assert client.get("/docs").status_code == 200
+
+
+def test_a_request_without_max_tokens_fits_a_kv_cache_smaller_than_the_context(server_factory):
+    """max_tokens left out asks for the rest of the context, or of the whole KV cache where that is
+    smaller (16 blocks x 16 = 256 tokens against a 1,024-token context): it runs to that length
+    rather than being refused for a length it never asked for."""
+    live = server_factory({"num_kv_blocks": 16, "block_size": 16})
+    assert live.engine.max_request_tokens == 256 < live.engine.max_model_len
+    r = httpx.post(live.url + "/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 256
+    too_many = httpx.post(live.url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300})
+    assert too_many.status_code == 400 and "KV cache" in too_many.json()["error"]["message"]

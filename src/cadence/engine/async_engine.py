@@ -49,6 +49,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.max_request_tokens = self.core.max_request_tokens
         self.vocab_size = engine.vocab_size
         self.clock: Clock = getattr(self.core, "clock", None) or RealClock()
         self.stats_hooks: list[StatsHook] = [stats_hook] if stats_hook else []

@@ -104,6 +104,12 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt and output) one request can hold here: the context, or the whole
+        KV cache where that is smaller (admission refuses a request asking for more)."""
+        return min(self._max_model_len, self.kv.capacity_tokens)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -157,7 +157,10 @@ class InputBuilder:
                 param=prompt_param,
             )
         if max_tokens is None:
-            max_tokens = limit - longest
+            # The rest of the context, or of the KV cache where that is smaller (a small
+            # --kv-cache-memory would otherwise refuse every request that names no max_tokens).
+            room = self.engine.max_request_tokens - longest
+            max_tokens = room if room >= 1 else limit - longest  # (no room: admission says why)
         elif longest + max_tokens > limit:
             raise APIError(
                 ErrorKind.INVALID_REQUEST,
