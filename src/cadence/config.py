@@ -8,13 +8,13 @@ field needs no other wiring.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from cadence.kv.hashing import HASH_ALGOS
+from cadence.request import is_finite, is_int
 
 SCHEDULERS = ("continuous", "static")
 POLICIES = ("fcfs", "priority", "fair", "deadline")
@@ -50,9 +50,9 @@ def _type_ok(value: Any, kind: str) -> bool:
     if base == "bool":
         return isinstance(value, bool)
     if base == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_int(value)
     if base == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return is_finite(value)
     if base == "str":
         return isinstance(value, str)
     return True  # structured fields check themselves
@@ -229,6 +229,17 @@ def _normalise(key: str, value: Any) -> Any:
 
 _SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 _FIELD_TO_SECTION: dict[str, str] = {f.name: sec for sec, cls in _SECTIONS.items() for f in fields(cls)}
+
+
+def option_flags(name: str, value: Any) -> list[str]:
+    """One engine option as `cadence serve` takes it: a boolean is --name or --no-name, tenant
+    weights NAME=WEIGHT pairs, anything else --name VALUE."""
+    flag = name.replace("_", "-")
+    if isinstance(value, bool):
+        return [f"--{flag}" if value else f"--no-{flag}"]
+    if name == "tenant_weights":
+        return [f"--{flag}", ",".join(f"{k}={w}" for k, w in value)]
+    return [f"--{flag}", str(value)]
 
 
 def engine_option_fields() -> list[tuple[str, dataclasses.Field]]:

@@ -64,18 +64,19 @@ def _check(cond: bool, name: str, why: str) -> None:
         raise ValueError(f"{name}: {why}")
 
 
-def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _int(x: object) -> bool:
+def is_int(x: object) -> bool:
     """An integer that is not a bool: `max_tokens=True` is a mistake, not 1."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def is_finite(x: object) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _token_key(k: object) -> int:
     """A logit_bias key: an int, or its decimal string (JSON objects have string keys)."""
-    if _int(k):
+    if is_int(k):
         return k  # type: ignore[return-value]
     if isinstance(k, str) and k.strip().lstrip("-").isdigit():
         return int(k)
@@ -144,37 +145,37 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
-        _check(_finite(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
-        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        _check(_int(self.top_k) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: off)")
-        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        _check(is_finite(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
+        _check(is_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(is_int(self.top_k) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: off)")
+        _check(is_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         _check(
-            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            is_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
             "repetition_penalty",
             "must be in (0, 10]",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            _check(_finite(v) and -2.0 <= v <= 2.0, name, "must be in [-2, 2]")
+            _check(is_finite(v) and -2.0 <= v <= 2.0, name, "must be in [-2, 2]")
         _check(
-            self.seed is None or (_int(self.seed) and 0 <= self.seed < 2**63), "seed", "must be in [0, 2^63)"
+            self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63), "seed", "must be in [0, 2^63)"
         )
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
         for s in self.stop:
             _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN, "stop", f"each stop string must have 1 to {MAX_STOP_STRING_LEN} characters")
-        _check(all(_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
-        _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
+        _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
         _check(
-            self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             f"must be in [0, {MAX_LOGPROBS}]",
         )
         _check(len(self.logit_bias) <= 1024, "logit_bias", "at most 1024 entries")
         for tok, bias in self.logit_bias:
-            _check(_int(tok) and tok >= 0, "logit_bias", "keys must be non-negative token ids")
-            _check(_finite(bias) and -100.0 <= bias <= 100.0, "logit_bias", "values must be in [-100, 100]")
-        _check(_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
+            _check(is_int(tok) and tok >= 0, "logit_bias", "keys must be non-negative token ids")
+            _check(is_finite(bias) and -100.0 <= bias <= 100.0, "logit_bias", "values must be in [-100, 100]")
+        _check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
 

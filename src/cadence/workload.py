@@ -25,6 +25,8 @@ MOONCAKE_BLOCK_TOKENS = 512  # the Mooncake release hashes prompts in blocks of 
 _HEADER_KEY = "cadence_workload"  # marks the optional first line of a workload JSONL
 
 
+# cadence.request's is_int / is_finite, repeated: this module imports only the standard library
+# (tests/unit/test_workload.py), so that it can be read without the engine.
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -20,7 +20,14 @@ from pathlib import Path
 import httpx
 
 from cadence.bench import report
-from cadence.bench.client import BenchConfig, BenchResult, auth_headers, request_count, run_benchmark
+from cadence.bench.client import (
+    BenchConfig,
+    BenchResult,
+    auth_headers,
+    first_model_id,
+    request_count,
+    run_benchmark,
+)
 from cadence.workload import (
     ARRIVALS,
     BUILTIN_WORKLOADS,
@@ -211,19 +218,7 @@ def resolve_model(cfg: BenchConfig) -> None:
         r = httpx.get(url, headers=auth_headers(cfg.api_key), timeout=httpx.Timeout(wait, connect=min(wait, 10.0)))
     except httpx.TimeoutException:
         raise ValueError(f"{url}: no answer within {wait:g} s (is the server up and serving HTTP?)") from None
-    r.raise_for_status()
-    try:
-        doc = r.json()
-    except ValueError:
-        raise ValueError(f"{url}: the answer is not JSON: not an OpenAI-compatible server? "
-                         f"(or pass --model)") from None
-    data = doc.get("data") if isinstance(doc, dict) else None
-    if not isinstance(data, list) or not data:
-        raise ValueError(f"{url}: the server lists no models; pass --model")
-    first = data[0]
-    if not isinstance(first, dict) or not isinstance(first.get("id"), str):
-        raise ValueError(f"{url}: the first model has no 'id'; pass --model")
-    cfg.model = first["id"]
+    cfg.model = first_model_id(url, r)
 
 
 def _run_one(cfg: BenchConfig) -> int:

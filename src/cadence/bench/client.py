@@ -86,11 +86,25 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 async def _resolve_model(client: httpx.AsyncClient) -> str:
     r = await client.get("/v1/models")
+    return first_model_id(str(r.request.url), r)
+
+
+def first_model_id(url: str, r: httpx.Response) -> str:
+    """The first model a /v1/models answer lists; a ValueError saying what is wrong with the answer
+    (not JSON, no models, a model without an id) otherwise."""
     r.raise_for_status()
-    data = r.json().get("data") or []
-    if not data:
-        raise ValueError("model: the server lists no models; pass --model")
-    return data[0]["id"]
+    try:
+        doc = r.json()
+    except ValueError:
+        raise ValueError(f"{url}: the answer is not JSON: not an OpenAI-compatible server? "
+                         f"(or pass --model)") from None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{url}: the server lists no models; pass --model")
+    first = data[0]
+    if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+        raise ValueError(f"{url}: the first model has no 'id'; pass --model")
+    return first["id"]
 
 
 def request_count(cfg: BenchConfig) -> int | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cadence.bench import report
-from cadence.config import EngineConfig
+from cadence.config import EngineConfig, option_flags
 from cadence.executor.cost_model import StepCostModel, StepFeatures
 from cadence.sim.simulator import SimOptions, Simulator
 from cadence.workload import Workload
@@ -201,15 +201,7 @@ def format_plan(result: PlanResult) -> str:
     lines += [f"note: {n}" for n in result.notes]
     if result.best is not None:
         b = result.best
-        opts = " ".join(_flag(k, v) for k, v in b.options.items())
+        opts = " ".join(" ".join(option_flags(k, v)) for k, v in b.options.items())
         lines.append(f"cheapest: {b.replicas} replica{'s' if b.replicas > 1 else ''}{(' with ' + opts) if opts else ''} "
                      "(" + ", ".join(f"{o.key} {b.values[o.key]:.3f}s" for o in objs) + ")")
     return "\n".join(lines)
-
-
-def _flag(name: str, value: Any) -> str:
-    """An engine option as `cadence serve` takes it (a boolean is --name or --no-name)."""
-    flag = name.replace("_", "-")
-    if isinstance(value, bool):
-        return f"--{flag}" if value else f"--no-{flag}"
-    return f"--{flag} {value}"

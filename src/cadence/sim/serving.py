@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from cadence.bench.launch import served
-from cadence.config import EngineConfig
+from cadence.config import EngineConfig, option_flags
 from cadence.executor.cost_model import StepCostModel, StepFeatures
 
 PROMPT_TOKENS = 64
@@ -35,15 +35,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
     default = EngineConfig().as_options()
     flags: list[str] = []
     for name, value in config.as_options().items():
-        if value == default[name] or value is None:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + name.replace("_", "-"))
-        elif name == "tenant_weights":
-            flags += [flag, ",".join(f"{k}={w}" for k, w in value)]
-        else:
-            flags += [flag, str(value)]
+        if value != default[name] and value is not None:
+            flags += option_flags(name, value)
     return flags
 
 
