@@ -61,12 +61,12 @@ def _state(engine: EngineCore) -> tuple:
             engine.clock.now(), ex.total_cost, ex.num_steps, ex.last_step_cost)
 
 
-def _request(rng: random.Random, i: int, shared: list[int]) -> Request:
+def _request(rng: random.Random, i: int, shared: list[int], deadlines: bool = True) -> Request:
     prompt = (shared[: rng.choice((0, 8, 16, 24))] if rng.random() < 0.5 else []) + [
         rng.randrange(1, 999) for _ in range(rng.randint(1, 40))]
     params = SamplingParams(max_tokens=rng.randint(1, 90), ignore_eos=True, temperature=0.0)
     return Request(f"r{i}", prompt, params, priority=rng.randint(0, 2), tenant=rng.choice("ab"),
-                   deadline=rng.uniform(0.5, 4.0) if rng.random() < 0.2 else None)
+                   deadline=rng.uniform(0.5, 4.0) if rng.random() < 0.2 and deadlines else None)
 
 
 ENGINES = {
@@ -81,7 +81,12 @@ ENGINES = {
     "static": dict(scheduler="static", num_kv_blocks=64, block_size=4, max_num_seqs=4),
     "unchunked-noprefix": dict(enable_chunked_prefill=False, enable_prefix_caching=False, num_kv_blocks=40,
                                block_size=2, max_num_batched_tokens=48),
+    # Arrivals rare enough that the queue is often empty at a prompt's last chunk: prompts join stretches.
+    "fcfs-joins": dict(num_kv_blocks=60, block_size=4, max_num_seqs=5, max_num_batched_tokens=9),
 }
+ARRIVALS = {"fcfs-joins": 0.08}  # a request's chance of arriving before each move (default 0.15)
+MOVES = {"fcfs-joins": 1000}
+NO_DEADLINES = {"fcfs-joins"}  # (a pending deadline ends a stretch before a prompt's last chunk)
 
 
 @pytest.mark.parametrize("name", sorted(ENGINES))
@@ -90,12 +95,12 @@ def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
     rng = random.Random(seed)
     ref, ff = _engine(**ENGINES[name]), _engine(**ENGINES[name])
     shared = [rng.randrange(1, 999) for _ in range(24)]
-    applied = cut = finished = chunked = went_on = 0
-    for i in range(400):
-        if rng.random() < 0.15:
+    applied = cut = finished = chunked = went_on = joined = 0
+    for i in range(MOVES.get(name, 400)):
+        if rng.random() < ARRIVALS.get(name, 0.15):
             for engine in (ref, ff):
                 with contextlib.suppress(AdmissionError):  # refused by both alike
-                    engine.add_request(_request(random.Random(f"{seed}:{i}"), i, shared))
+                    engine.add_request(_request(random.Random(f"{seed}:{i}"), i, shared, name not in NO_DEADLINES))
         if not ref.has_unfinished_requests():
             continue
         stretch = ff.plan_decode_stretch(rng.choice((2, 5, 40)))
@@ -115,6 +120,7 @@ def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
             applied += m
             cut += 0 < m < stretch.num_steps
             chunked += m if stretch.prefill is not None else 0
+            joined += m > stretch.join >= 0
         assert _state(ff) == _state(ref)
         ff.scheduler.check_integrity()
     assert applied > 10 and cut and finished  # the runs are worth comparing
@@ -122,6 +128,7 @@ def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
     # enough with no deadline pending; the simulations below reach it far more).
     assert went_on or (name, seed) not in {("fcfs", 1), ("static", 1), ("static", 2), ("unchunked-noprefix", 1)}
     assert chunked > 20 or name != "fcfs-chunked"  # prompt chunks rode in stretches beside decodes
+    assert joined > 20 or name != "fcfs-joins"  # prompts' last chunks, and the requests decoding on after them
     assert not ref.has_unfinished_requests() or ref.scheduler._step > 100
 
 
@@ -179,6 +186,39 @@ def test_no_stretch_where_a_step_would_differ() -> None:
     assert stretch is not None and stretch.step_ends[-2] < 0.05 <= stretch.step_ends[-1]
 
 
+def test_a_prompt_joins_a_stretch_with_its_last_chunk() -> None:
+    """With nothing waiting, a prompt's last chunk is a step of the stretch (it samples the first
+    token) and the request decodes on in the later steps, as stepping would; a request waiting, a
+    stop token or a last chunk of one token ends the stretch before that chunk instead."""
+    tok = _engine().executor.token_id
+
+    def engine(prompt_len: int = 14, waiting: bool = False, **params) -> EngineCore:
+        e = _engine(num_kv_blocks=64, block_size=4, max_num_batched_tokens=10)
+        e.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True)))
+        e.step()  # a's first token
+        e.add_request(Request("b", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=6, ignore_eos=True, **params)))
+        e.step()  # b's first chunk: the 9 tokens a's decode leaves of the budget
+        if waiting:
+            e.add_request(Request("c", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True)))
+        return e
+
+    ref, ff = engine(), engine()
+    stretch = ff.plan_decode_stretch(100)
+    assert stretch is not None and (stretch.join, stretch.join_chunk, stretch.num_steps) == (0, 5, 28)
+    assert [r.request_id for r in stretch.requests] == ["a", "b"] and stretch.last_steps == (27, 5)
+    # b's first decode, at position 14 (one past its prompt), in step 1: its start is 13.
+    assert stretch.starts == (4, 13)
+    assert [(r.num_seqs, r.start_sum, r.start_max, r.num_steps, r.chunk, r.chunk_start, r.sampled) for r in stretch.runs] \
+        == [(1, 4, 4, 1, 5, 9, 1), (2, 19, 14, 5, 0, 0, 0), (1, 10, 10, 22, 0, 0, 0)]
+    steps = [ref.step() for _ in range(28)]
+    deltas = ff.apply_decode_stretch(stretch, 28)
+    assert deltas == [d for step in steps for d in step]
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("b", None), ("b", "length"), ("a", "length")]
+    assert _state(ff) == _state(ref) and stretch.requests[1].first_token_time == stretch.step_ends[0]
+    for prompt_len, waiting, params in ((14, True, {}), (14, False, {"stop_token_ids": (tok,)}), (10, False, {})):
+        assert engine(prompt_len, waiting, **params).plan_decode_stretch(100) is None
+
+
 # ----------------------------------------------------------------------------- pieces
 def test_block_counts_match_stepping_by_hand() -> None:
     rng = random.Random(3)
@@ -223,11 +263,13 @@ def test_decode_run_costs_are_what_execute_charges() -> None:
         chunk, chunk_start = rng.choice(((0, 0), (rng.randint(2, 500), rng.randrange(0, 3000))))
         if not n and not chunk:
             continue
-        run = DecodeRun(n, sum(starts), max(starts, default=0), rng.choice((1, 3, 12, 30, 40)), chunk, chunk_start)
+        sampled = int(bool(chunk) and rng.random() < 0.3)  # a prompt's last chunk: one step, sampling
+        steps = 1 if sampled else rng.choice((1, 3, 12, 30, 40))
+        run = DecodeRun(n, sum(starts), max(starts, default=0), steps, chunk, chunk_start, sampled)
         costs = ex.decode_run_costs(run)
         for j, cost in enumerate(costs):
             batch = DecodeBatch(request_ids=tuple(f"r{i}" for i in range(n)), start_pos=tuple(s + j for s in starts))
-            prompt = ScheduledRequest("p", (7,) * chunk, chunk_start + j * chunk, (), False, SamplingParams())
+            prompt = ScheduledRequest("p", (7,) * chunk, chunk_start + j * chunk, (), bool(sampled), SamplingParams())
             records = (prompt,) if chunk else ()
             ex.execute(SchedulerOutput(step=j, scheduled=records, decodes=batch, decodes_before=(n,) * len(records)))
             assert ex.last_step_cost == cost
@@ -276,6 +318,8 @@ SIMS = {
     "static": (lambda: _chat(150, 10.0), {}, dict(scheduler="static", max_num_seqs=8)),
     "unchunked-noprefix": (lambda: _chat(200, 10.0), {}, dict(enable_chunked_prefill=False, enable_prefix_caching=False,
                                                             max_num_batched_tokens=2048)),
+    # Prompts of several chunks, and often nothing waiting at their last: they join stretches.
+    "chunked-joins": (lambda: _chat(200, 3.0), {}, dict(max_num_batched_tokens=48)),
     "deadlines-one-by-one": (lambda: Workload("d", tuple(
         WorkloadRequest(arrival_time=i * 0.3, prompt_tokens=30 + i, output_tokens=60 + 7 * i, deadline=0.2 + 0.05 * i)
         for i in range(40))), {}, {}),
@@ -295,10 +339,11 @@ def test_simulations_match_with_and_without_fast_forward(name: str) -> None:
 
 
 def test_the_simulations_reach_what_they_compare() -> None:
-    """Preemptions, prefix hits, deadline expiries, cut stretches and stretches going on past
-    finished requests all happen somewhere."""
+    """Preemptions, prefix hits, deadline expiries, cut stretches, stretches going on past
+    finished requests and prompts joining stretches all happen somewhere."""
     seen: Counter[str] = Counter()
-    for name in ("chat-preempting", "shared-prefix", "priority-deadlines", "least-loaded", "deadlines-one-by-one"):
+    for name in ("chat-preempting", "shared-prefix", "priority-deadlines", "least-loaded", "deadlines-one-by-one",
+                 "chunked-joins"):
         make, opts, engine = SIMS[name]
         res, sim = _run(make(), True, opts, **engine)
         seen["preemptions"] += sum(r.preemptions for r in res.replicas)
@@ -306,8 +351,10 @@ def test_the_simulations_reach_what_they_compare() -> None:
         seen["deadline"] += sum(r.finish_reason == "deadline" for r in res.records)
         seen["cut"] += sim.stretches_cut
         seen["finished_mid_stretch"] += sim.finished_mid_stretch
+        seen["joined"] += sim.joined_stretches
         seen["ok"] += sum(r.ok for r in res.records)
-    assert all(seen[k] > 0 for k in ("preemptions", "prefix_hits", "deadline", "cut", "finished_mid_stretch", "ok")), seen
+    assert all(seen[k] > 0 for k in ("preemptions", "prefix_hits", "deadline", "cut", "finished_mid_stretch", "joined",
+                                     "ok")), seen
 
 
 def test_a_step_hook_turns_fast_forward_off() -> None:

@@ -382,15 +382,16 @@ class SimExecutor:
         Step j decodes `run.num_seqs` rows, each at its first step's position plus j, and feeds the
         run's prompt chunk (if any) at its start plus j chunks: the features of `execute`, from the
         run's totals instead of the columns, for all steps at once. Each cost is
-        `_cost(c, ps, n, n, dc, pad, pa)` (c the chunk, ps 1 with a chunk): the same additions in
+        `_cost(c, ps, n, n + sampled, dc, pad, pa)` (c the chunk, ps 1 with a chunk): the same additions in
         the same order, element by element (numpy neither reorders nor fuses them), so the same
         rounding."""
         w, n, c = self._w, run.num_seqs, run.chunk
         ps = 1 if c else 0
+        sm = n + run.sampled  # rows that sample: the decodes, and a prompt's last chunk
         if run.num_steps <= _FEW_STEPS:  # numpy's fixed cost is more than a few `_cost` calls
-            return [self._cost(c, ps, n, n, run.start_sum + n + n * j, n * (run.start_max + 1 + j),
+            return [self._cost(c, ps, n, sm, run.start_sum + n + n * j, n * (run.start_max + 1 + j),
                                c * (run.chunk_start + c * j) + c * (c + 1) // 2) for j in range(run.num_steps)]
-        head = w[0] + w[1] * c + w[2] * ps + w[3] * n + w[4] * n  # the terms no step changes
+        head = w[0] + w[1] * c + w[2] * ps + w[3] * n + w[4] * sm  # the terms no step changes
         step = _STEPS[: run.num_steps] if run.num_steps <= len(_STEPS) else np.arange(run.num_steps, dtype=np.int64)
         # Integers, exact: dc = start_sum + n + n * step (keys read: every row's context is its
         # position + 1) and pad = n * (start_max + 1 + step), sharing n * step.

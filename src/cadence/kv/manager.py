@@ -225,9 +225,11 @@ class KVCacheManager:
         self._num_cached[rid] = num_full
 
     def step_blocks(self, requests: Sequence[Request], starts: Sequence[int], widths: Sequence[int],
-                    events: list[tuple[int, int, int]]) -> bool:
+                    events: list[tuple[int, int, int]], cap: tuple[int, int] | None = None) -> bool:
         """The block operations of consecutive steps in which row i of `requests` computes
-        `widths[i]` tokens a step from `starts[i]` on (a decode 1, a prompt chunk more): `events`
+        `widths[i]` tokens a step from `starts[i]` on (a decode 1, a prompt chunk more; with `cap`,
+        (row, start), that row computes at most up to start + j + 1 by step j: a prompt whose last
+        chunk is shorter and which then decodes, see sched/stretch.py's join): `events`
         lists (step, 0 allocate | 1 publish, row) in the order single steps run them, and each
         does what `allocate_slots(request, width)` before the step (0) and
         `cache_computed_blocks(request)` after it (1) would. Done all at once: one `allocate` of
@@ -259,8 +261,11 @@ class KVCacheManager:
                 published[i] = n + 1
         else:
             alloc_rows, pub_rows, pub_blocks = [], [], []
+            cap_row, cap_start = cap if cap is not None else (-1, 0)
             for j, kind, i in events:
                 reach = starts[i] + (j + 1) * widths[i]  # tokens computed once step j has run
+                if i == cap_row:
+                    reach = min(reach, cap_start + j + 1)
                 if not kind:
                     need = -(-reach // bs) - held[i]
                     if need > 0:

@@ -85,8 +85,9 @@ NO_DECODES = DecodeBatch()
 @dataclass(frozen=True)
 class DecodeRun:
     """`num_steps` consecutive steps that each schedule the same `num_seqs` plain decodes and, with
-    `chunk`, one prompt chunk of `chunk` tokens after them that samples nothing; nothing else. Row i
-    decodes at its first step's position plus the step's index; step j's chunk starts at
+    `chunk`, one prompt chunk of `chunk` tokens after them that samples nothing (with `sampled`, its
+    last chunk, which does); nothing else. Row i decodes at its first step's position plus the
+    step's index; step j's chunk starts at
     `chunk_start + j * chunk`. What an executor that sets `accepts_decode_runs` (the simulator's)
     needs to cost the steps: the rows' first positions summed and their maximum, and the chunk."""
 
@@ -96,6 +97,7 @@ class DecodeRun:
     num_steps: int
     chunk: int = 0
     chunk_start: int = 0
+    sampled: int = 0  # 1: the chunk is its prompt's last and samples (a run of one step, see DecodeStretch.join)
 
 
 @dataclass(frozen=True)

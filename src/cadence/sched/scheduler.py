@@ -343,6 +343,11 @@ class Scheduler:
         prefill, chunk = self._stretch_prefill()
         decodes = running[:-1] if prefill is not None else running
         not_after = self._deadlines[0][0] if self._deadlines else math.inf
+        # Nothing waits, no deadline is pending, no fair-share counters: a stretch may go on past
+        # finishing requests, and a prompt's last chunk may join it (see sched/stretch.py).
+        quiet = not self.waiting and not self.waiting.tracks_service and not_after == math.inf
+        if prefill is not None and not quiet and prefill.num_tokens - prefill.num_computed_tokens <= chunk:
+            return None  # its last chunk comes next, and may leave budget to the waiting queue
         # Each request's last step (by length), capped at max_steps; None unless all are plain decodes.
         last = self._decode_last_steps(decodes, token, max_steps) if now < not_after else None
         if last is None:
@@ -351,24 +356,40 @@ class Scheduler:
         if finish_step < 0:
             return None
         # The stretch ends with the step in which the first requests finish, unless nothing waits:
-        # then the others go on without them (a prompt chunk or fair-share counters aside).
-        go_on = prefill is None and not self.waiting and not self.waiting.tracks_service and not_after == math.inf
-        num_steps = min((max(last) if go_on else finish_step) + 1, max_steps)
+        # then the others go on without them (a prompt chunk aside: its size is what they leave).
+        num_steps = min((max(last) if prefill is None and quiet else finish_step) + 1, max_steps)
         kv = self.kv
         tables = kv.block_tables
+        bs = kv.block_size
+        starts = [r.num_computed_tokens for r in decodes]
+        first = first_allocations(starts, [len(tables.get(r.request_id, ())) for r in decodes], bs)
         prefill_blocks = None
+        join = -1
         if prefill is not None:
-            start = prefill.num_computed_tokens
-            # Its chunks but the last, which samples and may leave budget to the waiting queue.
-            num_steps = min(num_steps, (prefill.num_tokens - start - 1) // chunk)
-            prefill_blocks = (start, len(tables.get(prefill.request_id, ())), chunk)
+            start, end = prefill.num_computed_tokens, prefill.num_tokens
+            held = len(tables.get(prefill.request_id, ()))
+            prefill_blocks = (start, held, chunk, end)
+            join = (end - start - 1) // chunk  # its chunks before the last
+            join_last = self._join_last(prefill, token, join, end - start - join * chunk, max_steps) \
+                if quiet and finish_step >= join else None
+            joined_steps = -1 if join_last is None else min(max(join_last, max(last, default=0)) + 1, max_steps)
+            if joined_steps > join:
+                num_steps = joined_steps
+                # It joins as the last row: its first decode (at position `end`) in step join + 1.
+                vstart = end - join - 1
+                decodes = (*decodes, prefill)
+                starts.append(vstart)
+                first.append(max(held, -(-end // bs)) * bs - vstart)  # (its chunks leave it the blocks its prompt fills)
+                last.append(join_last)
+            else:
+                num_steps, join = min(num_steps, join), -1  # it stops before the last chunk
         if num_steps < 1:
             return None
-        starts = tuple(r.num_computed_tokens for r in decodes)
-        bs = kv.block_size
-        first = first_allocations(starts, [len(tables.get(r.request_id, ())) for r in decodes], bs)
         # Steps the free blocks last (what the stretch frees counts for nothing); a step short of blocks preempts.
         num_steps = steps_within(first, bs, num_steps, kv.num_free_blocks, prefill_blocks, last)
+        if num_steps <= join:  # the blocks run out before the join: the stretch stops before it
+            decodes, join = decodes[:-1], -1
+            del starts[-1], first[-1], last[-1]
         if num_steps < 1:
             return None
         # (A static batch admits only when it is empty; a prompt chunk spends the whole budget.)
@@ -379,20 +400,23 @@ class Scheduler:
             num_steps = steps_within(first, bs, limits[1], limits[0])
             if num_steps < 1:
                 return None
-        stretch = DecodeStretch(self._step, tuple(decodes), starts, first, token, num_steps, not_after, tuple(last))
+        stretch = DecodeStretch(self._step, tuple(decodes), tuple(starts), first, token, num_steps, not_after,
+                                tuple(last))
         if prefill is not None:
             stretch.prefill, stretch.prefill_start, stretch.chunk = prefill, prefill.num_computed_tokens, chunk
+            if join >= 0:
+                stretch.join, stretch.join_chunk = join, prefill.num_tokens - prefill.num_computed_tokens - join * chunk
         return stretch
 
     def _stretch_prefill(self) -> tuple[Request | None, int]:
         """The running request whose prompt chunks a stretch may carry, and its chunk: the last
-        one, if the budget the others leave (one token each) is not its last chunk; (None, 0) if
-        none or where its chunks would not spend the whole budget (see sched/stretch.py)."""
+        one, if it is in its prompt, with the budget the others leave (one token each); (None, 0)
+        if none or where its chunks would not spend the whole budget (see sched/stretch.py)."""
         cfg, running = self.config, self.running
         last = running[-1]
         chunk = cfg.max_num_batched_tokens - (len(running) - 1)
-        if last.num_tokens - last.num_computed_tokens <= chunk:
-            return None, 0  # a decode, or its last chunk
+        if last.num_tokens - last.num_computed_tokens < 2:
+            return None, 0  # a decode (or a last chunk of one token, which does not join: see _join_last)
         threshold = cfg.long_prefill_token_threshold
         if (not cfg.enable_chunked_prefill or (threshold and threshold < chunk) or chunk < 2
                 or self.waiting.tracks_service):
@@ -416,7 +440,18 @@ class Scheduler:
             last[i] = min(max_steps, sp.max_tokens - len(outputs) - 1, max_len - start - 2)
         return last
 
-    def _waiting_limits(self, starts: tuple[int, ...], first: list[int], num_steps: int) -> tuple[float, int] | None:
+    def _join_last(self, req: Request, token: int, join: int, last_chunk: int, max_steps: int) -> int | None:
+        """The step in which `req`, running its last chunk (`last_chunk` tokens) in step `join` of a
+        stretch and decoding from the next, samples its last token (by length), capped at
+        `max_steps`; None if it may not join (see sched/stretch.py)."""
+        sp = req.sampling_params
+        if (last_chunk < 2 or req.output_token_ids or not sp.plain_decode or token in req.eos_token_ids
+                or token in sp.stop_token_ids):
+            return None
+        # Step join + k samples output k + 1, the context then num_tokens + k + 1 (see _append_token).
+        return min(max_steps, join + max(0, min(sp.max_tokens - 1, self.max_model_len - req.num_tokens - 1)))
+
+    def _waiting_limits(self, starts: list[int], first: list[int], num_steps: int) -> tuple[float, int] | None:
         """With requests waiting: (blocks, steps) a stretch of up to `num_steps` steps may take
         while the waiting loop gives up on the same request for the same reason every step (see
         sched/stretch.py); None if the first step would admit it or preempt for it. `first`: each
@@ -443,7 +478,7 @@ class Scheduler:
             return None  # the first step admits it
         return self._hit_limits(head, computed.block_ids, starts, num_steps, blocks_allocated(first, bs, num_steps))
 
-    def _hit_limits(self, head: Request, hit: tuple[int, ...], starts: tuple[int, ...], num_steps: int,
+    def _hit_limits(self, head: Request, hit: tuple[int, ...], starts: list[int], num_steps: int,
                     num_blocks: int) -> tuple[float, int]:
         """(blocks, steps) before `head`'s prefix-cache hit (`hit`, its first blocks) could change: an
         allocation evicting a hit block from the free queue, or a running request publishing the
@@ -476,36 +511,57 @@ class Scheduler:
         assert 0 < num_steps <= stretch.num_steps
         reqs, starts, last = stretch.requests, stretch.starts, stretch.last_steps
         ends = stretch.step_ends
+        join = stretch.join
         # Each request's steps: all of them, or up to the one in which it finishes.
         done = [min(num_steps, j + 1) for j in last]
+        # The rows that decoded throughout, and their outputs (a joined row's come from step join on).
+        rows, outs = (reqs, done) if join < 0 else (reqs[:-1], [*done[:-1], max(0, done[-1] - join)])
         tokens = [stretch.token] * num_steps
-        for req, k in zip(reqs, done, strict=True):
+        for req, k in zip(reqs, outs, strict=True):
             req.output_token_ids.extend(tokens if k == num_steps else tokens[:k])  # first: the blocks published below hash them
         self._stretch_blocks(stretch, num_steps, done)
-        for req, start, k in zip(reqs, starts, done, strict=True):
+        for req, start, k in zip(rows, starts, done, strict=False):  # (a joined row, last, is left to _stretch_prompt)
             req.num_computed_tokens = start + k
             req.last_token_time = ends[k - 1]
         if self.waiting.tracks_service:
             assert all(k == num_steps for k in done), "fair share: no request leaves mid-stretch"
             self.waiting.account_decodes(reqs, num_steps)
-        num_tokens = sum(done)
-        prompt_tokens = stretch.chunk * num_steps
+        num_computed = num_sampled = sum(outs)
         if stretch.prefill is not None:
-            stretch.prefill.num_computed_tokens = stretch.prefill_start + prompt_tokens
+            prompt_tokens = self._stretch_prompt(stretch, num_steps, done[-1] if join >= 0 else 0)
+            num_computed += prompt_tokens - (join >= 0 and outs[-1] > 0)  # (a joined row's first token is sampled, not fed)
             self._stats.num_prompt_tokens += prompt_tokens
-        self._num_live_tokens += num_tokens + prompt_tokens
+        self._num_live_tokens += num_computed
         self._step += num_steps
         self._now = ends[num_steps - 2] if num_steps > 1 else stretch.start_time
         # The first step's output would have carried these to the executor.
         self._finished_ids.clear()
         self._preempted_ids.clear()
-        deltas = self._finish_stretch(stretch, num_steps) if min(last, default=num_steps) < num_steps else []
-        self.last_decoded = [r.request_id for r in reqs if r.status is _RUNNING]
+        finishing = min(last, default=num_steps) < num_steps or 0 <= join < num_steps
+        deltas = self._finish_stretch(stretch, num_steps) if finishing else []
+        # (A joined row decoded in the last step only if that came after its join.)
+        went_on = reqs if join < 0 or num_steps - 1 > join else rows
+        self.last_decoded = [r.request_id for r in went_on if r.status is _RUNNING]
         stats = self._stats
         stats.step, stats.now = self._step, self._now
-        stats.num_generation_tokens += num_tokens
+        stats.num_generation_tokens += num_sampled
         self._close_stats()
         return deltas
+
+    def _stretch_prompt(self, stretch: DecodeStretch, num_steps: int, done: int) -> int:
+        """A stretch's prompt row after its first `num_steps` steps (`done`: its steps, if it joins):
+        its progress, and its first token's time if it joined. Returns the prompt tokens computed."""
+        req, join, ends = stretch.prefill, stretch.join, stretch.step_ends
+        assert req is not None
+        if join < 0 or num_steps <= join:  # still in its prompt
+            prompt_tokens = stretch.chunk * num_steps
+            req.num_computed_tokens = stretch.prefill_start + prompt_tokens
+            return prompt_tokens
+        req.num_computed_tokens = stretch.starts[-1] + done
+        req.first_token_time = ends[join]
+        req.last_token_time = ends[done - 1]
+        self._stats.first_token_latencies.append((req.tenant, ends[join] - req.arrival_time))
+        return stretch.chunk * join + stretch.join_chunk
 
     def _finish_stretch(self, stretch: DecodeStretch, num_steps: int) -> list[RequestDelta]:
         """The requests that finish in the first `num_steps` steps (length limits): what
@@ -515,11 +571,17 @@ class Scheduler:
         stretch's allocations take, since `steps_within` counts no freed block.) Only those of the
         last step stay listed as finished: the next step's output would have carried the others."""
         deltas = []
-        token, ends = stretch.token, stretch.step_ends
+        token, ends, join = stretch.token, stretch.step_ends, stretch.join
+        # A joined row that goes on past its join step: its first token's delta, after those of
+        # the requests finishing in that step (it is the last row).
+        first_token = join if 0 <= join < num_steps and stretch.last_steps[-1] > join else -1
         done = -1  # the last step that finished requests
         for step, rows in stretch.finish_groups().items():
             if step >= num_steps:
                 break
+            if 0 <= first_token < step:
+                deltas.append(token_delta(stretch.requests[-1], token, ()))
+                first_token = -1
             done = step
             self._finished_ids.clear()  # (those of an earlier step went out with the step after it)
             for i in rows:
@@ -528,6 +590,8 @@ class Scheduler:
                 assert status is RequestStatus.FINISHED_LENGTH, f"{req.request_id}: planned to finish by length"
                 self._finish(req, status, ends[step], stop_reason=stop_reason)
                 deltas.append(final_delta(req, (token,)))
+        if first_token >= 0:
+            deltas.append(token_delta(stretch.requests[-1], token, ()))
         if done < num_steps - 1:
             self._finished_ids.clear()
         return deltas
@@ -537,35 +601,50 @@ class Scheduler:
         allocates for the rows entering a new block, then publishes the blocks rows filled, both in
         scheduling order. Only those events are visited (one per decode row every `block_size`
         steps; the prompt chunk's row, after the decodes, has both every step: `allocate_slots`
-        and `cache_computed_blocks` do nothing where it needs no block and fills none). `done`:
-        each decode row's steps, the last of which it may finish in."""
+        and `cache_computed_blocks` do nothing where it needs no block and fills none; a joined
+        row has the chunk's events up to its join, then a decode's). `done`: each row's steps,
+        the last of which it may finish in."""
         kv = self.kv
         bs = kv.block_size
-        reqs, starts = stretch.requests, stretch.starts
+        reqs, starts, join = stretch.requests, stretch.starts, stretch.join
         # (step, 0 allocate | 1 publish, row); one comprehension each (most rows of a short stretch have none).
+        # (A joined row's first decode allocation comes after its join: see first_allocations in plan_decode_stretch.)
         events = [(j, 0, i) for i, (first, end) in enumerate(zip(stretch.first_allocations, done, strict=True))
                   for j in range(first, end, bs)]
-        if kv.enable_prefix_caching:  # (publishing is a no-op otherwise); start + j + 1 fills a block
-            events += [(j, 1, i) for i, (start, end) in enumerate(zip(starts, done, strict=True))
+        caching = kv.enable_prefix_caching  # (publishing is a no-op otherwise)
+        if caching:  # start + j + 1 fills a block (a joined row's are added below)
+            events += [(j, 1, i) for i, (start, end) in enumerate(zip(starts if join < 0 else starts[:-1], done,
+                                                                        strict=False))
                        for j in range((-start - 1) % bs, end, bs)]
-        prefill, row = stretch.prefill, len(reqs)
-        widths = [1] * row
+        prefill = stretch.prefill
         if prefill is None:
-            rows, row_starts = reqs, starts
+            rows, row_starts, widths, cap = reqs, starts, [1] * len(reqs), None
         else:
-            events += [(j, kind, row) for j in range(num_steps) for kind in (0, 1)]
-            rows, row_starts = (*reqs, prefill), (*starts, stretch.prefill_start)
-            widths.append(stretch.chunk)
+            row = len(reqs) - 1 if join >= 0 else len(reqs)  # the prompt's row: after the decodes
+            events += [(j, kind, row) for j in range(num_steps if join < 0 else min(num_steps, join + 1)) for kind in (0, 1)]
+            rows = reqs if join >= 0 else (*reqs, prefill)
+            row_starts, widths = (*starts[:row], stretch.prefill_start), [1] * row + [stretch.chunk]
+            cap = None
+            if join >= 0:  # its tokens stop at its prompt's end in step join, then grow by one a step
+                vstart = starts[-1]
+                cap = (row, vstart)
+                if caching:
+                    j0 = (-vstart - 1) % bs
+                    if j0 <= join:
+                        j0 += ((join - j0) // bs + 1) * bs
+                    events += [(j, 1, row) for j in range(j0, done[-1], bs)]
         events.sort()
-        if kv.step_blocks(rows, row_starts, widths, events):
+        if kv.step_blocks(rows, row_starts, widths, events, cap):
             return
         # One by one (a block it publishes may duplicate a cached block that it evicts).
         allocate, publish = kv.allocate_slots, kv.cache_computed_blocks
+        chunks_row = -1 if prefill is None else row
+        chunks_end = num_steps if join < 0 else join + 1
         for j, kind, i in events:
-            if i == row:
+            if i == chunks_row and j < chunks_end:
                 self._stretch_chunk(stretch, j, kind)
                 continue
-            req = reqs[i]
+            req = rows[i]
             if kind:
                 req.num_computed_tokens = starts[i] + j + 1
                 publish(req)
@@ -578,12 +657,14 @@ class Scheduler:
         """Step `step` of a stretch's prompt chunks: its blocks allocated (0), or those it filled published (1)."""
         req, chunk = stretch.prefill, stretch.chunk
         assert req is not None
+        # (Its last chunk, with a join, is shorter: it ends at the prompt's end.)
+        end = stretch.prefill_start + chunk * stretch.join + stretch.join_chunk if stretch.join >= 0 else math.inf
         if publish:
-            req.num_computed_tokens = stretch.prefill_start + chunk * (step + 1)
+            req.num_computed_tokens = min(stretch.prefill_start + chunk * (step + 1), end)
             self.kv.cache_computed_blocks(req)
         else:
             req.num_computed_tokens = stretch.prefill_start + chunk * step
-            if self.kv.allocate_slots(req, chunk) is None:
+            if self.kv.allocate_slots(req, min(chunk, end - req.num_computed_tokens)) is None:
                 raise AssertionError(f"{req.request_id}: the stretch ran out of blocks")
 
     # ------------------------------------------------------------------ results

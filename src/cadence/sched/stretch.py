@@ -33,14 +33,20 @@ could differ:
   at most), and stops short of allocating a free block that the request's hit counts on, and of
   a step where a running request publishes the block that would extend the hit.
 
-One request may still be in its prompt: the last running one (where admission puts it), with more
-than one chunk to go. Each step then also gives it the chunk the decodes leave of the token budget
-(allocated after theirs, published after theirs, as a single step orders its rows), and the
-stretch stops before its last chunk, which samples its first token and may leave budget to the
-waiting queue. Since its chunks spend the whole budget, the waiting queue is never looked at in
-such a stretch, whatever it holds. (Not under fair share, whose counters would interleave the
-chunk's prompt tokens with the decodes' outputs, nor with unchunked prefill or a chunk threshold
-below the chunk.)
+One request may still be in its prompt: the last running one (where admission puts it). Each step
+then also gives it the chunk the decodes leave of the token budget (allocated after theirs,
+published after theirs, as a single step orders its rows). Since its chunks spend the whole
+budget, the waiting queue is never looked at in such a stretch, whatever it holds. Its last chunk
+is smaller: it samples the request's first token and may leave budget to the waiting queue. With
+requests waiting (or a deadline pending, or fair-share counters), the stretch stops before it.
+With nothing waiting, the last chunk is a step of the stretch (`join`) and the request goes on as
+one more decode row from the next step (it *joins*: the last row of `requests`, with the start
+that puts its first decode, one past its prompt, at the step after `join`); no decode may finish
+before that step, since the chunk is what the decodes leave of the budget. (No stretch carries
+chunks under fair share, whose counters would interleave the chunk's prompt tokens with the
+decodes' outputs, nor with unchunked prefill or a chunk threshold below the chunk. A request
+coming back from preemption with outputs, or a last chunk of one token, which the executor prices
+as a decode, does not join: the stretch stops before it.)
 
 Anything else (a request not yet decoding elsewhere, penalties or logprobs, more running requests
 than the token budget) plans no stretch: the single step runs. Arrivals are the caller's bound: the
@@ -74,7 +80,11 @@ class DecodeStretch:
     last_steps: tuple[int, ...] = ()
     prefill: Request | None = None  # the running request in its prompt, scheduled after the decodes
     prefill_start: int = 0  # its computed tokens before the first step
-    chunk: int = 0  # the prompt tokens it gets in each step
+    chunk: int = 0  # the prompt tokens it gets in each step (but the last, with `join`)
+    # The step in which `prefill` runs its last chunk (`join_chunk` tokens) and samples its first
+    # token (-1: none in the stretch); it then decodes as the last row of `requests` (see the module doc).
+    join: int = -1
+    join_chunk: int = 0
     start_time: float = 0.0  # clock reading at the first step (set by the engine core)
     costs: list[float] = field(default_factory=list)  # each step's cost (engine core)
     step_ends: list[float] = field(default_factory=list)  # clock reading after each step (engine core)
@@ -94,10 +104,27 @@ class DecodeStretch:
 
     @property
     def runs(self) -> list[DecodeRun]:
-        """The stretch's steps as runs of alike steps: a new run wherever requests have left."""
-        starts, last, n = self.starts, self.last_steps, self.num_steps
+        """The stretch's steps as runs of alike steps: a new run wherever requests have left, and
+        with `join` one run before it, one of its step, and the runs after it with the joined row."""
+        join = self.join
+        if join < 0:
+            return self._runs_from(0, len(self.starts), self.chunk, self.prefill_start)
+        decodes = self.starts[:-1]  # (all of them decode through the join step: see the module doc)
+        n, total, top = len(decodes), sum(decodes), max(decodes, default=0)
+        out = [DecodeRun(n, total, top, join, self.chunk, self.prefill_start)] if join else []
+        out.append(DecodeRun(n, total + join * n, top + join, 1, self.join_chunk,
+                             self.prefill_start + join * self.chunk, sampled=1))
+        return out + self._runs_from(join + 1, len(self.starts), 0, 0)
+
+    def _runs_from(self, a: int, num_rows: int, chunk: int, chunk_start: int) -> list[DecodeRun]:
+        """The runs of steps `a`.. of the first `num_rows` rows (those whose last step is before `a`
+        have left), with `chunk` a step beside them."""
+        starts, last, n = self.starts[:num_rows], self.last_steps[:num_rows], self.num_steps
+        if a >= n:
+            return []
         if not last or min(last) >= n - 1:  # every row decodes in every step
-            return [DecodeRun(len(starts), sum(starts), max(starts, default=0), n, self.chunk, self.prefill_start)]
+            return [DecodeRun(len(starts), sum(starts) + a * len(starts), max(starts) + a if starts else 0, n - a, chunk,
+                              chunk_start)]
         # Rows by their last step; the rows of a run are a suffix of that order (its sums and maxima
         # taken from the back), and a run ends after each step in which some leave.
         order = sorted(range(len(starts)), key=last.__getitem__)
@@ -107,13 +134,14 @@ class DecodeStretch:
             s = starts[order[p]]
             suffix_sum[p] = suffix_sum[p + 1] + s
             suffix_max[p] = max(suffix_max[p + 1], s)  # (positions are >= 0)
-        out, a, p = [], 0, 0
+        out, p = [], 0
+        while p < size and last[order[p]] < a:  # left before step a
+            p += 1
         while a < n:
             assert p < size, "every row left before the stretch's last step"
             b = min(last[order[p]] + 1, n)  # the run ends after the next rows' last step
             rows = size - p
-            out.append(DecodeRun(rows, suffix_sum[p] + a * rows, suffix_max[p] + a, b - a, self.chunk,
-                                 self.prefill_start + a * self.chunk))
+            out.append(DecodeRun(rows, suffix_sum[p] + a * rows, suffix_max[p] + a, b - a, chunk, chunk_start + a * chunk))
             while p < size and last[order[p]] < b:
                 p += 1
             a = b
@@ -139,17 +167,18 @@ def blocks_allocated(first: Sequence[int], block_size: int, num_steps: int, last
                if j < num_steps and j <= k)
 
 
-def chunk_blocks(prefill: tuple[int, int, int] | None, block_size: int, num_steps: int) -> int:
+def chunk_blocks(prefill: tuple[int, int, int, int] | None, block_size: int, num_steps: int) -> int:
     """Blocks a prompt's first `num_steps` chunks take: `prefill` is (computed tokens, blocks held,
-    chunk size); its table grows to cover what the chunks reach."""
+    chunk size, prompt length: the last chunk stops there); its table grows to cover what the
+    chunks reach."""
     if prefill is None:
         return 0
-    start, held, chunk = prefill
-    return max(0, -(-(start + chunk * num_steps) // block_size) - held)
+    start, held, chunk, end = prefill
+    return max(0, -(-min(start + chunk * num_steps, end) // block_size) - held)
 
 
 def steps_within(first: Sequence[int], block_size: int, num_steps: int, num_blocks: float,
-                 prefill: tuple[int, int, int] | None = None, last: Sequence[int] = ()) -> int:
+                 prefill: tuple[int, int, int, int] | None = None, last: Sequence[int] = ()) -> int:
     """The most leading steps, up to `num_steps`, whose allocations together take at most `num_blocks`:
     the decode rows' (`first`: `first_allocations`; `last`: see `blocks_allocated`), and with `prefill`
     a prompt's chunks' (`chunk_blocks`). (Blocks that finishing rows free count for nothing: the

@@ -203,6 +203,7 @@ class Simulator:
         self.fast_forwarded_steps = 0  # steps applied as parts of stretches
         self.stretches_cut = 0  # stretches cut short by an arrival
         self.finished_mid_stretch = 0  # requests that finished in a stretch that went on without them
+        self.joined_stretches = 0  # requests whose last prompt chunk and first token came in a stretch
 
     # -- requests in -------------------------------------------------------------------------------
 
@@ -361,12 +362,19 @@ class Simulator:
         rep.core.cost_stretch(stretch, step + 1)
         rels = self._rels(stretch.step_ends[: step + 1])
         rel = rels[-1]
-        times = self._times
+        times, live, join = self._times, self._live, stretch.join
+        joined = len(stretch.requests) - 1 if join >= 0 else -1
         for i in rows:
             req = stretch.requests[i]
             rid = req.request_id
-            times[rid].extend(rels)
-            self._end(rid, self._live[rid][0], rep, rel, "length", request_metrics(req).queue_time, None)
+            rec = live[rid][0]
+            if i == joined:  # its tokens from its join step on
+                self.joined_stretches += 1
+                rec.first_token_time = rels[join]
+                times[rid].extend(rels[join:])
+            else:
+                times[rid].extend(rels)
+            self._end(rid, rec, rep, rel, "length", request_metrics(req).queue_time, None)
 
     def _rels(self, ends: list[float]) -> array:
         """Clock readings as record times (relative to the start of the run)."""
@@ -399,7 +407,9 @@ class Simulator:
         assert stretch is not None
         rep.stretch = None
         deltas = rep.core.apply_decode_stretch(stretch, m)
-        assert all(d.request_id not in self._live and d.finish_reason.value == "length" for d in deltas)
+        # (Finished requests were recorded at their finishing steps; a joined row's first token is below.)
+        assert all(d.finish_reason is None or (d.request_id not in self._live and d.finish_reason.value == "length")
+                   for d in deltas)
         if not m:
             return
         st = rep.stats
@@ -410,7 +420,15 @@ class Simulator:
         self._busy(rep, stretch.start_time, ends[-1])
         rels = self._rels(ends)
         times = self._times
-        for rid in stretch.request_ids:
+        rids = stretch.request_ids
+        join = stretch.join
+        if join >= 0:  # the last row joined in step `join` (if the steps reached it)
+            rid = rids.pop()
+            if m > join and rid in times:
+                self.joined_stretches += 1
+                self._live[rid][0].first_token_time = rels[join]
+                times[rid].extend(rels[join:])
+        for rid in rids:
             rec_times = times.get(rid)  # (none for those finished)
             if rec_times is not None:
                 rec_times.extend(rels)
