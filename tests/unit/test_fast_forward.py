@@ -21,6 +21,7 @@ from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError
 from cadence.executor.cost_model import _FEW_STEPS, SimExecutor, StepCostModel
+from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, SamplingParams
 from cadence.sched.output import DecodeBatch, DecodeRun, ScheduledRequest, SchedulerOutput
 from cadence.sched.queue import FairQueue, RequestQueue
@@ -217,6 +218,35 @@ def test_a_prompt_joins_a_stretch_with_its_last_chunk() -> None:
     assert _state(ff) == _state(ref) and stretch.requests[1].first_token_time == stretch.step_ends[0]
     for prompt_len, waiting, params in ((14, True, {}), (14, False, {"stop_token_ids": (tok,)}), (10, False, {})):
         assert engine(prompt_len, waiting, **params).plan_decode_stretch(100) is None
+
+
+@pytest.mark.parametrize("max_tokens", [6, 1])  # (1: it finishes in its join step)
+def test_a_joining_prompt_whose_last_block_is_cached_already(max_tokens: int, monkeypatch) -> None:
+    """The block its last chunk fills has the hash of a cached-free block (the prefix lookup never
+    matches a prompt's last block): the bulk path declines and the calls go one by one, chunk
+    steps, join step and decodes."""
+    bulk = []
+    step_blocks = KVCacheManager.step_blocks
+    monkeypatch.setattr(KVCacheManager, "step_blocks", lambda self, *a: bulk.append(step_blocks(self, *a)) or bulk[-1])
+    prompt = list(range(101, 113))  # three blocks of 4
+
+    def engine() -> EngineCore:
+        e = _engine(num_kv_blocks=64, block_size=4, max_num_batched_tokens=3)
+        e.add_request(Request("x", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+        while e.has_unfinished_requests():
+            e.step()  # x's blocks stay cached, free
+        e.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True)))
+        e.step()
+        e.add_request(Request("b", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        e.step()  # b: a hit on two blocks, then 2 of its 4 other tokens beside a's decode
+        return e
+
+    ref, ff = engine(), engine()
+    stretch = ff.plan_decode_stretch(100)
+    assert stretch is not None and (stretch.join, stretch.join_chunk) == (0, 2)
+    steps = [ref.step() for _ in range(stretch.num_steps)]
+    assert ff.apply_decode_stretch(stretch, stretch.num_steps) == [d for step in steps for d in step]
+    assert _state(ff) == _state(ref) and bulk[-1] is False
 
 
 # ----------------------------------------------------------------------------- pieces
