@@ -207,7 +207,8 @@ class EngineCore:
     # ------------------------------------------------------------------ decode stretches (simulator)
     def plan_decode_stretch(self, max_steps: int) -> DecodeStretch | None:
         """The next steps, if they would each schedule the same plain decodes (fewer once some
-        finish) and at most one prompt chunk of the same size (sched/stretch.py says when), with
+        finish) and at most one prompt chunk of the same size, possibly up to its last chunk after
+        which that request decodes too (sched/stretch.py says when), with
         the costs and end times on this core's clock of their first run of alike steps (the rest:
         `cost_stretch`); None otherwise, or if the executor does not cost decode runs. Changes nothing: the
         caller then applies some leading part of it with `apply_decode_stretch` before anything
@@ -253,7 +254,8 @@ class EngineCore:
     def apply_decode_stretch(self, stretch: DecodeStretch, num_steps: int) -> list[RequestDelta]:
         """Run the first `num_steps` steps of the stretch just planned (0 drops it): the same state
         as that many `step` calls. Returns what they would have, together: the final deltas of
-        the requests they finish, in step order; `last_decoded` lists the requests that went on
+        the requests they finish (and a joined request's first-token delta), in step order;
+        `last_decoded` lists the requests that went on
         in the last one, and `last_stats` sums the steps (see `Scheduler.apply_decode_stretch`)."""
         if stretch is not self._stretch:
             raise RuntimeError("not the decode stretch planned last on this core")

@@ -411,7 +411,8 @@ class Scheduler:
     def _stretch_prefill(self) -> tuple[Request | None, int]:
         """The running request whose prompt chunks a stretch may carry, and its chunk: the last
         one, if it is in its prompt, with the budget the others leave (one token each); (None, 0)
-        if none or where its chunks would not spend the whole budget (see sched/stretch.py)."""
+        if none or where its chunks but the last would not spend the whole budget (see
+        sched/stretch.py; the planner decides whether its last chunk may join)."""
         cfg, running = self.config, self.running
         last = running[-1]
         chunk = cfg.max_num_batched_tokens - (len(running) - 1)
@@ -502,8 +503,9 @@ class Scheduler:
     def apply_decode_stretch(self, stretch: DecodeStretch, num_steps: int) -> list[RequestDelta]:
         """Apply the first `num_steps` steps of `stretch`, planned on this very state, as that many
         single steps would; `stretch.step_ends[j]` is the clock reading after step j (the `now`
-        its update sees). Returns the final deltas of the requests that finish in them, in step
-        order, then scheduling order (what those steps would have returned, all together);
+        its update sees). Returns the final deltas of the requests that finish in them (and the
+        first-token delta of a joined request that goes on past its join step), in step order,
+        then scheduling order (what those steps would have returned, all together);
         `last_decoded` lists the requests that went on in the last one. The iteration stats of
         those steps come as one: their counters summed, without the per-token latencies (one
         entry per token is what a stretch exists to avoid)."""
@@ -569,7 +571,8 @@ class Scheduler:
         to the pool after the stretch's allocations and publications rather than between them: a
         free never touches a block's hash, nor the blocks at the head of the free queue that the
         stretch's allocations take, since `steps_within` counts no freed block.) Only those of the
-        last step stay listed as finished: the next step's output would have carried the others."""
+        last step stay listed as finished: the next step's output would have carried the others.
+        Returns their final deltas, with a joined request's first-token delta in its place."""
         deltas = []
         token, ends, join = stretch.token, stretch.step_ends, stretch.join
         # A joined row that goes on past its join step: its first token's delta, after those of

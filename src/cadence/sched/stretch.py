@@ -37,7 +37,7 @@ One request may still be in its prompt: the last running one (where admission pu
 then also gives it the chunk the decodes leave of the token budget (allocated after theirs,
 published after theirs, as a single step orders its rows). Since its chunks spend the whole
 budget, the waiting queue is never looked at in such a stretch, whatever it holds. Its last chunk
-is smaller: it samples the request's first token and may leave budget to the waiting queue. With
+is no larger (often smaller): it samples the request's first token and may leave budget to the waiting queue. With
 requests waiting (or a deadline pending, or fair-share counters), the stretch stops before it.
 With nothing waiting, the last chunk is a step of the stretch (`join`) and the request goes on as
 one more decode row from the next step (it *joins*: the last row of `requests`, with the start
@@ -68,8 +68,12 @@ class DecodeStretch:
     """Steps planned on one scheduler state; valid until that scheduler does anything else."""
 
     step: int  # the scheduler's step count when planned (the stretch's first step is step + 1)
-    requests: tuple[Request, ...]  # the running requests that decode, in scheduling order
-    starts: tuple[int, ...]  # each one's computed tokens before the first step
+    # The running requests that decode, in scheduling order (with `join`, the last is still in its
+    # prompt at planning and decodes after its join step).
+    requests: tuple[Request, ...]
+    # Each one's computed tokens before the first step: step j decodes at start + j. (A joined
+    # row's is made up so that this holds after its join: its prompt length - join - 1.)
+    starts: tuple[int, ...]
     first_allocations: list[int]  # the step at which each one first takes a block (first_allocations)
     token: int  # what every decode samples
     num_steps: int  # steps planned; the engine core may cut them at a deadline
