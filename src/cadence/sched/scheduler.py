@@ -370,7 +370,8 @@ class Scheduler:
             held = len(tables.get(prefill.request_id, ()))
             prefill_blocks = (start, held, chunk, end)
             join = (end - start - 1) // chunk  # its chunks before the last
-            join_last = self._join_last(prefill, token, join, end - start - join * chunk, max_steps) \
+            join_chunk = end - start - join * chunk
+            join_last = self._join_last(prefill, token, join, join_chunk, max_steps) \
                 if quiet and finish_step >= join else None
             joined_steps = -1 if join_last is None else min(max(join_last, max(last, default=0)) + 1, max_steps)
             if joined_steps > join:
@@ -379,7 +380,8 @@ class Scheduler:
                 vstart = end - join - 1
                 decodes = (*decodes, prefill)
                 starts.append(vstart)
-                first.append(max(held, -(-end // bs)) * bs - vstart)  # (its chunks leave it the blocks its prompt fills)
+                # (Its chunks leave it the blocks its prompt fills.)
+                first += first_allocations((vstart,), (max(held, kv.num_blocks_needed(end)),), bs)
                 last.append(join_last)
             else:
                 num_steps, join = min(num_steps, join), -1  # it stops before the last chunk
@@ -405,7 +407,7 @@ class Scheduler:
         if prefill is not None:
             stretch.prefill, stretch.prefill_start, stretch.chunk = prefill, prefill.num_computed_tokens, chunk
             if join >= 0:
-                stretch.join, stretch.join_chunk = join, prefill.num_tokens - prefill.num_computed_tokens - join * chunk
+                stretch.join, stretch.join_chunk = join, join_chunk
         return stretch
 
     def _stretch_prefill(self) -> tuple[Request | None, int]:
@@ -660,8 +662,7 @@ class Scheduler:
         """Step `step` of a stretch's prompt chunks: its blocks allocated (0), or those it filled published (1)."""
         req, chunk = stretch.prefill, stretch.chunk
         assert req is not None
-        # (Its last chunk, with a join, is shorter: it ends at the prompt's end.)
-        end = stretch.prefill_start + chunk * stretch.join + stretch.join_chunk if stretch.join >= 0 else math.inf
+        end = stretch.prefill_end  # (its last chunk, with a join, may be shorter)
         if publish:
             req.num_computed_tokens = min(stretch.prefill_start + chunk * (step + 1), end)
             self.kv.cache_computed_blocks(req)

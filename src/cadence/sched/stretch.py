@@ -56,6 +56,7 @@ the replica.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -107,23 +108,28 @@ class DecodeStretch:
         return groups
 
     @property
+    def prefill_end(self) -> float:
+        """Where the prompt row's chunks stop: its prompt's end with `join`, else never in the stretch."""
+        return self.prefill_start + self.chunk * self.join + self.join_chunk if self.join >= 0 else math.inf
+
+    @property
     def runs(self) -> list[DecodeRun]:
         """The stretch's steps as runs of alike steps: a new run wherever requests have left, and
         with `join` one run before it, one of its step, and the runs after it with the joined row."""
         join = self.join
         if join < 0:
-            return self._runs_from(0, len(self.starts), self.chunk, self.prefill_start)
+            return self._runs_from(0, self.chunk, self.prefill_start)
         decodes = self.starts[:-1]  # (all of them decode through the join step: see the module doc)
         n, total, top = len(decodes), sum(decodes), max(decodes, default=0)
         out = [DecodeRun(n, total, top, join, self.chunk, self.prefill_start)] if join else []
         out.append(DecodeRun(n, total + join * n, top + join, 1, self.join_chunk,
                              self.prefill_start + join * self.chunk, sampled=1))
-        return out + self._runs_from(join + 1, len(self.starts), 0, 0)
+        return out + self._runs_from(join + 1, 0, 0)
 
-    def _runs_from(self, a: int, num_rows: int, chunk: int, chunk_start: int) -> list[DecodeRun]:
-        """The runs of steps `a`.. of the first `num_rows` rows (those whose last step is before `a`
-        have left), with `chunk` a step beside them."""
-        starts, last, n = self.starts[:num_rows], self.last_steps[:num_rows], self.num_steps
+    def _runs_from(self, a: int, chunk: int, chunk_start: int) -> list[DecodeRun]:
+        """The runs of steps `a`.. (rows whose last step is before `a` have left), with `chunk` a
+        step beside them."""
+        starts, last, n = self.starts, self.last_steps, self.num_steps
         if a >= n:
             return []
         if not last or min(last) >= n - 1:  # every row decodes in every step
