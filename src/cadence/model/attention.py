@@ -26,8 +26,10 @@ bfloat16 on a CPU with AVX512-BF16: decode rows skip all of that. cadence's deco
 (model/cpu_kernels.py) reads each context where it lies, block by block through the block table,
 with an online softmax: no gather copy, no padding, no groups (`PagedDecode`), 1.5x the step
 throughput at 8 and 32 streams of 200-token contexts. Prefill chunks go to its prefill kernel the
-same way (`PrefillChunk.kernels`): no gather, no mask, and keys taken in 16-position chunks from
-position 0 whatever the chunk's start, so a prompt's K/V are the same bits however it was chunked.
+same way (`PrefillChunk.kernels`): no gather, no mask. Both kernels compute a query by one
+arithmetic (keys in 16-position chunks from position 0, the same summation order throughout), so a
+position's attention output, and with it its hidden state, K/V and logits, are the same bits in a
+prefill, in any chunking of it, in a decode step and in a recompute after preemption.
 """
 
 from __future__ import annotations

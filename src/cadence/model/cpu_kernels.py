@@ -207,6 +207,7 @@ class CpuKernels:
         layer [2, KVH, num_blocks, block_size, D]; tables: [B, W] int64 block ids; lens: [B] int64
         context lengths (this step's K/V already written); total_len = sum(lens). -> [B, H, D].
         Block ids and lengths are the caller's to check (the runner validates every block table).
+        A row's result is the bits `prefill_attention` gives the same query at the same position.
         """
         b, h, d = q.shape
         _, kvh, num_blocks, bs, _ = cache.shape
@@ -225,7 +226,8 @@ class CpuKernels:
 
         q: [n, H, D] bfloat16 (rows may be strided); cache: one layer; table: [nb] int64 block ids
         covering positions 0 .. start+n-1 (their ids are the caller's to check). -> [n, H, D].
-        A query's result depends on its own row and context only, not on how the prompt was chunked.
+        A query's result depends on its own row and context only: not on how the prompt was chunked,
+        and not on whether it is computed here or as a decode row (`decode_attention`).
         """
         n, h, d = q.shape
         _, kvh, num_blocks, bs, _ = cache.shape

@@ -1,10 +1,17 @@
 /* cadence's own CPU kernels for bfloat16 models on AVX512-BF16 machines (see model/cpu_kernels.py):
- *   cadence_linear        y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 accumulation
+ *   cadence_pack, cadence_linear, cadence_linear_f32      y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
+ *                                                         float32 sums, on a packed bfloat16 weight
+ *   cadence_pack_q4_1, cadence_linear_q4_1                the same on GGUF Q4_1 blocks
  *   cadence_add_rms_norm  residual += delta; out = rms_norm(residual) * w, in one pass
  *   cadence_silu_mul      SwiGLU's silu(gate) * up from the fused gate-up output
  *   cadence_rope          rotary embedding of q and k, in place
+ *   cadence_decode_attention, cadence_prefill_attention   attention over the paged KV cache
+ *   cadence_decode_layers every decoder layer of an all-decode step in one call
+ *   cadence_sample        one token per row: temperature, top-k, top-p, min-p, inverse CDF
  * Each works row by row with a fixed summation order, so a row's result never depends on the
- * other rows of the batch. Rounding follows the reference (Hugging Face's Llama in bfloat16):
+ * other rows of the batch, and attention computes a query the same way in a decode step as in a
+ * prefill chunk: a token's hidden state is the same bits however it was batched, chunked, cached
+ * or recomputed. Rounding follows the reference (Hugging Face's Llama in bfloat16):
  * a value is rounded to bfloat16 wherever the reference stores a bfloat16 tensor.
  *
  * Linear layers. Why a kernel of our own: a
@@ -383,78 +390,218 @@ void cadence_rope(uint16_t *qkv, const int64_t *pos, const float *cos, const flo
     }
 }
 
-/* ---- decode attention over the paged cache -------------------------------------------------- */
+/* ---- attention over the paged cache: one arithmetic for prefill and decode ---------------------
+ *
+ * A query vector's result is computed by the same operations in the same order whether its token
+ * is a decode row, a row of a prefill chunk (however the prompt was chunked), or a recomputed row
+ * after preemption: both kernels below run `attend_tile`, and nothing in it depends on the other
+ * queries of the tile. Keys go in chunks of 16 from position 0 (`KC`); for each chunk:
+ *   scores   lane t = sum over pairs p of head dims, in increasing p, by vdpbf16ps, times scale;
+ *            keys past the query are -inf;
+ *   softmax  a running maximum m; when it moves, corr = exp(m_old - m_new) rescales the sums;
+ *            the denominator stays 16 lanes wide until the end (lane t: keys t, t+16, ...);
+ *   P x V    acc = acc * corr + keys of even t (one chain) + keys of odd t (another), in t order;
+ * and the result is acc / (the lanes of the denominator summed by a fixed tree), rounded once to
+ * bfloat16. A tile whose last query sees further than this one only adds exact zeros to its sums.
+ * So decode rows, prefill chunks, recomputes and prefix-cache hits all give the same bits. */
 
-#define MAX_GROUP 8   /* query heads per KV head */
-#define MAX_DIM 256   /* head_dim, a multiple of 32 */
+#define MAX_GROUP 8 /* query heads per KV head */
+#define MAX_DIM 256 /* head_dim, a multiple of 32 */
+#define KC 16       /* keys per chunk: one float32 lane each */
+#define PQ 8        /* query tokens per prefill task: PQ x G query vectors share each loaded chunk */
 
-/* One query token per request, attending to its whole context where it lies in the paged cache,
- * without gathering it into a contiguous copy first.
+/* 16 rows of 16 dwords, transposed in registers: r[i] becomes column i (the standard unpack,
+ * unpack, shuffle, shuffle sequence). */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* One KV head's keys t0 .. t0+kn-1 of a context: K as pairs of head dims [D/2][KC] (dword t of row
+ * p = key t's dims 2p, 2p+1: the layout vdpbf16ps scores KC keys from), V widened to float32 [KC][D]
+ * (rows past kn unset: never read). Where the chunk's keys are one run of slots (a block size that
+ * is a multiple of 16), K is loaded whole and transposed in registers, else gathered key by key;
+ * lanes past kn hold other keys of the block, or key t0: their scores are masked. */
+static inline void load_chunk(const uint16_t *k_head, const uint16_t *v_head, const int64_t *table, int64_t t0,
+                              int64_t kn, int64_t bs, int64_t d, __m512i *kt, float (*vf)[MAX_DIM]) {
+    int64_t rows[KC];
+    if (bs % KC == 0) {
+        const int64_t base = (table[t0 / bs] * bs + t0 % bs) * d; /* t0 is a multiple of KC */
+        for (int64_t t = 0; t < KC; t++) rows[t] = base + t * d;
+        for (int64_t p0 = 0; p0 < d / 2; p0 += 16) {
+            __m512i r[16];
+            for (int t = 0; t < 16; t++) r[t] = _mm512_loadu_si512(k_head + rows[t] + 2 * p0);
+            transpose16(r);
+            for (int i = 0; i < 16; i++) kt[p0 + i] = r[i];
+        }
+    } else {
+        for (int64_t t = 0; t < KC; t++) {
+            const int64_t pos = t0 + (t < kn ? t : 0);
+            rows[t] = (table[pos / bs] * bs + pos % bs) * d;
+        }
+        /* 64-bit indices (in dwords): a cache of any size */
+        const __m512i lo = _mm512_srli_epi64(_mm512_loadu_si512(rows), 1),
+                      hi = _mm512_srli_epi64(_mm512_loadu_si512(rows + 8), 1);
+        for (int64_t p = 0; p < d / 2; p++) {
+            const void *base = k_head + 2 * p;
+            kt[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_i64gather_epi32(lo, base, 4)),
+                                       _mm512_i64gather_epi32(hi, base, 4), 1);
+        }
+    }
+    for (int64_t t = 0; t < kn; t++)
+        for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(vf[t] + c, load_bf16(v_head + rows[t] + c, 0xFFFF));
+}
+
+/* Scores of the chunk's KC keys for nv query vectors qv[]: up to four vdpbf16ps chains at a time
+ * (independent chains hide the instruction's latency; each vector's chain is the same alone). */
+static inline void score_chunk(const uint16_t *const *qv, int64_t nv, const __m512i *kt, int64_t d,
+                               float (*sc)[KC]) {
+    for (int64_t v0 = 0; v0 < nv; v0 += 4) {
+        const int64_t u_n = nv - v0 < 4 ? nv - v0 : 4;
+        const uint16_t *q0 = qv[v0], *q1 = qv[v0 + (u_n > 1)], *q2 = qv[v0 + 2 * (u_n > 2)],
+                       *q3 = qv[v0 + 3 * (u_n > 3)];
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t p = 0; p < d / 2; p++) {
+            const __m512bh kp = (__m512bh)kt[p];
+            int32_t a0, a1, a2, a3;
+            memcpy(&a0, q0 + 2 * p, 4);
+            s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(a0), kp);
+            if (u_n > 1) {
+                memcpy(&a1, q1 + 2 * p, 4);
+                s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32(a1), kp);
+            }
+            if (u_n > 2) {
+                memcpy(&a2, q2 + 2 * p, 4);
+                s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_set1_epi32(a2), kp);
+            }
+            if (u_n > 3) {
+                memcpy(&a3, q3 + 2 * p, 4);
+                s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_set1_epi32(a3), kp);
+            }
+        }
+        _mm512_storeu_ps(sc[v0], s0);
+        if (u_n > 1) _mm512_storeu_ps(sc[v0 + 1], s1);
+        if (u_n > 2) _mm512_storeu_ps(sc[v0 + 2], s2);
+        if (u_n > 3) _mm512_storeu_ps(sc[v0 + 3], s3);
+    }
+}
+
+/* One query vector's online-softmax step over a chunk: `visible` of its kn keys (the rest masked). */
+static inline void attend_chunk(float *acc, float *m, __m512 *lv, const float *sc, int64_t visible, int64_t kn,
+                                const float (*vf)[MAX_DIM], int64_t d, float scale) {
+    const __mmask16 mask = tail_mask(visible < kn ? visible : kn);
+    const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask,
+                                         _mm512_mul_ps(_mm512_loadu_ps(sc), _mm512_set1_ps(scale)));
+    const float new_m = fmaxf(*m, _mm512_reduce_max_ps(sv));
+    /* once the maximum has settled (most chunks of a long context) the sums need no rescaling:
+     * skip the scalar exp (exp(0) is exactly 1, so this changes no bit) */
+    const float corr = new_m == *m ? 1.0f : expf(*m - new_m);
+    const __m512 pv = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(new_m))));
+    *lv = _mm512_fmadd_ps(*lv, _mm512_set1_ps(corr), pv);
+    *m = new_m;
+    float pw[KC];
+    _mm512_storeu_ps(pw, pv);
+    for (int64_t c = 0; c < d; c += 16) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), _mm512_set1_ps(corr));
+        __m512 b = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 1 < kn; t += 2) {
+            a = _mm512_fmadd_ps(_mm512_set1_ps(pw[t]), _mm512_loadu_ps(vf[t] + c), a);
+            b = _mm512_fmadd_ps(_mm512_set1_ps(pw[t + 1]), _mm512_loadu_ps(vf[t + 1] + c), b);
+        }
+        if (t < kn) a = _mm512_fmadd_ps(_mm512_set1_ps(pw[t]), _mm512_loadu_ps(vf[t] + c), a);
+        _mm512_storeu_ps(acc + c, _mm512_add_ps(a, b));
+    }
+}
+
+/* Query tokens first .. first+qn-1 (positions start+first ..) of one request, the G query heads of
+ * KV head j each, causally over the context in the paged cache through `table`.
+ * q, out: the request's rows (row i at q + i * q_row_stride, out + i * heads * d). */
+static void attend_tile(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache, const int64_t *table,
+                        int64_t start, int64_t first, int64_t qn, int64_t j, uint16_t *out, int64_t heads,
+                        int64_t kvh, int64_t d, int64_t bs, int64_t num_blocks, float scale) {
+    const int64_t g_n = heads / kvh, nv = qn * g_n, keys = start + first + qn; /* the last query sees `keys` */
+    const uint16_t *k_head = cache + j * num_blocks * bs * d, *v_head = k_head + kvh * num_blocks * bs * d;
+    float acc[PQ * MAX_GROUP][MAX_DIM], m[PQ * MAX_GROUP], sc[PQ * MAX_GROUP][KC], vf[KC][MAX_DIM];
+    __m512 lv[PQ * MAX_GROUP];
+    __m512i kt[MAX_DIM / 2];
+    const uint16_t *qv[PQ * MAX_GROUP];
+    for (int64_t v = 0; v < nv; v++) {
+        qv[v] = q + (first + v / g_n) * q_row_stride + (j * g_n + v % g_n) * d;
+        m[v] = -INFINITY;
+        lv[v] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; c++) acc[v][c] = 0.0f;
+    }
+    for (int64_t t0 = 0; t0 < keys; t0 += KC) {
+        const int64_t kn = keys - t0 < KC ? keys - t0 : KC;
+        load_chunk(k_head, v_head, table, t0, kn, bs, d, kt, vf);
+        score_chunk(qv, nv, kt, d, sc);
+        for (int64_t v = 0; v < nv; v++) {
+            const int64_t qpos = start + first + v / g_n;
+            if (t0 > qpos) continue; /* this chunk is entirely in the query's future */
+            attend_chunk(acc[v], &m[v], &lv[v], sc[v], qpos - t0 + 1, kn, (const float (*)[MAX_DIM])vf, d, scale);
+        }
+    }
+    for (int64_t v = 0; v < nv; v++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lv[v]));
+        uint16_t *o = out + (first + v / g_n) * heads * d + (j * g_n + v % g_n) * d;
+        for (int64_t c = 0; c < d; c += 16) store_bf16(o + c, _mm512_mul_ps(_mm512_loadu_ps(acc[v] + c), inv), 0xFFFF);
+    }
+}
+
+/* One query token per request, attending to its whole context where it lies in the paged cache:
+ * each (row, KV head) is `attend_tile` of one query token at position lens[r] - 1.
  *
  * q: row r's head h at q + r * q_row_stride + h * d (a view into the fused qkv output).
  * cache: one layer, [2, kvh, num_blocks, bs, d] contiguous (K then V). tables: [rows, table_width]
  * block ids; lens: [rows] context length including this step's token (already written).
- * out: [rows, heads, d]. For each (row, KV head) pair, the G = heads / kvh query heads that share
- * that KV head run together, and the context is read block by block with an online softmax (a
- * running max and sum, rescaled once per block), all in float32; scores use vdpbf16ps on the
- * bfloat16 q and K. Each (row, KV head) is computed alone, so batching changes nothing. */
+ * out: [rows, heads, d]. */
 void cadence_decode_attention(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
                               const int64_t *tables, int64_t table_width, const int64_t *lens,
                               uint16_t *out, int64_t rows, int64_t heads, int64_t kvh, int64_t d,
                               int64_t bs, int64_t num_blocks, float scale, int64_t total_len, int threads) {
-    const int64_t g_n = heads / kvh, v_offset = kvh * num_blocks * bs * d;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (total_len * kvh >= 2048)
     for (int64_t task = 0; task < rows * kvh; task++) {
-        const int64_t r = task / kvh, j = task % kvh, len = lens[r];
-        float acc[MAX_GROUP][MAX_DIM], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][16];
-        for (int64_t g = 0; g < g_n; g++) {
-            m[g] = -INFINITY;
-            l[g] = 0.0f;
-            for (int64_t c = 0; c < d; c++) acc[g][c] = 0.0f;
-        }
-        const uint16_t *qh = q + r * q_row_stride + j * g_n * d;
-        for (int64_t t0 = 0; t0 < len; t0 += 16) {
-            const int64_t n = len - t0 < 16 ? len - t0 : 16;
-            /* scores of up to 16 positions (they may straddle blocks when bs < 16) */
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t pos = t0 + t, blk = tables[r * table_width + pos / bs];
-                const uint16_t *k = cache + ((j * num_blocks + blk) * bs + pos % bs) * d;
-                for (int64_t g = 0; g < g_n; g++) {
-                    __m512 dot = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < d; c += 32)
-                        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qh + g * d + c),
-                                               (__m512bh)_mm512_loadu_si512(k + c));
-                    s[g][t] = _mm512_reduce_add_ps(dot) * scale;
-                }
-            }
-            const __mmask16 mask = tail_mask(n);
-            for (int64_t g = 0; g < g_n; g++) {
-                __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask, s[g]);
-                const float new_m = fmaxf(m[g], _mm512_reduce_max_ps(sv));
-                const float corr = expf(m[g] - new_m); /* 0 on the first block: m = -inf */
-                __m512 p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(new_m))));
-                l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
-                m[g] = new_m;
-                _mm512_storeu_ps(s[g], p);
-                if (corr != 1.0f)
-                    for (int64_t c = 0; c < d; c += 16)
-                        _mm512_storeu_ps(acc[g] + c, _mm512_mul_ps(_mm512_loadu_ps(acc[g] + c), _mm512_set1_ps(corr)));
-            }
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t pos = t0 + t, blk = tables[r * table_width + pos / bs];
-                const uint16_t *v = cache + v_offset + ((j * num_blocks + blk) * bs + pos % bs) * d;
-                for (int64_t c = 0; c < d; c += 16) {
-                    __m512 vv = load_bf16(v + c, 0xFFFF);
-                    for (int64_t g = 0; g < g_n; g++)
-                        _mm512_storeu_ps(acc[g] + c, _mm512_fmadd_ps(_mm512_set1_ps(s[g][t]), vv, _mm512_loadu_ps(acc[g] + c)));
-                }
-            }
-        }
-        for (int64_t g = 0; g < g_n; g++) {
-            __m512 inv = _mm512_set1_ps(1.0f / l[g]);
-            for (int64_t c = 0; c < d; c += 16)
-                store_bf16(out + (r * heads + j * g_n + g) * d + c, _mm512_mul_ps(_mm512_loadu_ps(acc[g] + c), inv), 0xFFFF);
-        }
+        const int64_t r = task / kvh, j = task % kvh;
+        attend_tile(q + r * q_row_stride, q_row_stride, cache, tables + r * table_width, lens[r] - 1, 0, 1, j,
+                    out + r * heads * d, heads, kvh, d, bs, num_blocks, scale);
+    }
+}
+
+/* A chunk of n query tokens of one request at positions start .. start+n-1, attending causally
+ * to keys 0 .. start+i (query i) read in place from the paged cache (this chunk's K/V already
+ * written). Same layouts as cadence_decode_attention, with one block table `table`. Tasks are
+ * (KV head, tile of PQ query tokens): the tile's PQ x G query vectors share each loaded chunk. */
+void cadence_prefill_attention(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
+                               const int64_t *table, int64_t start, int64_t n, uint16_t *out,
+                               int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t num_blocks,
+                               float scale, int threads) {
+    const int64_t tiles = (n + PQ - 1) / PQ;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < kvh * tiles; task++) {
+        const int64_t j = task % kvh, first = (task / kvh) * PQ, qn = n - first < PQ ? n - first : PQ;
+        attend_tile(q, q_row_stride, cache, table, start, first, qn, j, out, heads, kvh, d, bs, num_blocks, scale);
     }
 }
 
@@ -511,120 +658,6 @@ int cadence_decode_layers(uint16_t *x, uint16_t *h, uint16_t *qkv, uint16_t *att
     }
 #undef PTR
     return 0;
-}
-
-/* ---- prefill attention over the paged cache ------------------------------------------------- */
-
-#define PQ 8 /* query tokens per task: PQ x G query vectors share each packed chunk of K */
-
-/* A chunk of n query tokens of one request at positions start .. start+n-1, attending causally
- * to keys 0 .. start+i (query i) read in place from the paged cache (this chunk's K/V already
- * written). Same layouts as cadence_decode_attention, with one block table `table`.
- *
- * Tasks are (KV head, tile of PQ query tokens). Keys go by chunks of 16: each chunk's K is packed
- * once into pairs ([D/2][16][2], the linear kernel's layout), so one vdpbf16ps per pair of head
- * dimensions scores 16 keys for a query at once, for all PQ x G query vectors of the task; V is
- * widened to float32 once per chunk. Online softmax as in the decode kernel; each query vector's
- * result depends only on its own row and its context. */
-void cadence_prefill_attention(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache,
-                               const int64_t *table, int64_t start, int64_t n, uint16_t *out,
-                               int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t num_blocks,
-                               float scale, int threads) {
-    const int64_t g_n = heads / kvh, v_offset = kvh * num_blocks * bs * d, tiles = (n + PQ - 1) / PQ;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t task = 0; task < kvh * tiles; task++) {
-        const int64_t j = task % kvh, i0 = (task / kvh) * PQ, qn = n - i0 < PQ ? n - i0 : PQ;
-        const int64_t nv = qn * g_n, keys = start + i0 + qn; /* the tile's last query sees `keys` */
-        float acc[PQ * MAX_GROUP][MAX_DIM], m[PQ * MAX_GROUP];
-        __m512 lv[PQ * MAX_GROUP];
-        uint16_t kt[MAX_DIM / 2][16][2];
-        float vf[16][MAX_DIM];
-        for (int64_t v = 0; v < nv; v++) {
-            m[v] = -INFINITY;
-            lv[v] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < d; c++) acc[v][c] = 0.0f;
-        }
-        for (int64_t t0 = 0; t0 < keys; t0 += 16) {
-            const int64_t kn = keys - t0 < 16 ? keys - t0 : 16;
-            for (int64_t t = 0; t < 16; t++) { /* pack K pairs, widen V; zeros past the end */
-                const uint16_t *k = NULL, *vr = NULL;
-                if (t < kn) {
-                    const int64_t pos = t0 + t, blk = table[pos / bs];
-                    k = cache + ((j * num_blocks + blk) * bs + pos % bs) * d;
-                    vr = cache + v_offset + ((j * num_blocks + blk) * bs + pos % bs) * d;
-                }
-                for (int64_t p = 0; p < d / 2; p++) {
-                    kt[p][t][0] = k ? k[2 * p] : 0;
-                    kt[p][t][1] = k ? k[2 * p + 1] : 0;
-                }
-                for (int64_t c = 0; c < d; c += 16)
-                    _mm512_storeu_ps(vf[t] + c, vr ? load_bf16(vr + c, 0xFFFF) : _mm512_setzero_ps());
-            }
-            /* scores of the 16 keys for every query vector, four vectors at a time: four
-             * independent vdpbf16ps chains hide the instruction's latency */
-            float sc[PQ * MAX_GROUP][16];
-            for (int64_t v0 = 0; v0 < nv; v0 += 4) {
-                const uint16_t *qv[4];
-                for (int u = 0; u < 4; u++) {
-                    const int64_t v = v0 + u < nv ? v0 + u : v0;
-                    qv[u] = q + (i0 + v / g_n) * q_row_stride + (j * g_n + v % g_n) * d;
-                }
-                __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-                for (int64_t p = 0; p < d / 2; p++) {
-                    __m512bh kp = (__m512bh)_mm512_loadu_si512(kt[p]);
-                    int32_t a0, a1, a2, a3;
-                    memcpy(&a0, qv[0] + 2 * p, 4);
-                    memcpy(&a1, qv[1] + 2 * p, 4);
-                    memcpy(&a2, qv[2] + 2 * p, 4);
-                    memcpy(&a3, qv[3] + 2 * p, 4);
-                    s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(a0), kp);
-                    s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32(a1), kp);
-                    s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_set1_epi32(a2), kp);
-                    s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_set1_epi32(a3), kp);
-                }
-                _mm512_storeu_ps(sc[v0], s0);
-                if (v0 + 1 < nv) _mm512_storeu_ps(sc[v0 + 1], s1);
-                if (v0 + 2 < nv) _mm512_storeu_ps(sc[v0 + 2], s2);
-                if (v0 + 3 < nv) _mm512_storeu_ps(sc[v0 + 3], s3);
-            }
-            for (int64_t v = 0; v < nv; v++) {
-                const int64_t qi = i0 + v / g_n, qpos = start + qi;
-                if (t0 > qpos) continue; /* this chunk is entirely in the query's future */
-                __m512 sv = _mm512_loadu_ps(sc[v]);
-                const int64_t visible = qpos - t0 + 1; /* keys t0 .. qpos */
-                const __mmask16 mask = tail_mask(visible < kn ? visible : kn);
-                sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, _mm512_mul_ps(sv, _mm512_set1_ps(scale)));
-                const float new_m = fmaxf(m[v], _mm512_reduce_max_ps(sv));
-                /* once a query's maximum has settled (most chunks of a long context) its sums need
-                 * no rescaling: skip the scalar exp (7% of a 4,096-token prefill's time) */
-                const float corr = new_m == m[v] ? 1.0f : expf(m[v] - new_m);
-                __m512 pv = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(new_m))));
-                /* the denominator stays 16 lanes wide until the end: no horizontal sum per chunk */
-                lv[v] = _mm512_fmadd_ps(lv[v], _mm512_set1_ps(corr), pv);
-                m[v] = new_m;
-                float pw[16];
-                _mm512_storeu_ps(pw, pv);
-                /* two accumulators per 16 dimensions (even and odd keys): shorter FMA chains */
-                for (int64_t c = 0; c < d; c += 16) {
-                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc[v] + c), _mm512_set1_ps(corr));
-                    __m512 b = _mm512_setzero_ps();
-                    int64_t t = 0;
-                    for (; t + 1 < kn; t += 2) {
-                        a = _mm512_fmadd_ps(_mm512_set1_ps(pw[t]), _mm512_loadu_ps(vf[t] + c), a);
-                        b = _mm512_fmadd_ps(_mm512_set1_ps(pw[t + 1]), _mm512_loadu_ps(vf[t + 1] + c), b);
-                    }
-                    if (t < kn) a = _mm512_fmadd_ps(_mm512_set1_ps(pw[t]), _mm512_loadu_ps(vf[t] + c), a);
-                    _mm512_storeu_ps(acc[v] + c, _mm512_add_ps(a, b));
-                }
-            }
-        }
-        for (int64_t v = 0; v < nv; v++) {
-            const int64_t qi = i0 + v / g_n, g = v % g_n;
-            __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lv[v]));
-            for (int64_t c = 0; c < d; c += 16)
-                store_bf16(out + (qi * heads + j * g_n + g) * d + c, _mm512_mul_ps(_mm512_loadu_ps(acc[v] + c), inv), 0xFFFF);
-        }
-    }
 }
 
 /* ---- sampling ------------------------------------------------------------------------------ */

@@ -1,0 +1,169 @@
+"""Exact by construction: a position's logits are the same bits however the position was computed.
+
+On the bfloat16 CPU kernels (the default where the CPU has AVX512-BF16), a token's hidden state and
+logits must not depend on whether it was part of one prefill, of any chunking of that prefill, a
+decode step, or a recompute after preemption, nor on what else shares the step. The reference is
+one prefill of the whole sequence; the run under test feeds the same tokens (teacher-forced) in
+random chunks, then one at a time, with random neighbours in every step and, at a random point, a
+recompute of everything so far into fresh blocks (what preemption does). Every logit compared with
+`torch.equal`: no tolerance.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+from functools import cache
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_cpu_kernels import needs_kernels, q4_1_matrix
+
+from cadence.engine.builder import random_weights
+from cadence.executor.model_runner import ModelRunner
+from cadence.model.arch import ModelArchConfig
+from cadence.model.attention import AttentionMetadata, SeqSpan
+from cadence.request import SamplingParams
+from cadence.sched.output import ScheduledRequest, SchedulerOutput
+
+VOCAB, BLOCK, NUM_BLOCKS = 300, 4, 256
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+pytestmark = needs_kernels
+
+
+@cache
+def kernel_runner(q4: bool, bias: bool) -> ModelRunner:
+    """A random bfloat16 model the kernels take whole (head_dim 32): Llama, Qwen2 (qkv bias), or with
+    its projections as Q4_1 blocks (as the default GGUF model's)."""
+    arch = ModelArchConfig(architecture="qwen2" if bias else "llama", vocab_size=VOCAB, hidden_size=128,
+                           intermediate_size=160, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
+                           rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True,
+                           attention_bias=bias, rms_norm_eps=1e-6)
+    weights = random_weights(replace(arch), seed=21)
+    g = torch.Generator().manual_seed(22)
+    for name in list(weights):
+        if "norm" in name:
+            weights[name] = 1.0 + 0.2 * torch.randn(weights[name].shape, generator=g)
+    if bias:
+        for i in range(arch.num_layers):
+            for part, rows in (("q", 128), ("k", 64), ("v", 64)):
+                weights[f"model.layers.{i}.self_attn.{part}_proj.bias"] = 0.3 * torch.randn(rows, generator=g)
+    q4_1 = {}
+    if q4:
+        for name, w in weights.items():
+            if name.endswith("proj.weight"):
+                raw, exact = q4_1_matrix(*w.shape, seed=len(q4_1))
+                q4_1[name], weights[name] = raw, exact.float()
+    runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1)
+    assert runner.model.fused_decode is not None and runner.model.decode_kernels is not None
+    assert (runner.model.layers[0].down.q4_1 is not None) == q4
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK)
+    return runner
+
+
+def reference_logits(runner: ModelRunner, tokens: list[int], table: list[int]) -> torch.Tensor:
+    """Every position's logits from one prefill of the whole sequence. [L, V]"""
+    model = runner.model
+    meta = AttentionMetadata.build([SeqSpan(0, len(tokens), table)], BLOCK, torch.device("cpu"),
+                                   model.arch.num_kv_heads, model.decode_kernels)
+    assert runner.kv_cache is not None
+    with torch.inference_mode():
+        return model(torch.tensor(tokens), meta, runner.kv_cache, torch.arange(len(tokens)))
+
+
+@dataclass
+class Stream:
+    """A request fed teacher-forced: `sizes` tokens a step (its prefill chunks, then 1s)."""
+
+    rid: str
+    tokens: list[int]
+    table: list[int]
+    sizes: list[int]
+    pos: int = 0
+    got: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> logits there
+
+    def next(self) -> ScheduledRequest | None:
+        if not self.sizes:
+            return None
+        n = self.sizes.pop(0)
+        s = ScheduledRequest(self.rid, tuple(self.tokens[self.pos : self.pos + n]), self.pos, tuple(self.table),
+                             True, GREEDY)
+        self.pos += n
+        return s
+
+
+def chunking(rng: random.Random, n: int) -> list[int]:
+    """n tokens cut at random points (some chunks a single token)."""
+    cuts = sorted(rng.sample(range(1, n), rng.randrange(min(n, 5)))) if n > 1 else []
+    return [b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+
+
+def run_with_neighbours(runner: ModelRunner, target: Stream, rng: random.Random, free: list[int]) -> None:
+    """Step the target until it is done, with 0-3 random neighbours (chunks or decodes) in each step."""
+    neighbours: list[Stream] = []
+    step = 0
+    while target.sizes:
+        while len(neighbours) < 3 and rng.random() < 0.5:
+            n = rng.randrange(1, 30)
+            nb = Stream(f"n{step}-{len(neighbours)}", [rng.randrange(VOCAB) for _ in range(n)],
+                        [free.pop() for _ in range(-(-n // BLOCK))], [])
+            nb.sizes = chunking(rng, n)
+            neighbours.append(nb)
+        scheduled = [s for s in (x.next() for x in [target, *neighbours] if rng.random() < 0.9 or x is target) if s]
+        rng.shuffle(scheduled)
+        logits = runner.compute_logits(SchedulerOutput(step=step, scheduled=tuple(scheduled)))
+        target.got[target.pos - 1] = logits[target.rid]
+        for nb in [x for x in neighbours if not x.sizes]:
+            free.extend(nb.table)
+            neighbours.remove(nb)
+        step += 1
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), prompt_len=st.integers(1, 70), decodes=st.integers(1, 24),
+       variant=st.sampled_from([(False, False), (True, False), (False, True)]))
+def test_logits_bit_identical_however_computed(seed, prompt_len, decodes, variant):
+    runner = kernel_runner(*variant)
+    rng = random.Random(seed)
+    tokens = [rng.randrange(VOCAB) for _ in range(prompt_len + decodes)]
+    free = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)
+    blocks = -(-len(tokens) // BLOCK)
+    ref = reference_logits(runner, tokens, [free.pop() for _ in range(blocks)])
+    # Chunked prefill, then decodes; at a random decode, recompute everything so far into fresh
+    # blocks in a new random chunking (preemption by recompute), then decode on.
+    cut = prompt_len + rng.randrange(decodes)
+    first = Stream("t", tokens, [free.pop() for _ in range(blocks)], chunking(rng, prompt_len) + [1] * (cut - prompt_len))
+    run_with_neighbours(runner, first, rng, free)
+    again = Stream("t", tokens, [free.pop() for _ in range(blocks)], chunking(rng, cut) + [1] * (len(tokens) - cut))
+    run_with_neighbours(runner, again, rng, free)
+    for run in (first, again):
+        for pos, logits in run.got.items():
+            assert torch.equal(logits, ref[pos]), f"position {pos} of {len(tokens)} (prompt {prompt_len})"
+    assert len(first.got) + len(again.got) >= 2
+
+
+def test_attention_kernels_share_one_arithmetic():
+    """The decode kernel's row and the prefill kernel's row for the same query and context: the same
+    bits, over block sizes, group sizes, head sizes and lengths across 16-key chunk edges."""
+    from cadence.model.attention import PagedKVCache, paged_attention
+    from cadence.model.cpu_kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    assert kernels is not None
+    cpu = torch.device("cpu")
+    for kvh, g, d, bs in [(3, 3, 64, 16), (2, 2, 32, 4), (1, 8, 64, 16), (2, 1, 128, 8), (1, 5, 96, 32)]:
+        gen = torch.Generator().manual_seed(kvh * 100 + d)
+        for length in [1, 2, 15, 16, 17, 33, 100, 257]:
+            nb = -(-length // bs) + 2
+            cache = PagedKVCache.allocate(num_layers=1, num_blocks=nb, block_size=bs, num_kv_heads=kvh, head_dim=d,
+                                          dtype=torch.bfloat16, device=cpu)
+            cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen))
+            table = random.Random(length).sample(range(nb), -(-length // bs))
+            qkv = torch.randn(1, kvh * g + 2 * kvh, d, generator=gen).to(torch.bfloat16)
+            q, kv_new = qkv[:, : kvh * g], qkv[:, kvh * g :].unflatten(1, (2, kvh))
+            meta = AttentionMetadata.build([SeqSpan(length - 1, 1, table)], bs, cpu, num_kv_heads=kvh, kernels=kernels)
+            decoded = paged_attention(q, kv_new, cache.layer(0), meta)
+            prefilled = kernels.prefill_attention(q, cache.layer(0), torch.tensor(table), length - 1)
+            assert torch.equal(decoded, prefilled), (kvh, g, d, bs, length)
