@@ -1,7 +1,7 @@
 """Simulator scale: CPU seconds of a `cadence sim` command, this tree against a git revision, alternating.
 
     .venv/bin/python benchmarks/sim_scale.py [--baseline REV] [--rounds 2] [--repeat N]
-        [--sim-args "--trace ../shared/traces/azure_llm_2023_conv.csv --rate-scale 5 --replicas 128"]
+        [--sim-args "--trace traces/azure_llm_2023_conv.csv --rate-scale 5 --replicas 128"]
 
 Issue 7's scale question is "100,000 requests in under a minute on one core": the Azure
 conversation trace replayed five times (`--repeat 5`, 96,830 requests), the default. Other

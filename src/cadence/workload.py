@@ -2,7 +2,7 @@
 
 A workload is a sequence of `WorkloadRequest`s: sizes in tokens, an optional arrival time, and the
 scheduling attributes a server may honour (tenant, priority, deadline). Sources: seeded built-in
-mixes, the real traces in shared/traces (Azure LLM 2023 CSV, Mooncake JSONL), and a user's JSONL.
+mixes, the real traces in traces/ (shipped in the repository) (Azure LLM 2023 CSV, Mooncake JSONL), and a user's JSONL.
 Everything here is deterministic for a given seed and imports only the standard library, because
 the simulator reuses it without the benchmark's dependencies.
 """

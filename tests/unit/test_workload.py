@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import math
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -29,16 +28,12 @@ from cadence.workload import (
     write_jsonl,
 )
 
-
-def traces_dir() -> Path:
-    env = os.environ.get("CADENCE_TRACES_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"  # shipped in the repository
 
 
 def trace(name: str) -> Path:
-    p = traces_dir() / name
-    if not p.is_file():
-        pytest.skip(f"trace {p} not present (set CADENCE_TRACES_DIR)")
+    p = TRACES / name
+    assert p.is_file(), f"trace {p} missing from the repository"
     return p
 
 

@@ -2,8 +2,8 @@
 
     cadence calibrate [--quick] [--out profile.json] [engine options]
     cadence sim --workload chat --rate 2 --num-requests 500 [--replicas 2 --router least-loaded] [--out DIR]
-    cadence sim --trace ../shared/traces/azure_llm_2023_conv.csv --rate-scale 5 --repeat 5
-    cadence sim plan --trace ../shared/traces/azure_llm_2023_code.csv --rate-scale 10 --slo ttft_p95=1.0
+    cadence sim --trace traces/azure_llm_2023_conv.csv --rate-scale 5 --repeat 5
+    cadence sim plan --trace traces/azure_llm_2023_code.csv --rate-scale 10 --slo ttft_p95=1.0
 
 `sim` takes the workload and load options of `cadence bench` and the engine options of
 `cadence serve`, and prints the same report.
