@@ -44,21 +44,26 @@ Q4_1_PACKED_BYTES = Q4_1_BLOCK // 2 * BLOCK_COLS + BLOCK_COLS * 4  # per 64 colu
 
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "cadence_pack": [_P, _P, _I64, _I64],
-    "cadence_linear": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
-    "cadence_linear_f32": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
-    "cadence_pack_q4_1": [_P, _P, _I64, _I64],
-    "cadence_decode_layers": [_P] * 15 + [_I64, _P] + [_I64] * 10 + [_F32, _F32, _INT],
-    "cadence_linear_q4_1": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
-    "cadence_add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _INT],
-    "cadence_silu_mul": [_P, _P, _I64, _I64, _INT],
-    "cadence_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
-    "cadence_prefill_attention": [_P, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT],
-    "cadence_sample": [_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _INT],
-    "cadence_decode_attention": [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
-                                 _I64, _INT],
+# Every exported function of kernels/cpu_bf16.c: (return type, argument types), in the C's order.
+# tests/unit/test_kernel_abi.py parses the C prototypes and checks this table against them.
+_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "cadence_pack": (None, [_P, _P, _I64, _I64]),
+    "cadence_linear": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "cadence_linear_f32": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "cadence_pack_q4_1": (None, [_P, _P, _I64, _I64]),
+    "cadence_decode_layers": (_INT, [_P] * 15 + [_I64, _P] + [_I64] * 10 + [_F32, _F32, _INT]),
+    "cadence_linear_q4_1": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "cadence_add_rms_norm": (None, [_P, _P, _P, _P, _I64, _I64, _F32, _INT]),
+    "cadence_silu_mul": (None, [_P, _P, _I64, _I64, _INT]),
+    "cadence_rope": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT]),
+    "cadence_prefill_attention": (None, [_P, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32,
+                                         _INT]),
+    "cadence_sample": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _INT]),
+    "cadence_decode_attention": (None, [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                                        _F32, _I64, _INT]),
 }
+# One row of `DecodeLayers.pointers`: a layer's tensors in the order of the C's `DL_*` enum.
+DL_FIELDS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")
 MAX_GROUP, MAX_HEAD_DIM = 8, 256  # the decode attention kernel's limits (MAX_GROUP, MAX_DIM in the C)
 
 
@@ -69,7 +74,7 @@ class DecodeLayers:
     linear's kind (0: `pack`'s bfloat16 layout, 1: `pack_q4_1`'s). `keep` holds the tensors those
     addresses point into, so they live as long as this does."""
 
-    pointers: torch.Tensor  # [layers, 7] int64
+    pointers: torch.Tensor  # [layers, len(DL_FIELDS)] int64
     kinds: torch.Tensor  # [layers, 4] int64
     cos: torch.Tensor  # RoPE tables, float32 [P, D]
     sin: torch.Tensor
@@ -92,12 +97,9 @@ class CpuKernels:
     bfloat16 contiguous tensors (checked: the C code trusts its pointers)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        for name, args in _SIGNATURES.items():
+        for name, (restype, args) in _SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, None
-        lib.cadence_linear_q4_1.restype = ctypes.c_int
-        lib.cadence_decode_layers.restype = ctypes.c_int
-        lib.cadence_sample.restype = ctypes.c_int
+            fn.argtypes, fn.restype = args, restype
         self._pack = lib.cadence_pack
         self._linear = lib.cadence_linear
         self._linear_f32 = lib.cadence_linear_f32

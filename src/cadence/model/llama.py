@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import AttentionMetadata, PagedDecode, PagedKVCache, paged_attention
-from cadence.model.cpu_kernels import CpuKernels, DecodeLayers, cpu_kernels, q4_1_kernels_enabled
+from cadence.model.cpu_kernels import DL_FIELDS, CpuKernels, DecodeLayers, cpu_kernels, q4_1_kernels_enabled
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks
@@ -278,15 +278,16 @@ class LlamaModel:
         """The layers' addresses for `decode_layers`; None where a layer is not all on the kernels."""
         pointers, kinds, keep = [], [], []
         for layer in self.layers:
-            row = [layer.input_norm, layer.post_norm]
+            fields: dict[str, torch.Tensor | None] = {"input_norm": layer.input_norm, "post_norm": layer.post_norm,
+                                                      "qkv_bias": layer.qkv.kernel_bias}
             kind = []
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for name, lin in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
                 weight = lin.q4_1 if lin.q4_1 is not None else lin.packed if lin.kernel is not None else None
                 if weight is None or (lin is not layer.qkv and lin.kernel_bias is not None):
                     return None
                 kind.append(1 if lin.q4_1 is not None else 0)
-                row.append(weight)
-            row.insert(3, layer.qkv.kernel_bias)  # after qkv: DL_QKV_BIAS
+                fields[name] = weight
+            row = [fields[name] for name in DL_FIELDS]
             if any(t is not None and not t.is_contiguous() for t in row):
                 return None
             pointers.append([0 if t is None else t.data_ptr() for t in row])
