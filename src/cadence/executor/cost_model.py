@@ -68,8 +68,7 @@ FEATURE_SETS: dict[str, dict[str, dict[str, float]]] = {
 _STEPS = np.arange(1024, dtype=np.int64)  # step indices of a decode run, sliced (read only)
 _STEPS.flags.writeable = False
 _FEW_STEPS = 14  # decode runs this short are costed step by step (SimExecutor.decode_run_costs): about
-# 1.1 us a step in Python against 15-18 us for the numpy pass (microbenchmark, session 7; it took 36 us
-# before the pass skipped a chunk's zero terms and shared n * step, when the cut-off was 24)
+# 1.1 us a step in Python against 15-18 us for the numpy pass (a microbenchmark of the two)
 DEFAULT_SIM_TOKEN = 13  # the scripted output token: any id works, the simulator has no EOS
 
 
@@ -296,7 +295,7 @@ class SimExecutor:
 
     It takes plain decodes as one `DecodeBatch`: their features are sums and a max over a column.
     It also costs a `DecodeRun` (steps of the same plain decodes) in one call: the simulator
-    fast-forwards such stretches without building a step each (see `EngineCore.plan_decode_run`).
+    fast-forwards such stretches without building a step each (see `EngineCore.plan_decode_stretch`).
     Every plain decode samples `token_id`."""
 
     accepts_decode_batch = True

@@ -3,7 +3,7 @@
 Requests are strict: a known field of the wrong type is refused (no "1" for 1, no `true` for 1),
 numbers must be finite, every size has a cap; unknown fields are ignored, as OpenAI does. Bounds
 mirror `SamplingParams` so that what passes here also passes there; checks that need the model
-(vocabulary, context length) happen in serving.py.
+(vocabulary, context length) happen in inputs.py.
 """
 
 from __future__ import annotations
