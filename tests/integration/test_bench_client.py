@@ -293,3 +293,41 @@ def test_requests_held_back_by_the_concurrency_cap_and_never_sent_are_noted(fake
     assert len(res.records) == 1 and state.count <= 1  # one in its slot (then cancelled), five held back
     assert res.records[0].error.startswith("cancelled") and res.summary["overall"]["errors"] == 1
     assert any("5 of 6 requests were never sent" in n for n in res.summary["meta"]["notes"])
+
+
+def test_vllm_bench_serve_spellings(fake_server, tmp_path: Path, capsys) -> None:
+    """`vllm bench serve`'s flags where they mean the same: --host/--port, --num-prompts,
+    --request-rate inf with --max-concurrency, the random dataset, --goodput in ms, the percentile
+    table, --save-result with --result-dir and --result-filename."""
+    url, state = fake_server
+    port = url.rsplit(":", 1)[1]
+    argv = ["--host", "127.0.0.1", "--port", port, "--dataset-name", "random", "--random-input-len", "20",
+            "--random-output-len", "4", "--random-range-ratio", "0.5", "--num-prompts", "8", "--request-rate", "inf",
+            "--max-concurrency", "3", "--ignore-eos", "--goodput", "ttft:2000", "e2el:5000",
+            "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99", "--save-result",
+            "--result-dir", str(tmp_path / "r"), "--result-filename", "vllm.json", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert state.count == 8 and state.max_in_flight <= 3  # every prompt sent, at most 3 at a time
+    assert all(b.get("ignore_eos") is True for b in state.bodies)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["slos"] == {"ttft": 2.0, "e2e": 5.0}
+    assert json.loads((tmp_path / "r" / "vllm.json").read_text()) == summary
+    table = [line.split() for line in out.splitlines() if line.startswith(("metric (ms)", "ttft ", "e2e "))]
+    assert table[-3][-2:] == ["p50", "p99"] and [r[0] for r in table[-2:]] == ["ttft", "e2e"]
+    prompts = [len(b["prompt"]) for b in state.bodies]
+    assert len(set(prompts)) > 1  # lengths vary with the range ratio
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--host", "h", "--base-url", "http://x"], "either them or --base-url"),
+    (["--ignore-eos", "--no-exact-output", "--rate", "1"], "contradict"),
+    (["--dataset-name", "random", "--workload", "chat", "--rate", "1"], "not both"),
+    (["--goodput", "ttft=500", "--rate", "1"], "KEY:MILLISECONDS"),
+    (["--result-dir", "x", "--rate", "1"], "go with --save-result"),
+    (["--percentile-metrics", "bogus", "--rate", "1"], "--percentile-metrics"),
+    (["--port", "18500", "bogus"], "unknown action 'bogus'"),
+])
+def test_vllm_spellings_refuse_contradictions(argv: list[str], says: str, capsys) -> None:
+    assert main([*argv, "--num-requests", "1", "--no-progress"]) == 2
+    assert says in capsys.readouterr().err

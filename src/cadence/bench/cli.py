@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
+import shutil
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +36,7 @@ from cadence.workload import (
     BUILTIN_WORKLOADS,
     Scaling,
     Workload,
+    WorkloadRequest,
     builtin_workload,
     load_trace,
     read_jsonl,
@@ -51,9 +55,21 @@ def _floats(text: str) -> list[float]:
     return values
 
 
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+
+def _rate(text: str) -> float:
+    """A rate in requests/s; `inf` (vLLM's default) sends every request at once."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of requests/s (or inf), got {text!r}") from None
+
+
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI-compatible server (default %(default)s)")
+    g.add_argument("--base-url", default=None,
+                   help=f"OpenAI-compatible server (default {DEFAULT_BASE_URL}; or vLLM's --host/--port)")
     g.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="/v1/completions or /v1/chat/completions (default %(default)s)")
@@ -74,7 +90,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--workload", choices=BUILTIN_WORKLOADS, default=None, help="built-in mix (default chat)")
     src.add_argument("--trace", default=None, help="Azure LLM CSV or Mooncake JSONL trace")
     src.add_argument("--requests-file", default=None, help="workload JSONL: one request per line")
-    g.add_argument("--num-requests", type=int, default=None, help="send at most this many requests")
+    g.add_argument("--num-requests", "--num-prompts", type=int, default=None, help="send at most this many requests")
     g.add_argument("--duration", type=float, default=None, help="stop sending new requests after SECONDS")
     g.add_argument("--seed", type=int, default=0, help="seeds workloads, arrivals and prompt text (default 0)")
     g.add_argument("--scale-lengths", type=float, default=1.0, help="multiply prompt lengths (and prefix blocks)")
@@ -90,10 +106,11 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load")
     g.add_argument("--arrival", choices=ARRIVALS, default=None,
                    help="default: poisson with --rate, none (closed loop) with only --concurrency, trace with --trace")
-    g.add_argument("--rate", type=float, default=None, help="offered load, requests/s (open loop)")
+    g.add_argument("--rate", "--request-rate", type=_rate, default=None,
+                   help="offered load, requests/s (open loop); inf: every request at once")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma arrivals: coefficient of variation of the gaps; 1 = Poisson, >1 burstier")
-    g.add_argument("--concurrency", type=int, default=None,
+    g.add_argument("--concurrency", "--max-concurrency", type=int, default=None,
                    help="closed loop: N users; open loop: at most N requests in flight")
     g.add_argument("--rates", type=_floats, default=None, help="sweep: comma-separated rates")
     g.add_argument("--concurrencies", type=_floats, default=None, help="sweep: comma-separated user counts")
@@ -105,7 +122,9 @@ def add_parser(subparsers) -> None:
     """Register `bench` on an argparse subparsers object (the top-level CLI calls this)."""
     p = subparsers.add_parser("bench", help="benchmark an OpenAI-compatible server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", nargs="?", choices=("run", "sweep", "compare"), default="run")
+    # No `choices` here: a stray value (after an unknown option) would be reported as an invalid
+    # action; `run` names it instead, after argparse has reported any unknown option.
+    p.add_argument("action", nargs="?", default="run", help="run (default), sweep or compare")
     p.add_argument("files", nargs="*", help="compare: two summary.json files (or run directories)")
     _add_target_args(p)
     _add_workload_args(p)
@@ -116,7 +135,92 @@ def add_parser(subparsers) -> None:
     g.add_argument("--out", default=None, help="directory for summary.json, requests.jsonl and PNG plots")
     g.add_argument("--label", default=None, help="name of this run in reports and comparisons")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_vllm_args(p)
     p.set_defaults(func=run)
+
+
+def _add_vllm_args(p: argparse.ArgumentParser) -> None:
+    """`vllm bench serve`'s spellings, where they mean the same (docs/benchmarking.md lists them).
+    --request-rate, --num-prompts and --max-concurrency are aliases of --rate, --num-requests and
+    --concurrency above."""
+    g = p.add_argument_group("vLLM's `vllm bench serve` spellings")
+    g.add_argument("--host", default=None, help="with --port: the server at http://HOST:PORT")
+    g.add_argument("--port", type=int, default=None, help="with --host: the server at http://HOST:PORT")
+    g.add_argument("--dataset-name", choices=("random",), default=None,
+                   help="random: prompts of --random-input-len tokens asking for --random-output-len")
+    g.add_argument("--random-input-len", type=int, default=1024, help="(default %(default)s)")
+    g.add_argument("--random-output-len", type=int, default=128, help="(default %(default)s)")
+    g.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [L (1 - r), L (1 + r)] (default %(default)s)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos (cadence bench does by default; refused with --no-exact-output)")
+    g.add_argument("--percentile-metrics", default=None,
+                   help=f"also print percentiles of these, comma-separated: {','.join(report.VLLM_METRICS)}")
+    g.add_argument("--metric-percentiles", default=None, help="the percentiles to print, e.g. 25,50,99")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs in milliseconds, e.g. ttft:500 tpot:50 (e2el = e2e); as --slo")
+    g.add_argument("--save-result", action="store_true",
+                   help="write the report (as --out; to --result-dir, default results/bench-<time>)")
+    g.add_argument("--result-dir", default=None, help="with --save-result: the directory")
+    g.add_argument("--result-filename", default=None, help="with --save-result: also the summary under this name")
+
+
+def _resolve_vllm_args(args: argparse.Namespace) -> None:
+    """Fold vLLM's spellings into cadence's options, refusing combinations that contradict."""
+    host, port = getattr(args, "host", None), getattr(args, "port", None)
+    if host is not None or port is not None:
+        if args.base_url is not None:
+            raise ValueError("--host/--port: give either them or --base-url, not both")
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"--port: must be in 1..65535, got {port}")
+        args.base_url = f"http://{host or '127.0.0.1'}:{port or 8000}"
+    if args.base_url is None:
+        args.base_url = DEFAULT_BASE_URL
+    if getattr(args, "ignore_eos", False) and args.no_exact_output:
+        raise ValueError("--ignore-eos and --no-exact-output contradict each other")
+    if getattr(args, "dataset_name", None) and (args.workload or args.trace or args.requests_file):
+        raise ValueError("--dataset-name: give it or one of --workload/--trace/--requests-file, not both")
+    if getattr(args, "dataset_name", None):
+        for flag in ("random_input_len", "random_output_len"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+        if not 0 <= args.random_range_ratio < 1:
+            raise ValueError(f"--random-range-ratio: must be in [0, 1), got {args.random_range_ratio:g}")
+    for spec in getattr(args, "goodput", None) or []:
+        key, sep, ms = spec.partition(":")
+        key = {"e2el": "e2e"}.get(key.strip().lower(), key.strip().lower())
+        try:
+            bound = float(ms) / 1000 if sep else math.nan
+        except ValueError:
+            bound = math.nan
+        if key not in ("ttft", "tpot", "itl", "e2e") or not (math.isfinite(bound) and bound > 0):
+            raise ValueError(f"--goodput {spec!r}: expected KEY:MILLISECONDS with KEY in ttft, tpot, itl, e2el")
+        args.slo.append(f"{key}={bound!r}")
+    save = getattr(args, "save_result", False)
+    if (getattr(args, "result_dir", None) or getattr(args, "result_filename", None)) and not save:
+        raise ValueError("--result-dir/--result-filename go with --save-result")
+    if save and args.out is None:
+        args.out = args.result_dir or time.strftime("results/bench-%Y%m%d-%H%M%S")
+    if args.rate is not None and math.isinf(args.rate) and args.rate > 0:
+        args.rate, args.all_at_once = None, True  # every request at once: a closed loop of all of them
+
+
+def _percentile_request(args: argparse.Namespace) -> tuple[list[str], list[float]] | None:
+    """--percentile-metrics / --metric-percentiles as (metric names, percentiles); None if neither."""
+    metrics_text, pct_text = getattr(args, "percentile_metrics", None), getattr(args, "metric_percentiles", None)
+    if metrics_text is None and pct_text is None:
+        return None
+    names = [m.strip() for m in (metrics_text or "ttft,tpot,itl").split(",") if m.strip()]
+    unknown = [m for m in names if m not in report.VLLM_METRICS]
+    if unknown or not names:
+        raise ValueError(f"--percentile-metrics: expected some of {','.join(report.VLLM_METRICS)}, got {metrics_text!r}")
+    try:
+        pcts = [float(q) for q in (pct_text or "99").split(",") if q.strip()]
+    except ValueError:
+        pcts = []
+    if not pcts or not all(0 <= q <= 100 for q in pcts):
+        raise ValueError(f"--metric-percentiles: expected numbers in [0, 100], got {pct_text!r}")
+    return [report.VLLM_METRICS[m] for m in names], pcts
 
 
 def _scaling(args: argparse.Namespace) -> Scaling:
@@ -128,15 +232,32 @@ def _scaling(args: argparse.Namespace) -> Scaling:
 def _workload(args: argparse.Namespace, cfg: BenchConfig) -> Workload:
     if args.trace:
         return load_trace(args.trace, _scaling(args))
+    if getattr(args, "dataset_name", None) == "random":
+        return random_workload(args.num_requests or 1000, args.random_input_len, args.random_output_len,
+                               args.random_range_ratio, args.seed)
     if args.requests_file:
         return scale_workload(read_jsonl(args.requests_file), _scaling(args))
     w = builtin_workload(args.workload or "chat", request_count(cfg) or 200, args.seed)
     return scale_workload(w, replace(_scaling(args), limit=None))
 
 
+def random_workload(n: int, input_len: int, output_len: int, ratio: float, seed: int) -> Workload:
+    """vLLM's random dataset: lengths uniform in [L (1 - ratio), L (1 + ratio)], seeded."""
+    rng = random.Random(f"random:{seed}")
+
+    def length(base: int) -> int:
+        return max(1, rng.randint(int(base * (1 - ratio)), int(base * (1 + ratio))))
+
+    reqs = tuple(WorkloadRequest(prompt_tokens=length(input_len), output_tokens=length(output_len)) for _ in range(n))
+    note = f"random: input {input_len}, output {output_len}, range ratio {ratio:g}, seed {seed}"
+    return Workload("random", reqs, notes=(note,))
+
+
 def _arrival(args: argparse.Namespace) -> str:
     if args.arrival:
         return args.arrival
+    if getattr(args, "all_at_once", False):
+        return "none"
     if args.rate is not None or args.rates:
         return "poisson"
     if args.concurrency is not None or args.concurrencies:
@@ -183,7 +304,9 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    _resolve_vllm_args(args)
     _check_args(args)
+    all_at_once = getattr(args, "all_at_once", False) and args.concurrency is None
     cfg = BenchConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
         arrival=_arrival(args), rate=args.rate, burstiness=args.burstiness, concurrency=args.concurrency,
@@ -195,8 +318,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if cfg.arrival in ("poisson", "gamma") and cfg.rate is None and args.rates:
         cfg.rate = max(args.rates)  # sizes the workload for the busiest point; each point sets its own
     # Before the workload is read or anything connects (a sweep's points each set their concurrency).
-    (replace(cfg, concurrency=1) if args.concurrencies and cfg.concurrency is None else cfg).validate()
+    placeholder = (args.concurrencies or all_at_once) and cfg.concurrency is None
+    (replace(cfg, concurrency=1) if placeholder else cfg).validate()
     cfg.workload = _workload(args, cfg)
+    if all_at_once:  # --request-rate inf without --max-concurrency: one user per request
+        cfg.concurrency = min(len(cfg.workload.requests), cfg.num_requests or len(cfg.workload.requests))
     if args.save_workload:
         write_jsonl(cfg.workload, args.save_workload)
     return cfg
@@ -221,9 +347,16 @@ def resolve_model(cfg: BenchConfig) -> None:
     cfg.model = first_model_id(url, r)
 
 
-def _run_one(cfg: BenchConfig) -> int:
+def _run_one(cfg: BenchConfig, args: argparse.Namespace, wanted: tuple[list[str], list[float]] | None) -> int:
     result = run_benchmark(cfg)
     print(report.format_table(result.summary))
+    if wanted:
+        print(report.format_percentiles(result.records, *wanted))
+    name = getattr(args, "result_filename", None)
+    if name and cfg.out_dir:  # vLLM's one result file: the summary, under the name asked for
+        path = Path(cfg.out_dir) / name
+        shutil.copyfile(Path(cfg.out_dir) / "summary.json", path)
+        result.files.append(str(path))
     for f in result.files:
         print(f"wrote {f}")
     return 0 if result.summary["overall"]["completed"] else 1
@@ -363,11 +496,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "compare":
             return _compare(args.files, args.out)
+        if args.action not in ("run", "sweep"):
+            raise ValueError(f"unknown action {args.action!r}: expected run, sweep or compare "
+                             "(a value after an option that takes none?)")
         if args.files:
             raise ValueError(f"unexpected arguments {args.files}")
+        wanted = _percentile_request(args)  # checked before the load, printed after it
         cfg = config_from_args(args)
         resolve_model(cfg)
-        return _sweep(args, cfg) if args.action == "sweep" else _run_one(cfg)
+        return _sweep(args, cfg) if args.action == "sweep" else _run_one(cfg, args, wanted)
     except (ValueError, OSError) as e:
         print(f"cadence bench: error: {e}", file=sys.stderr)
         return 2

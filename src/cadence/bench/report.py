@@ -305,6 +305,31 @@ def _summarize_groups(records: Sequence[RequestRecord], key: Callable[[RequestRe
     return {k: summarize_records(v, slos, span) for k, v in groups.items()}
 
 
+# vLLM's `--percentile-metrics` names -> cadence's metric names.
+VLLM_METRICS = {"ttft": "ttft", "tpot": "tpot", "itl": "itl", "e2el": "e2e"}
+
+
+def metric_values(records: Sequence[RequestRecord], metric: str) -> list[float]:
+    """One metric's values over the completed requests (itl: every gap between token chunks)."""
+    ok = [r for r in records if r.ok]
+    if metric == "itl":
+        return pooled_itls(ok).tolist()
+    get = {"ttft": lambda r: r.ttft, "tpot": lambda r: r.tpot, "e2e": lambda r: r.e2e,
+           "queue": lambda r: r.queue_time}[metric]
+    return [v for v in map(get, ok) if v is not None]
+
+
+def format_percentiles(records: Sequence[RequestRecord], metrics: Sequence[str], percentiles: Sequence[float]) -> str:
+    """Chosen percentiles of chosen metrics, in milliseconds (vLLM's `--metric-percentiles` table)."""
+    lines = [f"{'metric (ms)':<12}" + "".join(f"{'p' + format(q, 'g'):>10}" for q in percentiles)]
+    for m in metrics:
+        values = sorted(metric_values(records, m))
+        cells = [f"{'n/a':>10}" if not values else f"{_sorted_percentile(values, q) * 1000:>10.1f}"
+                 for q in percentiles]
+        lines.append(f"{m:<12}" + "".join(cells))
+    return "\n".join(lines)
+
+
 def summarize(records: Sequence[RequestRecord], slos: dict[str, float], meta: dict | None = None) -> dict:
     """The whole report: overall, per tenant, per priority class, fairness, warnings."""
     span = _span(records)
