@@ -82,6 +82,13 @@ class ModelConfig:
     served_model_name: str | None = None
     seed: int = 0  # seeds unseeded random sampling
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # The served engine is declared stalled (unhealthy) when one step runs longer than this many
+    # seconds, or than 5x the longest step it expects from the steps it has run; 0: never.
+    step_timeout: float = 60.0
+    # What rendering one chat with a chat template may cost (see model/template_limits.py).
+    chat_template_timeout: float = 5.0  # seconds
+    chat_template_max_chars: int = 4_000_000  # characters of output, or of any string the template builds
+    chat_template_max_iterations: int = 10_000_000  # loop iterations and calls
 
     def validate(self) -> None:
         _check_types(self)
@@ -89,6 +96,10 @@ class ModelConfig:
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}")
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        _require(self.step_timeout >= 0, "step_timeout", "must be >= 0 seconds (0: no watchdog)")
+        _require(self.chat_template_timeout > 0, "chat_template_timeout", "must be > 0 seconds")
+        _require(self.chat_template_max_chars >= 1024, "chat_template_max_chars", "must be >= 1024")
+        _require(self.chat_template_max_iterations >= 1000, "chat_template_max_iterations", "must be >= 1000")
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cadence.model import chat_template as ct
 from cadence.model.loader import LoadError, default_model_path
+from cadence.model.template_limits import RenderLimits
 from cadence.model.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 GGUF = default_model_path()
@@ -212,9 +212,9 @@ def test_template_helpers(tok: Tokenizer) -> None:
         tok.apply_chat_template(msgs, chat_template="{% for %}")
 
 
-def test_template_output_is_capped(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ct, "MAX_RENDER_CHARS", 10_000)
-    with pytest.raises(ValueError, match="exceeds"):
+def test_template_output_is_capped() -> None:
+    tok = Tokenizer.from_gguf(GGUF, RenderLimits(max_chars=10_000))
+    with pytest.raises(ValueError, match="built more than 10000 characters"):
         tok.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{% for i in range(99999) %}xx{% endfor %}")
 
 

@@ -12,6 +12,11 @@ One thread is enough: torch releases the GIL inside its kernels, and the core is
 only this thread ever touches it (and the output processor). Requests come in through a locked inbox
 applied between steps, so an abort takes effect within one step. A request with `n > 1` (or several
 prompts) fans out into one engine request per choice, admitted all-or-nothing.
+
+A step that never returns (a deadlocked kernel) is caught by a watchdog (watchdog.py): the engine
+is then dead, as after repeated step failures: every request waiting or running gets an error,
+new ones are refused, and health checks fail until the process is restarted. If the stalled step
+returns after all, the engine thread only frees what is left and stops.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -27,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from cadence.clock import Clock, RealClock
 from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
+from cadence.engine.watchdog import STALL_FACTOR, StepPace, Watchdog
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.metrics.stats import IterationStats, SchedulerStats
 from cadence.request import Request, RequestStatus, SamplingParams
@@ -63,9 +70,14 @@ class AsyncEngine:
         self._stop = False
         self._draining = False
         self._dead: str | None = None
+        config = getattr(engine, "config", None)
+        self.step_timeout = config.model.step_timeout if config is not None else 0.0
+        pace = StepPace(config.scheduler.max_num_batched_tokens if config is not None else 1)
+        self._watchdog = Watchdog(self.step_timeout, pace, self._has_work, self._stalled)
         self._thread = threading.Thread(target=self._run, name="cadence-engine", daemon=True)
         if start:
             self._thread.start()
+            self._watchdog.start()
 
     # -- state --------------------------------------------------------------------------------------
 
@@ -221,6 +233,7 @@ class AsyncEngine:
         with self._wake:
             self._stop = True
             self._wake.notify()
+        self._watchdog.stop()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -229,6 +242,10 @@ class AsyncEngine:
     def _run(self) -> None:
         failures = 0
         while True:
+            self._watchdog.beat = time.monotonic()
+            if self._dead is not None:  # the watchdog declared this thread stalled
+                self._after_stall()
+                return
             if not self.core.has_unfinished_requests():
                 self._flush_idle_stats()
             with self._wake:
@@ -289,6 +306,8 @@ class AsyncEngine:
         it = None
         try:
             it, st = self.core.last_stats, self.core.scheduler_stats
+            if it is not None:
+                self._watchdog.pace.observe(it.step_time, it.num_prompt_tokens + it.num_generation_tokens)
             self.drain_rate.record(len(it.finished) if it is not None else 0, st)
             for hook in self.stats_hooks:
                 hook(it, st)
@@ -394,10 +413,47 @@ class AsyncEngine:
         log.error("engine loop stopped: %s", reason)
         with self._wake:
             pending, self._inbox = self._inbox, []
+        self._refuse_pending(pending, reason)
+
+    def _refuse_pending(self, pending: list[AddItem | AbortItem], reason: str) -> None:
         for item in pending:
             if isinstance(item, AddItem):
                 err = CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {reason}")
                 self._call(item.group.loop, self._resolve, item.future, err)
+
+    # -- stalls (the watchdog's thread) -------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        return self._in_flight > 0 or bool(self._inbox)
+
+    def _stalled(self, running: float, limit: float) -> None:
+        """The engine thread has been in one turn of its loop for `running` seconds, over `limit`:
+        declare the engine dead and answer everyone waiting on it, from this (the watchdog's) thread.
+        The engine thread, stuck, touches none of this; if it comes back it sees `_dead` and stops."""
+        reason = (f"an engine step has been running for {running:.1f} s, over the {limit:.1f} s limit "
+                  f"(--step-timeout {self.step_timeout:g} s, or {STALL_FACTOR:g}x the longest step expected)")
+        with self._wake:
+            if self._dead is not None or self._stop:
+                return
+            self._dead = reason
+            pending, self._inbox = self._inbox, []
+        groups = list(self._groups.values())  # one C-level copy: safe against the engine thread waking
+        log.error("engine stalled: %s; failing %d requests in flight; the engine stays down until the "
+                  "process is restarted", reason, len(groups))
+        self._refuse_pending(pending, reason)
+        error = CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {reason}")
+        for group in groups:
+            self._call(group.loop, self._deliver, [(group.queue, error)])
+
+    def _after_stall(self) -> None:
+        """The stalled step came back after the engine was declared dead: free what the core holds
+        (its requests were answered already) and stop."""
+        log.warning("the stalled engine step returned; the engine stays down (restart the process)")
+        with self._wake:
+            pending, self._inbox = self._inbox, []
+        self._refuse_pending(pending, self._dead or "stalled")
+        error = CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {self._dead}")
+        self._apply([AbortItem("*", error)])
 
     @staticmethod
     def _call(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:

@@ -18,6 +18,7 @@ from cadence.executor.model_runner import ModelRunner
 from cadence.model.arch import ModelArchConfig
 from cadence.model.cpu_kernels import cpu_flags
 from cadence.model.loader import default_model_path, load_checkpoint
+from cadence.model.template_limits import RenderLimits
 from cadence.model.tokenizer import Tokenizer
 
 log = logging.getLogger("cadence")
@@ -115,7 +116,12 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
     dtype = resolve_dtype(config.model.dtype, device)
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
-    tokenizer = Tokenizer.from_model_path(path)
+    limits = RenderLimits(
+        config.model.chat_template_timeout,
+        config.model.chat_template_max_chars,
+        config.model.chat_template_max_iterations,
+    )
+    tokenizer = Tokenizer.from_model_path(path, limits)
     q4_1: dict[str, torch.Tensor] = {}
     if tiny:
         arch = tiny_arch(tokenizer.vocab_size)

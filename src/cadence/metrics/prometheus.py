@@ -16,6 +16,7 @@ are counted as "other", so a client inventing tenants cannot grow the series wit
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -217,6 +218,16 @@ class PrometheusExporter:
         self.goodput = Counter(
             "cadence:goodput_requests", "Finished requests that met every configured SLO.", t, registry=r
         )
+        self.engine_healthy = Gauge(
+            "cadence:engine_healthy",
+            "1 while the engine loop runs; 0 once it has died or stalled (the process needs a restart).",
+            registry=r,
+        )
+        self.engine_healthy.set(1)
+
+    def watch_engine(self, is_healthy: Callable[[], bool]) -> None:
+        """Read the engine's health at each scrape (a stall is seen by no step, so no step reports it)."""
+        self.engine_healthy.set_function(lambda: 1.0 if is_healthy() else 0.0)
 
     # -- feeding ------------------------------------------------------------------------------------
 

@@ -1,13 +1,17 @@
 """Chat templates: render a model's Jinja template in a sandbox and say which text came from messages.
 
 Templates come from model files and, through the API, from users: they run in jinja2's immutable
-sandbox, where touching an unsafe attribute (`''.__class__`) raises instead of printing nothing, and
-output is capped. The tokenizer must turn the template's own markers (`<|im_start|>`) into control
-tokens but never the same text typed by a user, so `render_chat` also returns where each message's
-content lies in the rendered text. It renders twice: once with unique placeholders for the contents
-(to find their spans) and once with the real contents (the truth). When the two agree after
-substitution, the spans are exact; when a template rewrites contents (trims or splits them), the
-contents are located by search instead and any that cannot be found are reported.
+sandbox, where touching an unsafe attribute (`''.__class__`) raises instead of printing nothing,
+under a work budget (template_limits.py): every loop iteration and call is counted and the clock
+read as they go, and the output and every string or list the template builds are capped, so a
+template that loops for ever, recurses without end or writes gigabytes fails with
+`ChatTemplateLimitError` instead of holding its thread. The tokenizer must turn the template's own
+markers (`<|im_start|>`) into control tokens but never the same text typed by a user, so
+`render_chat` also returns where each message's content lies in the rendered text. It renders
+twice: once with unique placeholders for the contents (to find their spans) and once with the real
+contents (the truth). When the two agree after substitution, the spans are exact; when a template
+rewrites contents (trims or splits them), the contents are located by search instead and any that
+cannot be found are reported.
 """
 
 from __future__ import annotations
@@ -21,12 +25,19 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes, pass_context
 from jinja2.exceptions import SecurityError
 from jinja2.runtime import Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.visitor import NodeTransformer
 
-MAX_RENDER_CHARS = 16 << 20  # a template that writes more than this is broken or hostile
+from cadence.model.template_limits import (
+    ChatTemplateLimitError,
+    RenderBudget,
+    RenderLimits,
+    current_budget,
+    render_budget,
+)
 
 
 @dataclass(frozen=True)
@@ -49,25 +60,152 @@ def _check_format(fmt: Any) -> None:
         raise SecurityError("format strings with widths or precisions of six digits or more are refused")
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, plus: unsafe attribute access fails loudly instead of rendering '', and
-    the operators and format calls that can allocate without bound ('a' * 10**10) are checked first."""
+def _sized(budget: RenderBudget, value: Any) -> Any:
+    if isinstance(value, (str, list, tuple)):
+        budget.check_size(len(value))
+    return value
 
-    intercepted_binops = frozenset({"*", "**", "%"})
+
+def _replaced_size(s: str, old: str, new: str, count: Any = None) -> int:
+    hits = len(s) + 1 if old == "" else s.count(old)
+    if _is_int(count) and count >= 0:
+        hits = min(hits, count)
+    return len(s) + hits * (len(new) - len(old))
+
+
+def _joined_size(sep: str, items: Any) -> int:
+    if not isinstance(items, (list, tuple)):
+        return 0
+    return sum(len(x) for x in items if isinstance(x, str)) + len(sep) * max(0, len(items) - 1)
+
+
+# Size checks made before a str method runs, where the result can be far larger than its inputs.
+def _check_str_method(budget: RenderBudget, method: Any, args: tuple[Any, ...]) -> None:
+    owner = getattr(method, "__self__", None)
+    if not isinstance(owner, str) or not args:
+        return
+    name, first = getattr(method, "__name__", ""), args[0]
+    if name in ("center", "ljust", "rjust", "zfill") and _is_int(first):
+        budget.check_size(first)
+    elif name == "expandtabs" and _is_int(first):
+        budget.check_size(len(owner) * max(first, 1))
+    elif name == "replace" and len(args) >= 2 and isinstance(first, str) and isinstance(args[1], str):
+        budget.check_size(_replaced_size(owner, first, args[1], args[2] if len(args) > 2 else None))
+    elif name == "join":
+        budget.check_size(_joined_size(owner, first))
+
+
+# The same for the built-in filters that multiply their input (signatures as jinja2's, less the
+# evaluation context some of them take first).
+def _pre_replace(b: RenderBudget, s: Any, old: Any, new: Any, count: Any = None) -> None:
+    if isinstance(s, str) and isinstance(old, str) and isinstance(new, str):
+        b.check_size(_replaced_size(s, old, new, count))
+
+
+def _pre_indent(b: RenderBudget, s: Any, width: Any = 4, first: Any = False, blank: Any = False) -> None:
+    w = width if _is_int(width) else len(width) if isinstance(width, str) else 0
+    if isinstance(s, str):
+        b.check_size(len(s) + (s.count("\n") + 1) * max(w, 0))
+
+
+def _pre_center(b: RenderBudget, value: Any, width: Any = 80) -> None:
+    if _is_int(width):
+        b.check_size(width)
+
+
+def _pre_join(b: RenderBudget, value: Any, d: Any = "", attribute: Any = None) -> None:
+    if isinstance(d, str):
+        b.check_size(_joined_size(d, value))
+
+
+def _pre_batch(b: RenderBudget, value: Any, linecount: Any, fill_with: Any = None) -> None:
+    if _is_int(linecount):
+        b.check_size(linecount)
+
+
+_FILTER_CHECKS = {"replace": _pre_replace, "indent": _pre_indent, "center": _pre_center, "join": _pre_join,
+                  "batch": _pre_batch}  # fmt: skip
+
+
+def _metered_filter(fn: Any, check: Any) -> Any:
+    """`fn` counted as a call, checked first by `check` (if any), its result's size checked after."""
+    skip = 1 if getattr(fn, "jinja_pass_arg", None) is not None else 0
+
+    @functools.wraps(fn)  # keeps `jinja_pass_arg`, so jinja passes the same context first
+    def metered(*args: Any, **kwargs: Any) -> Any:
+        budget = current_budget()
+        budget.step()
+        if check is not None:
+            check(budget, *args[skip:], **kwargs)
+        return _sized(budget, fn(*args, **kwargs))
+
+    return metered
+
+
+# Both take the context so that jinja never folds them into constants at compile time.
+@pass_context
+def _metered_loop(_context: Any, iterable: Any) -> Any:
+    budget = current_budget()
+    for item in iterable:
+        budget.step()
+        yield item
+
+
+@pass_context
+def _sized_concat(_context: Any, value: Any) -> Any:
+    return _sized(current_budget(), value)
+
+
+_LOOP, _CONCAT = "_cadence_metered_loop", "_cadence_sized_concat"
+
+
+class _Meter(NodeTransformer):
+    """Rewrites a parsed template so that every `for` loop iterates through `_metered_loop` and
+    every `~` concatenation goes through `_sized_concat`."""
+
+    def visit_For(self, node: nodes.For) -> nodes.Node:
+        self.generic_visit(node)
+        node.iter = nodes.Filter(node.iter, _LOOP, [], [], None, None, lineno=node.lineno)
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        self.generic_visit(node)
+        return nodes.Filter(node, _CONCAT, [], [], None, None, lineno=node.lineno)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, plus: unsafe attribute access fails loudly instead of rendering '',
+    the operators and format calls that can allocate without bound ('a' * 10**10) are checked
+    first, and every loop iteration and call counts against the render's budget."""
+
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        # jinja's one hook between parsing and code generation (private, stable across 3.x).
+        tree = super()._parse(source, name, filename)
+        _Meter().visit(tree)
+        return tree
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Undefined:
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        budget = current_budget()
         if operator == "**" and _is_int(left) and _is_int(right) and left.bit_length() * right > 1 << 16:
             raise SecurityError("integer powers beyond 65536 bits are refused")
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and _is_int(n) and len(seq) * n > MAX_RENDER_CHARS:
-                    raise SecurityError(f"a repetition longer than {MAX_RENDER_CHARS} items is refused")
+                if isinstance(seq, (str, list, tuple)) and _is_int(n):
+                    budget.check_size(len(seq) * n)
         if operator == "%":
             _check_format(left)
-        return super().call_binop(context, operator, left, right)
+        return _sized(budget, super().call_binop(context, operator, left, right))
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        budget = current_budget()
+        budget.step()
+        _check_str_method(budget, __obj, args)
+        return _sized(budget, super().call(__context, __obj, *args, **kwargs))
 
     def wrap_str_format(self, value: Any) -> Any:
         _check_format(getattr(value, "__self__", None))
@@ -100,6 +238,10 @@ def _environment() -> _Sandbox:
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
     env.filters["format"] = _format
+    for name, fn in list(env.filters.items()):
+        env.filters[name] = _metered_filter(fn, _FILTER_CHECKS.get(name))
+    env.filters[_LOOP] = _metered_loop
+    env.filters[_CONCAT] = _sized_concat
     return env
 
 
@@ -149,35 +291,45 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _run(template: Any, variables: dict[str, Any]) -> str:
+def _run(template: Any, variables: dict[str, Any], budget: RenderBudget) -> str:
     chunks: list[str] = []
     size = 0
     try:
         for chunk in template.generate(**variables):
             chunks.append(chunk)
             size += len(chunk)
-            if size > MAX_RENDER_CHARS:
-                raise ValueError(f"chat template: output exceeds {MAX_RENDER_CHARS} characters")
+            budget.check_size(size)
+            budget.tick()
     except TemplateError as e:
         raise ValueError(f"chat template: {e}") from None
-    except (TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RecursionError) as e:
+    except RecursionError:
+        raise ChatTemplateLimitError("recursed deeper than Python allows (a macro or a recursive loop without end?)",
+                                     None) from None
+    except (TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError) as e:
         raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from None
     return "".join(chunks)
 
 
 def render_chat(
-    source: str, messages: Any, add_generation_prompt: bool, variables: Mapping[str, Any] | None = None
+    source: str,
+    messages: Any,
+    add_generation_prompt: bool,
+    variables: Mapping[str, Any] | None = None,
+    limits: RenderLimits | None = None,
 ) -> RenderedChat:
-    """Render `messages` with the template `source`; see the module docstring for the two passes."""
+    """Render `messages` with the template `source` under `limits` (compiling and both passes
+    together); see the module docstring for the two passes."""
     msgs = validate_messages(messages)
-    template = _compile(source)
     extra = dict(variables or {})
     contents = [m["content"] for m in msgs]
     nonce = secrets.token_hex(8)
     marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(msgs))]
-    shaped = _run(template, {**extra, "messages": [dict(m, content=k) for m, k in zip(msgs, marks, strict=True)],
-                             "add_generation_prompt": add_generation_prompt})
-    real = _run(template, {**extra, "messages": msgs, "add_generation_prompt": add_generation_prompt})
+    with render_budget(limits or RenderLimits()) as budget:
+        validate_template(source)
+        template = _compile(source)
+        shaped = _run(template, {**extra, "messages": [dict(m, content=k) for m, k in zip(msgs, marks, strict=True)],
+                                 "add_generation_prompt": add_generation_prompt}, budget)
+        real = _run(template, {**extra, "messages": msgs, "add_generation_prompt": add_generation_prompt}, budget)
     text, spans = _substitute(shaped, nonce, contents)
     if text == real:
         return RenderedChat(text, tuple(spans))

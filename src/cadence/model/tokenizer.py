@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,12 +20,25 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from cadence.model.chat_template import RenderedChat, render_chat, validate_template
+from cadence.model.chat_template import RenderedChat, render_chat
 from cadence.model.detokenizer import IncrementalDetokenizer, StopChecker
 from cadence.model.gguf_file import LoadError, field_value, open_gguf
 from cadence.model.loader import default_model_path
+from cadence.model.template_limits import ChatTemplateLimitError, RenderLimits
 
 __all__ = ["IncrementalDetokenizer", "StopChecker", "Tokenizer"]
+
+log = logging.getLogger("cadence")
+
+# Longer texts go through `encode_batch`, which releases the GIL while it works (`encode` holds it
+# throughout: 0.4 s for a megabyte, during which no other Python thread, the event loop included, runs).
+_RELEASE_GIL_CHARS = 4096
+# The conversations the model's template is rendered on at load: a template that cannot render
+# these within its limits cannot serve any chat.
+_PROBES: tuple[tuple[list[dict[str, str]], bool], ...] = (
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], False),
+    ([{"role": "user", "content": "Hi"}], True),
+)
 
 # Split rules of the byte-level BPE families llama.cpp names in `tokenizer.ggml.pre`, as their
 # tokenizer.json files define them. None: ByteLevel's built-in GPT-2 regex.
@@ -106,6 +120,12 @@ def _ids(value: Any) -> set[int]:
     return set()
 
 
+def _encode_ids(tok: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > _RELEASE_GIL_CHARS:
+        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -117,7 +137,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 class Tokenizer:
-    """Encode, decode and apply the chat template of one model. Thread-safe for reading."""
+    """Encode, decode and apply the chat template of one model. Thread-safe for reading.
+
+    The model's chat template is rendered at construction on two probe conversations, under
+    `template_limits`: one that goes over them raises LoadError naming the template, since it
+    could serve no chat."""
 
     def __init__(
         self,
@@ -129,6 +153,7 @@ class Tokenizer:
         pad_token_id: int | None = None,
         chat_template: str | None = None,
         extra_eos_ids: Iterable[int] = (),
+        template_limits: RenderLimits | None = None,
     ) -> None:
         self._tok = tok
         # A twin that never parses special-token text: user text is plain text.
@@ -139,34 +164,35 @@ class Tokenizer:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.chat_template = chat_template
+        self.template_limits = (template_limits or RenderLimits()).validate()
         specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
         self._special_ids = frozenset(specials.values())
         self._special_by_text = specials
         alternatives = sorted(specials, key=len, reverse=True)  # longest first, like the tokenizer's matcher
         self._special_re = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
         eos = {i for i in (eos_token_id, *extra_eos_ids) if i is not None and 0 <= i < self.vocab_size}
-        turn_end = self._turn_end_id()
+        turn_end = self._turn_end_id(self._probe_template())
         self.eos_token_ids: frozenset[int] = frozenset(eos | ({turn_end} if turn_end is not None else set()))
 
     # ----- construction -----
 
     @classmethod
-    def from_model_path(cls, path: str | Path | None) -> Tokenizer:
+    def from_model_path(cls, path: str | Path | None, template_limits: RenderLimits | None = None) -> Tokenizer:
         """From a GGUF file, or a directory with tokenizer.json (or exactly one .gguf); None: the default model."""
         p = default_model_path() if path is None else Path(path)
         if p.is_dir():
             if (p / "tokenizer.json").is_file():
-                return cls.from_hf_dir(p)
+                return cls.from_hf_dir(p, template_limits)
             ggufs = sorted(p.glob("*.gguf"))
             if len(ggufs) == 1:
-                return cls.from_gguf(ggufs[0])
+                return cls.from_gguf(ggufs[0], template_limits)
             raise LoadError(f"{p}: no tokenizer.json (nor exactly one .gguf file) in this directory")
         if not p.exists():
             raise LoadError(f"{p}: no such file or directory")
-        return cls.from_gguf(p)
+        return cls.from_gguf(p, template_limits)
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
+    def from_gguf(cls, path: str | Path, template_limits: RenderLimits | None = None) -> Tokenizer:
         path = Path(path)
         reader = open_gguf(path)
 
@@ -197,10 +223,11 @@ class Tokenizer:
             bos = tokens[ids["bos"]]
             tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, ids["bos"])])
         return cls(tok, name=path.stem, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
-                   pad_token_id=ids["padding"], chat_template=template if isinstance(template, str) else None)  # fmt: skip
+                   pad_token_id=ids["padding"], chat_template=template if isinstance(template, str) else None,
+                   template_limits=template_limits)  # fmt: skip
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+    def from_hf_dir(cls, path: str | Path, template_limits: RenderLimits | None = None) -> Tokenizer:
         folder = Path(path)
         tj = folder / "tokenizer.json"
         if not tj.is_file():
@@ -224,7 +251,7 @@ class Tokenizer:
 
         return cls(tok, name=folder.name, bos_token_id=tid("bos_token"), eos_token_id=tid("eos_token"),
                    pad_token_id=tid("pad_token"), chat_template=template if isinstance(template, str) else None,
-                   extra_eos_ids=extra)  # fmt: skip
+                   extra_eos_ids=extra, template_limits=template_limits)  # fmt: skip
 
     # ----- the basics -----
 
@@ -236,7 +263,7 @@ class Tokenizer:
         """Token ids of `text` as plain text; `add_special_tokens` adds what the model adds (e.g. BOS)."""
         if not isinstance(text, str):
             raise ValueError(f"text: must be a string, not {type(text).__name__}")
-        return self._plain.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode_ids(self._plain, text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary decode to nothing."""
@@ -258,12 +285,12 @@ class Tokenizer:
     # ----- chat -----
 
     def render_chat(self, messages: Any, add_generation_prompt: bool = True, chat_template: str | None = None) -> RenderedChat:
-        """The chat as text, with where each message's content lies in it."""
+        """The chat as text, with where each message's content lies in it. Raises ChatTemplateLimitError
+        (a ValueError) when the template goes over `template_limits`."""
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
             raise ValueError("chat_template: this model has no chat template; pass one")
-        validate_template(template)
-        return render_chat(template, messages, add_generation_prompt, self._template_variables())
+        return render_chat(template, messages, add_generation_prompt, self._template_variables(), self.template_limits)
 
     def apply_chat_template(
         self, messages: Any, add_generation_prompt: bool = True, chat_template: str | None = None
@@ -298,7 +325,7 @@ class Tokenizer:
         if not any(in_content(m) for m in self._special_re.finditer(text)):
             # The usual case, no marker text inside any content: one call, exactly as the model's
             # own tokenizer would do it (normalizers that prefix only the first piece included).
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return _encode_ids(self._tok, text, add_special_tokens=False)
         # Control tokens count only where the template wrote them: between content spans.
         bounds = [0, *(x for span in chat.content_spans for x in span), len(text)]
         for start, end in zip(bounds[::2], bounds[1::2], strict=True):
@@ -315,16 +342,26 @@ class Tokenizer:
         return {"bos_token": text(self.bos_token_id), "eos_token": text(self.eos_token_id),
                 "pad_token": text(self.pad_token_id)}  # fmt: skip
 
-    def _turn_end_id(self) -> int | None:
+    def _probe_template(self) -> RenderedChat | None:
+        """Render the model's template on the probe conversations: the first one's rendering, or None
+        where there is no template or it fails on it (logged: chats will fail the same way)."""
+        if self.chat_template is None:
+            return None
+        rendered: list[RenderedChat | None] = []
+        for messages, add_generation_prompt in _PROBES:
+            try:
+                rendered.append(self.render_chat(messages, add_generation_prompt))
+            except ChatTemplateLimitError as e:
+                raise LoadError(f"{self.name}: the model's chat template {e.what} on a {len(messages)}-message "
+                                f"probe conversation{e.hint()}") from None
+            except ValueError as e:
+                log.warning("%s: the model's chat template fails on a probe conversation: %s", self.name, e)
+                rendered.append(None)
+        return rendered[0]
+
+    def _turn_end_id(self, probe: RenderedChat | None) -> int | None:
         """The control token the template writes right after an assistant turn (e.g. <|im_end|>)."""
-        if self.chat_template is None or self._special_re is None:
+        if probe is None or self._special_re is None or not probe.content_spans:
             return None
-        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-        try:
-            chat = self.render_chat(probe, add_generation_prompt=False)
-        except ValueError:
-            return None
-        if not chat.content_spans:
-            return None
-        m = self._special_re.match(chat.text, chat.content_spans[-1][1])
+        m = self._special_re.match(probe.text, probe.content_spans[-1][1])
         return self._special_by_text[m.group()] if m else None

@@ -175,6 +175,7 @@ def create_app(
         max_tenant_labels=server_config.max_tenant_labels,
     )
     engine.stats_hooks.append(exporter.record_step)
+    exporter.watch_engine(lambda: engine.is_healthy)
     serving = OpenAIServing(engine, server_config, exporter)
     app = FastAPI(title="cadence", version="0.1.0", description="An OpenAI-compatible LLM server.")
     app.state.engine, app.state.serving, app.state.exporter = engine, serving, exporter
@@ -238,8 +239,10 @@ def _add_routes(
 
     @app.get("/ready")
     async def ready() -> Response:
-        body = {"ready": engine.is_ready, "draining": engine.is_draining, "healthy": engine.is_healthy}
-        return JSONResponse(body, status_code=200 if engine.is_ready else 503)
+        body: dict[str, Any] = {"ready": engine.is_ready, "draining": engine.is_draining, "healthy": engine.is_healthy}
+        if not body["healthy"]:
+            body["reason"] = engine.dead_reason  # why: a stall, or steps that kept failing
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

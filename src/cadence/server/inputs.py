@@ -7,6 +7,7 @@ rather than in protocol.py; each failure is a 400 naming the parameter.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import uuid
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ from fastapi import Request
 
 from cadence.config import ServerConfig
 from cadence.engine.async_engine import AsyncEngine
-from cadence.errors import ErrorKind
+from cadence.errors import CadenceError, ErrorKind
+from cadence.model.template_limits import ChatTemplateLimitError
 from cadence.request import SamplingParams
 from cadence.server.errors import APIError, HTTPKind, param_of
 from cadence.server.protocol import SamplingFields
@@ -24,6 +26,8 @@ TENANT_HEADER = "x-tenant"
 KEY_TENANT_SCOPE = "cadence.key_tenant"  # set by the API-key middleware when the key maps to a tenant
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,64}$")
 _ENCODE_IN_THREAD_CHARS = 8192  # longer prompts are tokenized off the event loop
+
+log = logging.getLogger("cadence.server")
 
 
 @dataclass(frozen=True)
@@ -88,9 +92,11 @@ class InputBuilder:
             )
         return list(ids)
 
-    def chat_ids(
+    async def chat_ids(
         self, messages: list[dict[str, str]], add_generation_prompt: bool, template: str | None
     ) -> list[int]:
+        """The chat's token ids. Rendering and tokenizing run in a worker thread: a template's work is
+        bounded by the model's chat-template limits, not by the event loop's patience."""
         if template is not None and not self.config.allow_request_chat_template:
             raise APIError(
                 ErrorKind.INVALID_REQUEST,
@@ -100,10 +106,15 @@ class InputBuilder:
             )
         try:
             return list(
-                self.engine.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, chat_template=template
+                await asyncio.to_thread(
+                    self.engine.tokenizer.apply_chat_template,
+                    messages,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=template,
                 )
             )
+        except ChatTemplateLimitError as e:
+            raise self._limit_error(e, template) from None
         except ValueError as e:
             # The tokenizer speaks "field: why" (messages[0].content: ..., chat_template: ...).
             message = str(e)
@@ -115,6 +126,22 @@ class InputBuilder:
             raise APIError(
                 ErrorKind.INVALID_REQUEST, f"chat_template: {type(e).__name__}: {e}", param="chat_template"
             ) from None
+
+    @staticmethod
+    def _limit_error(e: ChatTemplateLimitError, template: str | None) -> Exception:
+        """A request's own template over a limit is the request's fault (400); the model's template
+        over a limit is the server's (500, and logged for its operator)."""
+        if template is not None:
+            return APIError(
+                ErrorKind.INVALID_REQUEST,
+                f"chat_template: the template {e.what}, over this server's limit{e.hint()}",
+                param="chat_template",
+            )
+        log.error("the model's chat template %s on a request%s", e.what, e.hint())
+        return CadenceError(
+            ErrorKind.INTERNAL,
+            f"the model's chat template {e.what} on this conversation, over this server's limit{e.hint()}",
+        )
 
     def job(
         self,

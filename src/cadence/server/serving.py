@@ -95,7 +95,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.inputs.check_model(body.model)
         with self.counting_refusals():
-            ids = self.inputs.chat_ids(body.message_dicts(), body.add_generation_prompt, body.chat_template)
+            ids = await self.inputs.chat_ids(body.message_dicts(), body.add_generation_prompt, body.chat_template)
             job = self.inputs.job(
                 "chatcmpl", body, raw, [ids], body.requested_max_tokens(), body.num_logprobs(), "messages"
             )
@@ -107,7 +107,7 @@ class OpenAIServing:
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.inputs.check_model(body.model)
         if body.messages is not None:
-            ids = self.inputs.chat_ids(
+            ids = await self.inputs.chat_ids(
                 [{"role": m.role, "content": m.text()} for m in body.messages],
                 body.add_generation_prompt,
                 None,
