@@ -71,9 +71,7 @@ def start_cli_server(*flags: str) -> CliServer:
     os.close(fd)
     server = CliServer(proc, port, Path(name))
     end = time.monotonic() + 120
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited early:\n{server.log()[-3000:]}")
+    while time.monotonic() < end and proc.poll() is None:
         try:
             if httpx.get(server.url + "/health", timeout=1).status_code == 200:
                 return server
@@ -81,7 +79,9 @@ def start_cli_server(*flags: str) -> CliServer:
             pass
         time.sleep(0.1)
     server.stop()
-    raise AssertionError("the server did not start")
+    log = server.log()
+    server.log_path.unlink(missing_ok=True)
+    raise AssertionError(f"the server did not start:\n{log[-3000:]}")
 
 
 def read_response(sock: socket.socket, timeout: float = 10.0) -> bytes:
