@@ -42,6 +42,11 @@ def parse_pairs(text: str) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+def parse_list(text: str) -> list[str]:
+    """'a, b,c' -> ['a', 'b', 'c'] (empty items dropped)."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -92,7 +97,52 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-tenant-labels", type=int, default=ServerConfig.max_tenant_labels)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--tiny", action="store_true", help="a tiny random-weight model with the real tokenizer (testing)")
+    _add_http_limits(p)
+    _add_cors(p)
     p.set_defaults(func=_serve)
+
+
+def _add_http_limits(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP limits (see docs/server.md)")
+    g.add_argument("--max-header-count", type=int, default=ServerConfig.max_header_count,
+                   help="header fields a request may have; beyond it 431 (default %(default)s)")
+    g.add_argument("--max-header-bytes", type=parse_size, default=ServerConfig.max_header_bytes,
+                   help="bytes of the request line and header fields together; beyond it 431 (default 64KiB)")
+    g.add_argument("--max-request-line-bytes", type=parse_size, default=ServerConfig.max_request_line_bytes,
+                   help="bytes of the request line (method, URL, version); beyond it 414 (default 8KiB)")
+    g.add_argument("--header-timeout", type=float, default=ServerConfig.header_timeout,
+                   help="seconds a request's head may take to arrive, from its first byte or the connection's "
+                        "opening; then 408 and the connection closes (default %(default)s)")
+    g.add_argument("--keep-alive-timeout", type=float, default=ServerConfig.keep_alive_timeout,
+                   help="seconds an idle connection stays open between requests (default %(default)s)")
+
+
+def http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ServerConfig fields of the HTTP-limit and CORS flags."""
+    return {
+        "max_header_count": args.max_header_count,
+        "max_header_bytes": args.max_header_bytes,
+        "max_request_line_bytes": args.max_request_line_bytes,
+        "header_timeout": args.header_timeout,
+        "keep_alive_timeout": args.keep_alive_timeout,
+        "allowed_origins": tuple(args.allowed_origins),
+        "allowed_methods": tuple(m.upper() for m in args.allowed_methods),
+        "allowed_headers": tuple(args.allowed_headers),
+        "allow_credentials": args.allow_credentials,
+    }
+
+
+def _add_cors(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("CORS (off unless --allowed-origins is given)")
+    g.add_argument("--allowed-origins", type=parse_list, action="extend", default=[], metavar="ORIGIN[,ORIGIN...]",
+                   help="origins whose web pages may call the API, such as https://app.example.com; '*' for any "
+                        "(repeatable; default: none, CORS off)")
+    g.add_argument("--allowed-methods", type=parse_list, default=list(ServerConfig.allowed_methods),
+                   metavar="METHOD[,METHOD...]", help="methods allowed cross-origin (default GET,POST)")
+    g.add_argument("--allowed-headers", type=parse_list, default=list(ServerConfig.allowed_headers),
+                   metavar="HEADER[,HEADER...]", help="request headers allowed cross-origin (default '*': any)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="let cross-origin requests carry cookies and HTTP authentication (not with '*' origins)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -115,6 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
         allow_request_chat_template=args.allow_request_chat_template, slo_ttft=args.slo_ttft,
         slo_itl=args.slo_itl, tenant_max_requests=args.tenant_max_requests, max_tenant_labels=args.max_tenant_labels, log_level=args.log_level,
+        **http_options(args),
     ).validate()
     return run_server(engine_cfg, server_cfg, tiny=args.tiny)
 

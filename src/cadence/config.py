@@ -208,13 +208,44 @@ class ServerConfig:
     max_tenant_labels: int = 32  # Prometheus labels per tenant beyond this fold into "other"
     tenant_max_requests: int | None = None  # in-flight requests per tenant; beyond it 429 (None: no cap)
     log_level: str = "info"
+    # The request head (request line and header fields), as read off the socket: over a limit, 414/431.
+    max_header_count: int = 100
+    max_header_bytes: int = 64 << 10  # request line and header fields together
+    max_request_line_bytes: int = 8 << 10
+    header_timeout: float = 10.0  # seconds from a connection's or a request's first byte to its last header
+    keep_alive_timeout: float = 5.0  # seconds an idle connection stays open between requests
+    # CORS: off unless origins are given.
+    allowed_origins: tuple[str, ...] = ()  # "*" for any
+    allowed_methods: tuple[str, ...] = ("GET", "POST")
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def validate(self) -> ServerConfig:
         _require(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
         _require(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
         _require(self.tenant_max_requests is None or self.tenant_max_requests >= 1, "tenant_max_requests", "must be >= 1")
+        self._validate_http()
         return self
+
+    def _validate_http(self) -> None:
+        _require(is_int(self.max_header_count) and self.max_header_count >= 1, "max_header_count", "must be an integer >= 1")
+        _require(is_int(self.max_header_bytes) and self.max_header_bytes >= 1024, "max_header_bytes", "must be >= 1024 bytes")
+        _require(
+            is_int(self.max_request_line_bytes) and 64 <= self.max_request_line_bytes <= self.max_header_bytes,
+            "max_request_line_bytes", f"must be between 64 bytes and max_header_bytes ({self.max_header_bytes})",
+        )
+        for name in ("header_timeout", "keep_alive_timeout"):
+            value = getattr(self, name)
+            _require(is_finite(value) and value > 0, name, f"must be a number of seconds > 0, got {value!r}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            _require(isinstance(value, tuple) and all(isinstance(v, str) and v for v in value),
+                     name, f"must be a tuple of non-empty strings, got {value!r}")
+        _require(
+            not (self.allow_credentials and "*" in self.allowed_origins), "allow_credentials",
+            "cannot be combined with allowed_origins '*': any web page could then send credentialed requests",
+        )
 
 
 def _normalise(key: str, value: Any) -> Any:

@@ -1,4 +1,6 @@
-"""The HTTP app: routes, the guard middleware (API keys, body size), and `run_server` with SIGTERM draining.
+"""The HTTP app: routes, the guard middleware (API keys, content type, body size), CORS, and
+`run_server`: uvicorn with limits on the request head (http_limits.py), SIGTERM draining, and a
+second signal that ends every request at once.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health (liveness), /ready (readiness),
 /metrics (Prometheus), /tokenize, /detokenize, and FastAPI's /openapi.json and /docs.
@@ -18,7 +20,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 
 from cadence.config import EngineConfig, ServerConfig
 from cadence.engine.async_engine import AsyncEngine
@@ -29,9 +34,11 @@ from cadence.server.errors import (
     APIError,
     HTTPKind,
     error_bytes,
+    error_payload,
     error_response,
     install_error_handlers,
 )
+from cadence.server.http_limits import HeadLimits, LimitedHttpToolsProtocol
 from cadence.server.inputs import KEY_TENANT_SCOPE
 from cadence.server.protocol import (
     ChatCompletionRequest,
@@ -45,27 +52,32 @@ from cadence.server.protocol import (
     TokenizeRequest,
 )
 from cadence.server.serving import OpenAIServing
+from cadence.server.stopping import STOPPED_MESSAGE, StopGuard
 
 log = logging.getLogger("cadence.server")
 
 OPEN_PATHS = frozenset({"/health"})  # liveness answers without a key: orchestrators probe it bare
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 429, 500, 503)
 }
 
 
 class GuardMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware: it would buffer streams and hide disconnects).
 
-    Answers 401 without a valid key on every path but /health, and 413 for a body over the limit,
-    by its Content-Length at once, or, for a chunked body, as soon as the bytes read pass the limit.
+    Answers 401 without a valid key on every path but /health; 415 for a body on a JSON route
+    (`json_paths`) sent as anything but application/json, which is what keeps a web page from
+    posting to the server without a CORS preflight (text/plain and forms need none); and 413 for a
+    body over the limit, by its Content-Length at once, or, for a chunked body, as soon as the
+    bytes read pass the limit.
     """
 
-    def __init__(self, app: Any, config: ServerConfig) -> None:
+    def __init__(self, app: Any, config: ServerConfig, json_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.max_body = config.max_body_bytes
         self.keys = [k.encode() for k in config.api_keys]
         self.key_tenants = {k.encode(): t for k, t in config.api_key_tenants}
+        self.json_paths = json_paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -84,6 +96,11 @@ class GuardMiddleware:
                 return
             if key in self.key_tenants:
                 scope[KEY_TENANT_SCOPE] = self.key_tenants[key]
+        if scope["method"] == "POST" and scope["path"] in self.json_paths:
+            refusal = _content_type_refusal(headers.get(b"content-type"))
+            if refusal is not None:
+                await _send_error(send, HTTPKind.UNSUPPORTED_MEDIA, refusal)
+                return
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             await _send_error(
@@ -119,10 +136,35 @@ class GuardMiddleware:
         return wrapped
 
 
+def _content_type_refusal(content_type: bytes | None) -> str | None:
+    """Why a body of this Content-Type is refused on a JSON route; None for application/json,
+    with or without parameters (`; charset=utf-8`)."""
+    if content_type is None:
+        return "the request has no Content-Type; send the JSON body with Content-Type: application/json"
+    media_type = content_type.partition(b";")[0].strip().lower()
+    if media_type == b"application/json":
+        return None
+    shown = content_type.decode("latin-1")[:100]
+    return f"Content-Type {shown!r} is not accepted; send the JSON body with Content-Type: application/json"
+
+
+class CORSGuard(CORSMiddleware):
+    """Starlette's CORS handling, with a refused preflight answered in the usual error shape."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        reason = bytes(response.body).decode("latin-1")  # "Disallowed CORS origin, method, ..."
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        payload = error_payload(HTTPKind.CORS_REFUSED, f"CORS preflight refused: {reason}")
+        return JSONResponse(payload, status_code=ERROR_TABLE[HTTPKind.CORS_REFUSED].status, headers=headers)
+
+
 async def _send_error(send: Any, kind: HTTPKind, message: str, extra: list[tuple[bytes, bytes]] = ()) -> None:
     body = error_bytes(kind, message)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
-    if kind == HTTPKind.BODY_TOO_LARGE:
+    if kind in (HTTPKind.BODY_TOO_LARGE, HTTPKind.UNSUPPORTED_MEDIA):
         headers.append((b"connection", b"close"))  # the unread body makes the connection unusable
     await send({"type": "http.response.start", "status": ERROR_TABLE[kind].status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -182,7 +224,19 @@ def create_app(
     install_error_handlers(app)
     _add_routes(app, engine, serving, exporter)
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
-    app.add_middleware(GuardMiddleware, config=server_config)
+    json_paths = frozenset(r.path for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods)
+    # Added innermost first: StopGuard wraps CORS, which wraps the guard, so a preflight (which
+    # carries no API key) and every error the guard answers get their CORS headers.
+    app.add_middleware(GuardMiddleware, config=server_config, json_paths=json_paths)
+    if server_config.allowed_origins:
+        app.add_middleware(
+            CORSGuard,
+            allow_origins=server_config.allowed_origins,
+            allow_methods=server_config.allowed_methods,
+            allow_headers=server_config.allowed_headers,
+            allow_credentials=server_config.allow_credentials,
+        )
+    app.add_middleware(StopGuard)
     return app
 
 
@@ -257,12 +311,23 @@ def _add_routes(
 # -- running the server ---------------------------------------------------------------------------
 
 
+# Once stopping: how long the engine gets to end every request (an abort lands at its next step
+# boundary), then how long uvicorn waits for the answers to go out before it cancels what is left.
+STOP_ENGINE_S = 1.0
+STOP_GRACE_S = 0.5
+
+
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that SIGTERM drains instead of closing the socket.
+    """uvicorn, except that SIGTERM drains instead of closing the socket, and a second signal stops at once.
 
     On SIGTERM: readiness flips and new requests get 503 (the socket stays open so they get an
     answer, not a refused connection); in-flight requests get `shutdown_timeout` seconds to finish,
     then the rest end with an error event; then uvicorn exits and the process returns 0.
+
+    On a second SIGTERM or SIGINT (or a first SIGINT): stop now. Every request in flight ends at
+    once with an `unavailable` error, an SSE error event and `data: [DONE]` for a stream, a 503 for
+    the others; uvicorn exits as soon as they are answered (StopGuard answers whatever is left after
+    STOP_ENGINE_S + STOP_GRACE_S). A third signal exits without waiting.
     """
 
     def __init__(
@@ -272,21 +337,33 @@ class DrainingServer(uvicorn.Server):
         self.engine, self.serving, self.timeout = engine, serving, timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self._stop_task: asyncio.Task | None = None
+        self._phase = "serving"  # -> "draining" -> "stopping"; set in the signal handler itself
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig != signal.SIGTERM or self._loop is None:
+        if sig not in (signal.SIGTERM, signal.SIGINT) or self._loop is None:
             super().handle_exit(sig, frame)
-        elif self._drain_task is None:
+            return
+        if sig == signal.SIGINT:
+            self._captured_signals.append(sig)  # uvicorn raises it again on the way out: exit status 130
+        if sig == signal.SIGTERM and self._phase == "serving":
+            self._phase = "draining"
             self._loop.call_soon_threadsafe(self._start_drain)
+        elif self._phase != "stopping":
+            self._phase = "stopping"
+            self._loop.call_soon_threadsafe(self._start_stop)
         else:
-            self.should_exit = True  # a second SIGTERM: stop now
+            self.should_exit = self.force_exit = True
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self.drain())
+
+    def _start_stop(self) -> None:
+        self._stop_task = asyncio.ensure_future(self.stop_now())
 
     async def drain(self) -> None:
         log.info(
@@ -306,6 +383,18 @@ class DrainingServer(uvicorn.Server):
             await _wait_for(lambda: self.serving.active == 0, 5.0)
         self.should_exit = True
 
+    async def stop_now(self) -> None:
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+        log.warning("stopping now: ending %d requests in flight with an error", self.serving.active)
+        self.engine.begin_drain()
+        self.engine.abort_all(CadenceError(ErrorKind.UNAVAILABLE, STOPPED_MESSAGE))
+        await _wait_for(lambda: self.serving.active == 0, STOP_ENGINE_S)
+        # Requests the engine did not answer in time (a body still arriving, a long step) are
+        # cancelled after this grace; StopGuard gives them their 503 or terminal event.
+        self.config.timeout_graceful_shutdown = STOP_GRACE_S
+        self.should_exit = True
+
 
 async def _wait_for(cond: Any, timeout: float) -> bool:
     end = time.monotonic() + timeout
@@ -316,6 +405,22 @@ async def _wait_for(cond: Any, timeout: float) -> bool:
     return True
 
 
+def uvicorn_config(app: FastAPI, server_config: ServerConfig) -> uvicorn.Config:
+    """uvicorn on its httptools protocol with the head limits and clocks of `server_config`."""
+    protocol = LimitedHttpToolsProtocol.with_limits(HeadLimits.from_config(server_config))
+    return uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        http=protocol,
+        ws="none",  # no WebSocket routes: an upgrade request is served as plain HTTP
+        timeout_keep_alive=server_config.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
+        log_level=server_config.log_level,
+        timeout_graceful_shutdown=5,
+        lifespan="off",
+    )
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, *, tiny: bool = False) -> int:
     """Build the engine, serve until SIGTERM (drained) or SIGINT, and return the exit code."""
     from cadence.engine.builder import build_engine
@@ -323,14 +428,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, *, tiny
     server_config.validate()
     engine = AsyncEngine(build_engine(engine_config, tiny=tiny))
     app = create_app(engine, server_config)
-    config = uvicorn.Config(
-        app,
-        host=server_config.host,
-        port=server_config.port,
-        log_level=server_config.log_level,
-        timeout_graceful_shutdown=5,
-        lifespan="off",
-    )
+    config = uvicorn_config(app, server_config)
     server = DrainingServer(config, engine, app.state.serving, server_config.shutdown_timeout)
     log.info("serving %s on http://%s:%d", engine.model_name, server_config.host, server_config.port)
     try:

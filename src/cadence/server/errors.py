@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cadence.errors import CadenceError, ErrorKind
 
@@ -35,6 +36,10 @@ class HTTPKind(str, enum.Enum):
     MODEL_NOT_FOUND = "model_not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     UNSUPPORTED_MEDIA = "unsupported_media_type"
+    HEAD_TIMEOUT = "head_timeout"
+    REQUEST_LINE_TOO_LONG = "request_line_too_long"
+    HEADERS_TOO_LARGE = "headers_too_large"
+    CORS_REFUSED = "cors_refused"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,10 @@ ERROR_TABLE: dict[ErrorKind | HTTPKind, ErrorSpec] = {
     HTTPKind.MODEL_NOT_FOUND: ErrorSpec(404, "invalid_request_error", "model_not_found"),
     HTTPKind.METHOD_NOT_ALLOWED: ErrorSpec(405, "invalid_request_error", "method_not_allowed"),
     HTTPKind.UNSUPPORTED_MEDIA: ErrorSpec(415, "invalid_request_error", "unsupported_media_type"),
+    HTTPKind.HEAD_TIMEOUT: ErrorSpec(408, "timeout_error", "request_timeout"),
+    HTTPKind.REQUEST_LINE_TOO_LONG: ErrorSpec(414, "invalid_request_error", "request_line_too_long"),
+    HTTPKind.HEADERS_TOO_LARGE: ErrorSpec(431, "invalid_request_error", "request_headers_too_large"),
+    HTTPKind.CORS_REFUSED: ErrorSpec(400, "invalid_request_error", "cors_refused"),
 }
 
 
@@ -111,6 +120,8 @@ def from_exception(exc: BaseException) -> JSONResponse:
     if isinstance(exc, ValueError):  # SamplingParams and the tokenizer speak "field: why"
         message = str(exc)
         return error_response(ErrorKind.INVALID_REQUEST, message, param=param_of(message))
+    if isinstance(exc, ClientDisconnect):  # the client left (or was cut off) mid-body: no one to answer
+        return error_response(ErrorKind.INVALID_REQUEST, "the connection closed before the request body was read")
     log.exception("unhandled error", exc_info=exc)
     return error_response(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}")
 
