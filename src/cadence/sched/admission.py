@@ -184,4 +184,4 @@ _FLAG = {"requests": "max_queue_len", "prompt tokens": "max_queued_tokens"}
 
 def _queued(bound: QueueBound, waiting: RequestQueue) -> int:
     """What the queue holds of a bound, kept as a count (this runs for every arrival)."""
-    return len(waiting) if bound.size is _one else waiting.num_tokens
+    return len(waiting) if bound.unit == "requests" else waiting.num_tokens

@@ -151,13 +151,14 @@ class Scheduler:
             self._enqueue(request)
 
     def _check_ids(self, group: Sequence[Request]) -> None:
+        """Unique ids not in use, and one tenant (fair share weighs a group as its tenant's)."""
         ids = [r.request_id for r in group]
         taken = next((rid for rid in ids if rid in self.requests), None)
-        if taken is None and len(set(ids)) < len(ids):
+        if taken is None and len(group) > 1 and len(set(ids)) < len(ids):
             taken = next(rid for rid in ids if ids.count(rid) > 1)
         if taken is not None:
             raise AdmissionError(ErrorKind.INVALID_REQUEST, f"request id {taken!r} is already in use")
-        if len({r.tenant for r in group}) > 1:
+        if len(group) > 1 and len({r.tenant for r in group}) > 1:
             raise AdmissionError(ErrorKind.INVALID_REQUEST, "the requests of one group must share a tenant")
 
     def _enqueue(self, request: Request) -> None:
