@@ -94,15 +94,16 @@ def fair(server_factory):
 
 
 def test_the_over_share_tenant_is_refused_and_its_dropped_requests_are_answered(fair):
-    # The flood: a streaming request of two choices (one runs, one waits) and one more queued.
+    # The flood: a streaming request of two choices (one runs, one waits) and one more queued, also
+    # streaming (the same answer as a non-streaming one while nothing has been sent).
     stream = raw_post(fair.url, {"prompt": "A", "stream": True, "n": 2, **LONG}, FLOOD)
     read_until(stream, b"data: ")
     wait_for(lambda: state(fair) == (1, 1), what="one choice running, one waiting")
-    queued = raw_post(fair.url, {"prompt": "B", **LONG}, FLOOD)
+    queued = raw_post(fair.url, {"prompt": "B", "stream": True, **LONG}, FLOOD)
     wait_for(lambda: state(fair) == (1, 2), what="a full queue")
 
     # The trickler (weight 3) holds nothing: the flood's newest request makes room for it, and that
-    # request's client gets a real 429 (no header had been sent to it) with the reason.
+    # request's client gets a real 429 (no header is sent before the first token) with the reason.
     t1 = raw_post(fair.url, {"prompt": "C", "max_tokens": 3}, TRICKLE)
     status, headers, body = read_all(queued)
     error = json.loads(body)["error"]
