@@ -9,6 +9,7 @@ class ErrorKind(str, enum.Enum):
     INVALID_REQUEST = "invalid_request"  # 400: bad parameter, prompt too long, bad token id
     NOT_FOUND = "not_found"  # 404: unknown model or route
     QUEUE_FULL = "queue_full"  # 429: waiting queue bounded in requests or tokens
+    FAIR_SHARE = "fair_share"  # 429: a full queue, and the tenant over its fair share of it (--policy fair)
     TENANT_QUOTA = "tenant_quota"  # 429: a tenant over its cap
     DEADLINE = "deadline"  # 408-ish: deadline passed before service
     UNAVAILABLE = "unavailable"  # 503: draining or engine dead

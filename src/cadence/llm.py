@@ -133,7 +133,8 @@ class LLM:
                 raise TypeError(f"{name}: token ids must be integers, got {t!r}")
             if not 0 <= t < vocab:
                 raise ValueError(f"{name}: token id {t} is outside the vocabulary (size {vocab})")
-        for field_name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", [t for t, _ in p.logit_bias])):
+        for field_name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", [t for t, _ in p.logit_bias]),
+                                ("allowed_token_ids", p.allowed_token_ids or ())):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise ValueError(f"{field_name}: token id {bad} is outside the vocabulary (size {vocab})")
@@ -179,9 +180,11 @@ class LLM:
         while queue:
             req = queue[-1]
             try:
-                self.engine.core.add_request(req)
+                # The batch's own requests: never dropped from the queue for another of them.
+                self.engine.core.add_request(req, evict=False)
             except AdmissionError as e:
-                if e.kind == ErrorKind.QUEUE_FULL and self.engine.core.has_unfinished_requests():
+                busy = e.kind in (ErrorKind.QUEUE_FULL, ErrorKind.FAIR_SHARE)
+                if busy and self.engine.core.has_unfinished_requests():
                     return
                 raise ValueError(e.message) from None
             proc.add_request(req.request_id, req.sampling_params, req.prompt_token_ids)

@@ -17,6 +17,16 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_N = 16
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 16
+
+# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by a
+# smaller one overflows, and 1e-300 is 0.0 in float32.
+SAMPLING_EPS = 1e-5
+# Repetition penalties outside [MIN, MAX]: a seen token's logit divided by less than 0.01 only ever
+# forces repetition, and one near 0 (1e-300 is 0.0 in float32) turns logits into inf and NaN.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
 
 
 class RequestStatus(enum.IntEnum):
@@ -30,6 +40,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
     FINISHED_DEADLINE = 6
     FINISHED_ERROR = 7
+    FINISHED_EVICTED = 8  # dropped from the waiting queue for a fairer arrival (`error` says why)
 
     @property
     def is_finished(self) -> bool:
@@ -48,6 +59,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
     DEADLINE = "deadline"
     ERROR = "error"
+    EVICTED = "evicted"  # never reported as a finish: the client gets the refusal in `error`
 
 
 _STATUS_TO_REASON = {
@@ -56,6 +68,7 @@ _STATUS_TO_REASON = {
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_DEADLINE: FinishReason.DEADLINE,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_EVICTED: FinishReason.EVICTED,
 }
 
 
@@ -87,8 +100,9 @@ def _token_key(k: object) -> int:
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction (ValueError names the field).
 
-    temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 switch those filters off.
-    `seed` makes a request's samples reproducible whatever else shares its batch.
+    A temperature below SAMPLING_EPS (0 included) means greedy. top_k <= 0 and top_p == 1 and
+    min_p == 0 switch those filters off. `allowed_token_ids`, when given, are the only tokens that
+    may be sampled. `seed` makes a request's samples reproducible whatever else shares its batch.
     """
 
     max_tokens: int = 16
@@ -106,6 +120,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -127,6 +142,11 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         else:
             raise ValueError(f"stop_token_ids: must be a list of token ids, got {self.stop_token_ids!r}")
+        allowed = self.allowed_token_ids
+        if isinstance(allowed, (list, tuple)):
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+        elif allowed is not None:
+            raise ValueError(f"allowed_token_ids: must be a list of token ids, got {allowed!r}")
         bias = self.logit_bias
         if bias is None:
             bias = ()
@@ -151,9 +171,10 @@ class SamplingParams:
         _check(is_int(self.top_k) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: off)")
         _check(is_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         _check(
-            is_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            is_finite(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
-            "must be in (0, 10]",
+            f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
@@ -171,17 +192,22 @@ class SamplingParams:
             "logprobs",
             f"must be in [0, {MAX_LOGPROBS}]",
         )
-        _check(len(self.logit_bias) <= 1024, "logit_bias", "at most 1024 entries")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
         for tok, bias in self.logit_bias:
             _check(is_int(tok) and tok >= 0, "logit_bias", "keys must be non-negative token ids")
             _check(is_finite(bias) and -100.0 <= bias <= 100.0, "logit_bias", "values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _check(0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS, "allowed_token_ids",
+                   f"must list 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
+            _check(all(is_int(t) and t >= 0 for t in ids), "allowed_token_ids", "must be non-negative token ids")
         _check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @cached_property
     def needs_history(self) -> bool:
@@ -229,6 +255,7 @@ class Request:
     finished_time: float | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
     error: str | None = None
+    retry_after: float | None = None  # seconds, for a request that ended refused (evicted)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

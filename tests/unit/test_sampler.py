@@ -319,3 +319,56 @@ def test_sampler_routes_filtered_rows_to_the_kernel_and_stays_batch_invariant():
                                  req(SamplingParams(temperature=0.7, top_k=5, seed=2), "k")]).token_ids[0]
               for r in seeded]
     assert alone == beside and len(set(alone)) > 3
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def sampling_path(request, monkeypatch):
+    """Each random row drawn by the CPU sampling kernel, then by the torch ops (as on a GPU)."""
+    import cadence.model.sampler as sampler_module
+
+    if request.param == "kernel":
+        if sampler_module.cpu_kernels() is None:
+            pytest.skip("the CPU kernels are not built on this machine")
+    else:
+        monkeypatch.setattr(sampler_module, "cpu_kernels", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40])
+def test_a_temperature_below_the_epsilon_is_greedy(sampling_path, temperature):
+    # 1e-300 is 0.0 in float32: dividing the logits by it gave token 0 (kernel) or the last token (torch).
+    logits = rand_logits(4, seed=5)
+    reqs = [req(SamplingParams(temperature=temperature)), req(SamplingParams(temperature=1.0, seed=1))] * 2
+    out = Sampler()(logits, reqs).token_ids
+    assert [out[0], out[2]] == logits[[0, 2]].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46])
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(sampling_path, top_p):
+    # The torch path dropped every token (all -inf) and drew the vocabulary's last.
+    logits = rand_logits(3, seed=6)
+    out = Sampler()(logits, [req(SamplingParams(temperature=1.0, top_p=top_p, seed=i)) for i in range(3)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_allowed_token_ids_are_the_only_tokens_drawn(sampling_path):
+    logits = rand_logits(1, seed=7)[0].expand(400, V).contiguous()
+    allowed = (3, 11, 42)
+    params = [SamplingParams(temperature=2.0, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+              SamplingParams(temperature=1.0, top_k=2, allowed_token_ids=allowed, logit_bias={3: -100.0})]
+    out = Sampler(seed=3)(logits, [req(params[i % 3]) for i in range(400)]).token_ids
+    assert set(out) <= set(allowed) and len(set(out[0::3])) > 1
+    assert set(out[1::3]) == {max(allowed, key=lambda t: logits[0, t].item())}  # greedy among the allowed
+    assert 3 not in out[2::3]
+
+
+def test_min_tokens_yields_when_only_stop_tokens_are_allowed(sampling_path):
+    logits = rand_logits(2, seed=8)
+    p = SamplingParams(temperature=1.0, min_tokens=4, stop_token_ids=(5,), allowed_token_ids=(5, 7))
+    s = Sampler(seed=1)
+    # Of the allowed tokens, min_tokens blocks the stop token 5: 7 is drawn...
+    assert s(logits[:1], [req(p, eos=frozenset({9}))]).token_ids == [7]
+    # ...but when 7 is the end-of-text token, every allowed token is a stop token: one of them is
+    # drawn (the request ends early) rather than a token that was not allowed.
+    assert s(logits[:1], [req(p, eos=frozenset({7}))]).token_ids[0] in (5, 7)

@@ -344,17 +344,13 @@ class AsyncEngine:
                 log.exception("applying %s failed", type(item).__name__)
 
     def _admit(self, add: AddItem) -> None:
-        group, added = add.group, []
+        group = add.group
         try:
             self._check_open()
             if group.request_id in self._groups:
                 raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {group.request_id!r} is in use")
-            for req in add.requests:
-                self.core.add_request(req)
-                added.append(req)
+            self.core.add_requests(add.requests)  # all or nothing
         except Exception as exc:
-            if added:
-                self.core.abort_requests([r.request_id for r in added])
             self._call(group.loop, self._resolve, add.future, self._admission_error(exc))
             return
         for req in add.requests:
@@ -366,7 +362,7 @@ class AsyncEngine:
         self._call(group.loop, self._resolve, add.future, None)
 
     def _admission_error(self, exc: Exception) -> CadenceError:
-        busy = (ErrorKind.QUEUE_FULL, ErrorKind.TENANT_QUOTA)
+        busy = (ErrorKind.QUEUE_FULL, ErrorKind.FAIR_SHARE, ErrorKind.TENANT_QUOTA)
         if isinstance(exc, AdmissionError) and exc.kind in busy and exc.retry_after is None:
             exc.retry_after = self.drain_rate.retry_after()
         if isinstance(exc, CadenceError):

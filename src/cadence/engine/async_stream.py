@@ -16,7 +16,7 @@ from cadence.clock import Clock
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import CadenceError, ErrorKind
 from cadence.metrics.stats import SchedulerStats
-from cadence.request import Request
+from cadence.request import FinishReason, Request
 
 
 @dataclass
@@ -80,6 +80,10 @@ class RequestStream:
         ):  # a deadline delta also carries `error`: it is a finish, not a failure
             self._finish_early()
             raise CadenceError(ErrorKind.INTERNAL, f"generation failed: {item.error}")
+        if item.finish_reason == FinishReason.EVICTED.value:  # dropped from the queue: a refusal
+            self._finish_early()
+            raise CadenceError(ErrorKind.FAIR_SHARE, item.error or "dropped from the waiting queue",
+                               retry_after=item.retry_after)
         if item.finished:
             self._open -= 1
         return item

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import accumulate
 
 from cadence.clock import Clock, RealClock
@@ -121,15 +121,23 @@ class EngineCore:
         return self.scheduler.last_decoded
 
     # ------------------------------------------------------------------ requests in and out
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, *, evict: bool = True) -> None:
         """Queue a request; raises AdmissionError (the server maps its kind to an HTTP status)."""
+        self.add_requests((request,), evict=evict)
+
+    def add_requests(self, group: Sequence[Request], *, evict: bool = True) -> None:
+        """Queue one client request's engine requests all or nothing; raises AdmissionError.
+        Admission may drop queued requests of a tenant over its fair share to make room (not with
+        `evict` False): they end with finish reason `evicted`, their refusal in the final
+        delta's `error`, returned by the next `step`."""
         self._check_no_stretch()
         now = self.clock.now()
-        if request.arrival_time == 0.0:
-            request.arrival_time = now
-        if not request.eos_token_ids:
-            request.eos_token_ids = self.eos_token_ids
-        self.scheduler.add_request(request, now)
+        for request in group:
+            if request.arrival_time == 0.0:
+                request.arrival_time = now
+            if not request.eos_token_ids:
+                request.eos_token_ids = self.eos_token_ids
+        self.scheduler.add_requests(group, now, evict=evict)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestDelta]:
         """Abort requests (a client went away); frees their blocks at once. Unknown ids are ignored."""

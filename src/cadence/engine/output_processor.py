@@ -30,6 +30,7 @@ class StreamDelta:
     num_output_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    retry_after: float | None = None  # seconds, when the request ended refused (evicted from the queue)
 
     @property
     def finished(self) -> bool:
@@ -103,6 +104,7 @@ class OutputProcessor:
             num_output_tokens=st.num_output_tokens,
             metrics=d.metrics,
             error=d.error,
+            retry_after=d.retry_after,
         )
 
 

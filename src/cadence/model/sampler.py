@@ -1,7 +1,9 @@
 """Batched sampling: one float32 logits row per request that samples this step.
 
-Order of operations per row (as vLLM does it): logit_bias and min_tokens -> repetition, presence and
-frequency penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> random draw.
+Order of operations per row (as vLLM does it): allowed_token_ids -> logit_bias and min_tokens ->
+repetition, presence and frequency penalties -> greedy argmax (a temperature below SAMPLING_EPS), or
+temperature -> top-k -> top-p -> min-p -> random draw. A filter always keeps the most likely token, so
+a row always has a token to draw (top_p = 1e-300 is 0.0 in float32: it keeps that one token).
 Logprobs are reported from the model's raw distribution (log_softmax of the unprocessed logits), so
 they say what the model believed, not what the filters left.
 
@@ -48,9 +50,10 @@ def _is_plain_greedy(r: ScheduledRequest) -> bool:
 
 
 def _needs_processing(r: ScheduledRequest) -> bool:
-    """Whether `Sampler._processed` changes this row's logits (bias, blocked stop tokens, penalties)."""
+    """Whether `Sampler._processed` changes this row's logits (allowed tokens, bias, blocked stop
+    tokens, penalties)."""
     p = r.sampling_params
-    return bool(p.logit_bias) or p.needs_history or _blocks_stop_tokens(r)
+    return bool(p.logit_bias) or p.needs_history or _blocks_stop_tokens(r) or p.allowed_token_ids is not None
 
 
 def _blocks_stop_tokens(r: ScheduledRequest) -> bool:
@@ -89,12 +92,13 @@ class Sampler:
         for i, r in enumerate(reqs):
             p = r.sampling_params
             row = logits[i]
+            if p.allowed_token_ids is not None:
+                _keep_only(row, p.allowed_token_ids)
             if p.logit_bias:
                 toks, bias = _bias_tensors(p, vocab, logits.device)
                 row.index_add_(0, toks, bias)
             if _blocks_stop_tokens(r):
-                blocked = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
-                row[blocked] = float("-inf")
+                _block_stop_tokens(row, [t for t in (*r.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab])
             if p.needs_history:
                 apply_penalties(row, r)
         return logits
@@ -186,6 +190,27 @@ def step_seed(seed: int, step: int) -> int:
     return ((seed * _MIX) ^ (step + 1) * 0xBF58476D1CE4E5B9) % (2**63)
 
 
+def _keep_only(row: torch.Tensor, allowed: tuple[int, ...]) -> None:
+    """Every token but `allowed` (those inside the vocabulary; the LLM and the server refuse the
+    others) gets -inf, in place on [V]."""
+    vocab = row.shape[0]
+    ids = torch.tensor([t for t in allowed if t < vocab], dtype=torch.long, device=row.device)
+    if not ids.numel():
+        return
+    keep = row[ids]
+    row.fill_(float("-inf"))
+    row[ids] = keep
+
+
+def _block_stop_tokens(row: torch.Tensor, blocked: list[int]) -> None:
+    """min_tokens: the stop tokens get -inf, unless they are all that is left to sample (every other
+    token filtered by allowed_token_ids): a stop token then beats a token that was not allowed."""
+    kept = row[blocked].clone()
+    row[blocked] = float("-inf")
+    if not bool((row > float("-inf")).any()):
+        row[blocked] = kept
+
+
 def _bias_tensors(p: SamplingParams, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     pairs = [(t, b) for t, b in p.logit_bias if t < vocab]
     toks = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device)
@@ -247,8 +272,9 @@ def _top_k_top_p(logits: torch.Tensor, ks: list[int], top_ps: list[float], width
     lse_k = torch.logsumexp(vals.masked_fill(rank >= k_t[:, None], float("-inf")), dim=-1, keepdim=True)
     lse = torch.where(k_t[:, None] < vocab, lse_k, lse_all)
     probs = (vals - lse).exp().masked_fill(rank >= k_t[:, None], 0.0)
-    mass_before = probs.cumsum(dim=-1) - probs  # the top token always stays: its mass_before is 0
-    drop = (rank >= k_t[:, None]) | (mass_before >= p_t[:, None])
+    mass_before = probs.cumsum(dim=-1) - probs
+    # The top token always stays, even for a top_p that rounds to 0 in float32.
+    drop = (rank >= k_t[:, None]) | ((mass_before >= p_t[:, None]) & (rank > 0))
     out = torch.full_like(logits, float("-inf")).scatter_(1, idx, vals.masked_fill(drop, float("-inf")))
     # A top-p row (without a top-k inside the candidates) whose candidates hold less than top_p.
     short = (mass_before[:, -1] + probs[:, -1] < p_t) & (k_t > width) & (p_t < 1.0)

@@ -198,6 +198,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # set on the last delta
     error: str | None = None
+    retry_after: float | None = None  # seconds, on the last delta of a request ended refused (evicted)
 
     @property
     def finished(self) -> bool:

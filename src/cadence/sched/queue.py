@@ -2,7 +2,10 @@
 
 The scheduler only asks a queue for the next request it may admit (`peek(eligible)`), takes it
 out (`remove`), returns preempted requests to it (`push_front`) and reports service
-(`account`). It never asks which policy it holds.
+(`account`). It never asks which policy it holds. Admission control asks it one more thing: what
+to do with arrivals that would overflow a bounded queue (`overflow`). Every policy but fair share
+answers "refuse them"; fair share refuses them only when their tenant is the one over its share of
+the queue, and otherwise names the queued requests to drop to make room.
 
 `push_front` puts a preempted request ahead of everything it ties with: the absolute head for
 FCFS, the head of its priority class, the head of its tenant's line, the head of its deadline.
@@ -16,7 +19,8 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from cadence.config import SchedulerConfig
 from cadence.request import Request
@@ -28,6 +32,44 @@ Eligible = Callable[[Request], bool]
 OUTPUT_TOKEN_WEIGHT = 2.0
 # A request without a deadline is ranked as if it had this much slack, so aging can reach it.
 NO_DEADLINE_SLACK = 60.0
+
+
+@dataclass(frozen=True)
+class QueueBound:
+    """One limit on the waiting queue: at most `limit` of what `size` counts per request."""
+
+    limit: int
+    unit: str  # what is counted, for messages: "requests", "prompt tokens"
+    size: Callable[[Request], int]
+
+    def total(self, requests: Iterable[Request]) -> int:
+        return sum(self.size(r) for r in requests)
+
+
+@dataclass(frozen=True)
+class ShareUse:
+    """What a tenant holds of a bounded queue, against its fair share of it."""
+
+    tenant: str
+    held: float
+    share: float
+    bound: QueueBound
+
+    def describe(self) -> str:
+        b = self.bound
+        return f"{self.held:g} of the {b.limit} queued {b.unit}, over its share of {self.share:.3g}"
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """A policy's answer to arrivals that would overflow the queue.
+
+    `over_share`: refuse them, their tenant would hold more than its share. `evict`: make room by
+    ending these queued requests (each with what its tenant held). Neither: refuse them, naming
+    the queue only (every policy but fair share, or no tenant to take the room from)."""
+
+    over_share: ShareUse | None = None
+    evict: tuple[tuple[Request, ShareUse], ...] = ()
 
 
 class RequestQueue(ABC):
@@ -87,6 +129,11 @@ class RequestQueue(ABC):
         """Whether `peek` keeps its answer while requests are only serviced (none added or removed).
         True unless the order follows service, as fair share's does."""
         return True
+
+    def overflow(self, arrivals: Sequence[Request], bounds: Sequence[QueueBound]) -> Overflow:
+        """`arrivals` (one client request: the same tenant) would take the queue over each of
+        `bounds`. Changes nothing; see `Overflow`. By default: refuse them, whoever sent them."""
+        return Overflow()
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -316,6 +363,49 @@ class FairQueue(RequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         return iter([r for line in self._lines.values() for r in line.values()])
+
+    def overflow(self, arrivals: Sequence[Request], bounds: Sequence[QueueBound]) -> Overflow:
+        """Fair share of the queue itself: each backlogged tenant (and the arrivals') is entitled
+        to `limit * weight / total weight` of each bound. While a bound is exceeded, the tenant
+        holding the most per unit of weight gives up its newest request that has not started
+        (a preempted one keeps its place), provided it holds more per weight than the arrivals'
+        tenant would with them; otherwise the arrivals are refused: over their tenant's share
+        when it would hold more than that share, else for the queue alone (the room is held by
+        requests that cannot be dropped)."""
+        tenant = arrivals[0].tenant
+        held = {b: self._held(b) for b in bounds}
+        totals = {b: sum(held[b].values()) + b.total(arrivals) for b in bounds}
+        for b in bounds:
+            held[b][tenant] = held[b].get(tenant, 0) + b.total(arrivals)
+        count = {t: len(line) for t, line in self._lines.items()}
+        count[tenant] = count.get(tenant, 0) + len(arrivals)
+        # Evictable requests, newest first: not yet started, so nothing was streamed to their clients.
+        spare = {t: [r for r in reversed(line.values()) if r.first_scheduled_time is None]
+                 for t, line in self._lines.items() if t != tenant}
+        evict: list[tuple[Request, ShareUse]] = []
+        while (b := next((b for b in bounds if totals[b] > b.limit), None)) is not None:
+            weights = {t: self.weight(t) for t in count}
+            per_weight = {t: held[b].get(t, 0) / w for t, w in weights.items()}
+            donor = max((t for t in spare if spare[t]), key=lambda t: per_weight[t], default=None)
+            if donor is None or per_weight[donor] <= per_weight[tenant]:
+                share = b.limit * weights[tenant] / sum(weights.values())
+                if held[b][tenant] > share:
+                    return Overflow(over_share=ShareUse(tenant, held[b][tenant], share, b))
+                return Overflow()
+            victim = spare[donor].pop(0)
+            share = b.limit * weights[donor] / sum(weights.values())
+            evict.append((victim, ShareUse(donor, held[b][donor], share, b)))
+            for bb in bounds:
+                size = bb.size(victim)
+                held[bb][donor] -= size
+                totals[bb] -= size
+            count[donor] -= 1
+            if not count[donor]:  # its line is empty: the shares divide among the others
+                del count[donor]
+        return Overflow(evict=tuple(evict))
+
+    def _held(self, bound: QueueBound) -> dict[str, int]:
+        return {t: bound.total(line.values()) for t, line in self._lines.items()}
 
 
 _FACTORIES: dict[str, Callable[[SchedulerConfig], RequestQueue]] = {

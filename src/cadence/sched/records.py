@@ -90,6 +90,7 @@ def token_delta(req: Request, token: int, lps: tuple[TokenLogprobs, ...]) -> Req
     fields["num_cached_tokens"] = req.num_cached_tokens
     fields["metrics"] = None
     fields["error"] = None
+    fields["retry_after"] = None
     return delta
 
 
@@ -106,6 +107,7 @@ def final_delta(req: Request, tokens: tuple[int, ...] = (), lps: tuple[TokenLogp
         req.num_cached_tokens,
         request_metrics(req),
         req.error,
+        req.retry_after,
     )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cadence.config import CacheConfig, SchedulerConfig
@@ -127,15 +127,41 @@ class Scheduler:
         self._now = 0.0
 
     # ------------------------------------------------------------------ admission
-    def add_request(self, request: Request, now: float) -> None:
+    def add_request(self, request: Request, now: float, *, evict: bool = True) -> None:
         """Queue a request, or raise AdmissionError (too long, queue full, deadline passed)."""
+        self.add_requests((request,), now, evict=evict)
+
+    def add_requests(self, group: Sequence[Request], now: float, *, evict: bool = True) -> None:
+        """Queue one client request's engine requests (its choices; one tenant) all or nothing, or
+        raise AdmissionError. Admission may first drop queued requests to make room (the queue's
+        policy decides; never with `evict` False): each ends FINISHED_EVICTED with its refusal in
+        `error` and `retry_after`, its final delta out with the next `update`."""
         try:
-            if request.request_id in self.requests:
-                raise AdmissionError(ErrorKind.INVALID_REQUEST, f"request id {request.request_id!r} is already in use")
-            self.admission.check(request, self.waiting, now)
+            self._check_ids(group)
+            evictions = self.admission.check(group, self.waiting, now, evict=evict)
         except AdmissionError as e:
             self._stats.rejections[e.kind.value] = self._stats.rejections.get(e.kind.value, 0) + 1
             raise
+        for ev in evictions:
+            victim = ev.request
+            victim.retry_after = ev.error.retry_after
+            self._finish(victim, RequestStatus.FINISHED_EVICTED, now, error=ev.error.message)
+            self._pending_deltas.append(final_delta(victim))
+        for request in group:
+            self._enqueue(request)
+
+    def _check_ids(self, group: Sequence[Request]) -> None:
+        """Unique ids not in use, and one tenant (fair share weighs a group as its tenant's)."""
+        ids = [r.request_id for r in group]
+        taken = next((rid for rid in ids if rid in self.requests), None)
+        if taken is None and len(group) > 1 and len(set(ids)) < len(ids):
+            taken = next(rid for rid in ids if ids.count(rid) > 1)
+        if taken is not None:
+            raise AdmissionError(ErrorKind.INVALID_REQUEST, f"request id {taken!r} is already in use")
+        if len(group) > 1 and len({r.tenant for r in group}) > 1:
+            raise AdmissionError(ErrorKind.INVALID_REQUEST, "the requests of one group must share a tenant")
+
+    def _enqueue(self, request: Request) -> None:
         if self._salt_with_tenant and request.cache_salt is None:
             request.cache_salt = request.tenant
         request.status = RequestStatus.WAITING
@@ -897,7 +923,8 @@ class Scheduler:
         req.error = error
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-        self.admission.drain.record(now)
+        if status is not RequestStatus.FINISHED_EVICTED:  # a drop is no service: not a drain
+            self.admission.drain.record(now)
         self._stats.finished.append(finished_stats(req))
 
     def _close_stats(self) -> None:

@@ -54,6 +54,7 @@ ERROR_TABLE: dict[ErrorKind | HTTPKind, ErrorSpec] = {
     ErrorKind.NOT_FOUND: ErrorSpec(404, "invalid_request_error", "not_found"),
     ErrorKind.QUEUE_FULL: ErrorSpec(429, "rate_limit_error", "queue_full"),
     ErrorKind.TENANT_QUOTA: ErrorSpec(429, "rate_limit_error", "tenant_quota_exceeded"),
+    ErrorKind.FAIR_SHARE: ErrorSpec(429, "rate_limit_error", "fair_share_exceeded"),
     ErrorKind.DEADLINE: ErrorSpec(408, "timeout_error", "deadline_exceeded"),
     ErrorKind.UNAVAILABLE: ErrorSpec(503, "service_unavailable_error", "unavailable"),
     ErrorKind.INTERNAL: ErrorSpec(500, "server_error", "internal_error"),

@@ -198,6 +198,7 @@ class InputBuilder:
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
         self.check_ids(list(bias), "logit_bias")
         self.check_ids(body.stop_token_ids or [], "stop_token_ids")
+        self.check_ids(body.allowed_token_ids or [], "allowed_token_ids")
         options = {
             "temperature": body.temperature,
             "top_p": body.top_p,
@@ -218,6 +219,7 @@ class InputBuilder:
                 min_tokens=body.min_tokens,
                 logprobs=logprobs,
                 logit_bias=tuple(bias.items()),
+                allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
                 **{k: v for k, v in options.items() if v is not None},

@@ -12,7 +12,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from cadence.request import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+from cadence.request import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    MIN_REPETITION_PENALTY,
+)
 
 # Caps beyond SamplingParams': they bound the work and memory one request can ask for.
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
@@ -22,7 +31,6 @@ MAX_MESSAGES = 1024
 MAX_CHAT_TEMPLATE_CHARS = 65536
 MAX_USER_CHARS = 256
 MAX_DEADLINE_S = 86400.0
-MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = (1 << 31) - 1  # larger ids cannot be in any vocabulary; the vocab check comes later
 
@@ -52,12 +60,17 @@ class SamplingFields(StrictModel):
     seed: int | None = Field(default=None, ge=0, lt=1 << 63)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(
+        default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     stop: StopStr | list[StopStr] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_CAP)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
+    )
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

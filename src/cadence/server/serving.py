@@ -173,8 +173,10 @@ class OpenAIServing:
             stream = await self._submit(job)
             try:
                 first = await self._first(stream)
-            except BaseException:
+            except BaseException as e:
                 await stream.aclose()
+                if isinstance(e, CadenceError) and e.kind is ErrorKind.FAIR_SHARE:
+                    self._count_refusal(e.kind)  # dropped from the queue for another tenant's request
                 raise
             if job.stream:
                 watcher.stop()  # from here on Starlette notices the disconnect and cancels the stream

@@ -43,8 +43,10 @@ from cadence.sim.synth import PromptSynth
 from cadence.workload import Workload, WorkloadRequest
 
 # HTTP status a client of `cadence serve` would have seen for each refusal.
-_STATUS = {ErrorKind.INVALID_REQUEST: 400, ErrorKind.QUEUE_FULL: 429, ErrorKind.TENANT_QUOTA: 429,
-           ErrorKind.DEADLINE: 408, ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500}
+_STATUS = {ErrorKind.INVALID_REQUEST: 400, ErrorKind.QUEUE_FULL: 429, ErrorKind.FAIR_SHARE: 429,
+           ErrorKind.TENANT_QUOTA: 429, ErrorKind.DEADLINE: 408, ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500}
+# HTTP status of a request that ended without success, by finish reason (evicted: refused from the queue).
+_END_STATUS = {"deadline": 408, "evicted": 429}
 _OK_REASONS = ("stop", "length")
 _INF = math.inf
 # Longest decode stretch planned at once: its step times are a list, and a request arriving early
@@ -435,6 +437,8 @@ class Simulator:
 
     def _finish(self, d: Any, rec: RequestRecord, rep: _Replica, rel: float) -> None:
         m = d.metrics
+        if d.retry_after is not None:
+            rec.retry_after = d.retry_after
         self._end(d.request_id, rec, rep, rel, d.finish_reason.value, None if m is None else m.queue_time, d.error)
 
     def _end(self, rid: str, rec: RequestRecord, rep: _Replica, rel: float, reason: str, queue_time: float | None,
@@ -448,7 +452,7 @@ class Simulator:
         if reason in _OK_REASONS:
             rec.status = 200
         else:
-            rec.status = 408 if reason == "deadline" else 500
+            rec.status = _END_STATUS.get(reason, 500)
             rec.error = f"{reason}: {error}" if error else reason
         self._outstanding[rep.index] -= 1
         self._client.on_done(rel)
