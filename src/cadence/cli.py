@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cadence.config import EngineConfig, ServerConfig, engine_option_fields
+from cadence.config import OPTION_CHOICES, OPTION_HELP, EngineConfig, ServerConfig, engine_option_fields
 from cadence.config import parse_size as config_parse_size
 from cadence.request import SamplingParams
 
@@ -58,7 +58,10 @@ def add_engine_args(parser: argparse.ArgumentParser, shown_defaults: dict[str, A
     shown = shown_defaults or {}
     for _section, f in engine_option_fields():
         kind = str(f.type)
-        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"(default: {shown.get(f.name, f.default)!r})"}
+        default = readable_default(f.name, shown.get(f.name, f.default))
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{OPTION_HELP[f.name]} (default: {default})"}
+        if f.name in OPTION_CHOICES:
+            kw["choices"] = OPTION_CHOICES[f.name]
         if f.name == "kv_cache_memory":
             kw["type"] = parse_size
         elif f.name == "tenant_weights":
@@ -72,6 +75,19 @@ def add_engine_args(parser: argparse.ArgumentParser, shown_defaults: dict[str, A
         group.add_argument(_flag(f.name), **kw)
 
 
+def readable_default(name: str, value: Any) -> str:
+    """A default as a person reads it: sizes in units, booleans on/off, empty and None as none."""
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if name == "kv_cache_memory" and isinstance(value, int):
+        for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if value % size == 0:
+                return f"{value // size}{unit}"
+    return str(value)
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     options = {f.name: getattr(args, f.name) for _, f in engine_option_fields() if getattr(args, f.name, None) is not None}
     return EngineConfig.from_options(**options)
@@ -82,20 +98,25 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="GGUF file or Hugging Face directory")
     add_engine_args(p)
     s = p.add_argument_group("server options")
-    s.add_argument("--host", default=ServerConfig.host)
-    s.add_argument("--port", type=int, default=ServerConfig.port)
+    s.add_argument("--host", default=ServerConfig.host, help="address to listen on (default %(default)s)")
+    s.add_argument("--port", type=int, default=ServerConfig.port, help="port to listen on (default %(default)s)")
     s.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     s.add_argument("--api-key-tenant", action="append", default=[], metavar="KEY=TENANT",
                    help="requests with KEY belong to TENANT; turns on prefix-cache isolation between tenants")
-    s.add_argument("--max-body-bytes", type=parse_size, default=ServerConfig.max_body_bytes)
-    s.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout)
-    s.add_argument("--allow-request-chat-template", action="store_true")
+    s.add_argument("--max-body-bytes", type=parse_size, default=ServerConfig.max_body_bytes,
+                   help="largest request body; larger ones get 413 (default 1MiB)")
+    s.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
+                   help="seconds requests in flight get to finish after SIGTERM (default %(default)s)")
+    s.add_argument("--allow-request-chat-template", action="store_true",
+                   help="accept a chat_template field in requests (rendered under the chat template limits)")
     s.add_argument("--slo-ttft", type=float, default=None, help="seconds; counted in the goodput metric")
     s.add_argument("--slo-itl", type=float, default=None, help="seconds; counted in the goodput metric")
     s.add_argument("--tenant-max-requests", type=int, default=None,
                    help="in-flight requests per tenant; beyond it that tenant gets 429 while others are served")
-    s.add_argument("--max-tenant-labels", type=int, default=ServerConfig.max_tenant_labels)
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--max-tenant-labels", type=int, default=ServerConfig.max_tenant_labels,
+                   help="tenants with a metrics label of their own; the rest count as 'other' (default %(default)s)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log verbosity (default %(default)s)")
     s.add_argument("--tiny", action="store_true", help="a tiny random-weight model with the real tokenizer (testing)")
     _add_http_limits(p)
     _add_cors(p)
@@ -179,10 +200,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                                      "is 2 if any line was refused")
     p.add_argument("--output", default="-", help="JSONL results (default: stdout)")
     p.add_argument("--chat", action="store_true", help="treat --prompt as a user message and apply the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's top_p; 1: off (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0: off (default %(default)s)")
     p.add_argument("--sampling-seed", dest="sample_seed", type=int, default=None, help="seed of each request")
     p.add_argument("--tiny", action="store_true", help="a tiny random-weight model with the real tokenizer (testing)")
     add_engine_args(p)

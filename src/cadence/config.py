@@ -284,6 +284,46 @@ def option_flags(name: str, value: Any) -> list[str]:
     return [f"--{flag}", str(value)]
 
 
+# One line of help per engine option: `cadence serve --help` and `cadence generate --help` show it
+# with the option's choices and default (tests/unit/test_cli_help.py checks that none is missing).
+OPTION_HELP: dict[str, str] = {
+    "model": "GGUF file or Hugging Face directory to serve (none: the default model, SmolLM2-135M-Instruct)",
+    "dtype": "weights and activations; auto: bfloat16 where the CPU or GPU computes it fast, else float32",
+    "device": "auto: CUDA when present, else the CPU",
+    "max_model_len": "longest context (prompt + output) a request may use (none: the model's, at most 8192)",
+    "served_model_name": "the model name the API answers to (none: the file's name)",
+    "seed": "seeds sampling of requests that give no seed",
+    "num_threads": "torch and kernel threads (none: one per core)",
+    "step_timeout": "seconds one engine step may run before the server reports itself unhealthy; 0: no watchdog",
+    "chat_template_timeout": "seconds rendering one chat with a chat template may take",
+    "chat_template_max_chars": "characters a chat template may output, or build in any one string",
+    "chat_template_max_iterations": "loop iterations and calls rendering one chat may take",
+    "block_size": "tokens per KV cache block (a power of two up to 128)",
+    "kv_cache_memory": "size of the KV cache (512MiB, 2GiB, or bytes); the block count follows and is logged",
+    "num_kv_blocks": "KV cache blocks, overriding --kv-cache-memory (none: from --kv-cache-memory)",
+    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before",
+    "tenant_isolation": "prefix-cache hits only within a tenant (hashes salted with the tenant)",
+    "prefix_caching_hash_algo": "block hash: sha256 (collisions cannot be crafted) or builtin (cheaper; trusted traffic)",
+    "scheduler": "continuous: iteration-level batching; static: a batch runs until its last request ends",
+    "policy": "order of the waiting queue: fcfs, priority (lower value first), fair (per-tenant shares), "
+              "deadline (earliest first)",
+    "max_num_seqs": "requests running at once",
+    "max_num_batched_tokens": "tokens one step may compute (prefill chunks and decodes together)",
+    "enable_chunked_prefill": "split long prompts across steps, sharing them with decodes",
+    "long_prefill_token_threshold": "tokens one request's prefill chunk may take in a step; 0: only the step's budget",
+    "max_num_partial_prefills": "requests that may be part-way through their prefill at once",
+    "max_queue_len": "requests that may wait; beyond it new ones get 429",
+    "max_queued_tokens": "prompt tokens that may wait; beyond it 429 (none: no bound)",
+    "tenant_max_running": "running requests per tenant; more wait (none: no cap)",
+    "tenant_weights": "fair-share weights, NAME=WEIGHT[,NAME=WEIGHT...]; unnamed tenants weigh 1",
+    "deadline_aging": "seconds of waiting that count as one second nearer a deadline (deadline policy)",
+}
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": DTYPES, "device": DEVICES, "scheduler": SCHEDULERS, "policy": POLICIES,
+    "prefix_caching_hash_algo": HASH_ALGOS,
+}
+
+
 def engine_option_fields() -> list[tuple[str, dataclasses.Field]]:
     """(section, field) for every engine option, in declaration order: the CLI derives flags from it."""
     return [(sec, f) for sec, cls in _SECTIONS.items() for f in fields(cls)]

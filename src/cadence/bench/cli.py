@@ -148,8 +148,10 @@ def _add_vllm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=None, help="with --host: the server at http://HOST:PORT")
     g.add_argument("--dataset-name", choices=("random",), default=None,
                    help="random: prompts of --random-input-len tokens asking for --random-output-len")
-    g.add_argument("--random-input-len", type=int, default=1024, help="(default %(default)s)")
-    g.add_argument("--random-output-len", type=int, default=128, help="(default %(default)s)")
+    g.add_argument("--random-input-len", type=int, default=1024,
+                   help="random dataset: prompt tokens (default %(default)s)")
+    g.add_argument("--random-output-len", type=int, default=128,
+                   help="random dataset: output tokens (default %(default)s)")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [L (1 - r), L (1 + r)] (default %(default)s)")
     g.add_argument("--ignore-eos", action="store_true",

@@ -53,7 +53,7 @@ def add_parser(subparsers: Any) -> None:
     r = p.add_argument_group("report")
     r.add_argument("--slo", action="append", default=[], metavar="KEY=SECONDS", help="goodput objective, as in bench")
     r.add_argument("--out", default=None, help="directory for summary.json, requests.jsonl and latency_cdf.png")
-    r.add_argument("--label", default=None)
+    r.add_argument("--label", default=None, help="name of this run in reports and comparisons")
     p.set_defaults(func=run_sim)
     sub = p.add_subparsers(dest="sim_action", metavar="{plan}")
     q = sub.add_parser("plan", help="fewest replicas (and engine options) meeting latency SLOs",
@@ -63,9 +63,10 @@ def add_parser(subparsers: Any) -> None:
                    help="objective, repeatable: e.g. ttft_p95=1.0, itl_p95=0.2")
     q.add_argument("--grid", action="append", default=[], metavar="OPTION=V1,V2",
                    help="engine option values to try, repeatable: max_num_seqs=32,64,128")
-    q.add_argument("--max-replicas", type=int, default=64)
+    q.add_argument("--max-replicas", type=int, default=64,
+                   help="largest fleet to try before calling the objectives infeasible (default %(default)s)")
     q.add_argument("--max-error-rate", type=float, default=0.0, help="fraction of servable requests allowed to fail")
-    q.add_argument("--label", default=None)
+    q.add_argument("--label", default=None, help="name of this plan in its report")
     q.set_defaults(func=run_plan, slo=[])
 
     c = subparsers.add_parser("calibrate", help="time real steps of the model and fit the simulator's cost profile")
