@@ -107,6 +107,9 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = 1 * GiB  # bytes of K/V; the block count follows and is logged at start-up
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, simulations)
+    # A share of the memory available once the model is loaded (vLLM's --gpu-memory-utilization,
+    # for the KV cache alone); overrides kv_cache_memory, resolved and logged at start-up.
+    kv_cache_memory_fraction: float | None = None
     enable_prefix_caching: bool = True
     tenant_isolation: bool = False  # salt prefix-cache hashes with the tenant
     # sha256: collisions cannot be crafted; builtin: Python's hash(), ~3x cheaper, for trusted traffic
@@ -117,6 +120,8 @@ class CacheConfig:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128")
         _require(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+        _require(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 0.95,
+                 "kv_cache_memory_fraction", "must be in (0, 0.95]: the rest is the process's own")
         _require(self.prefix_caching_hash_algo in HASH_ALGOS, "prefix_caching_hash_algo", f"must be one of {HASH_ALGOS}")
 
 
@@ -301,6 +306,8 @@ OPTION_HELP: dict[str, str] = {
     "block_size": "tokens per KV cache block (a power of two up to 128)",
     "kv_cache_memory": "size of the KV cache (512MiB, 2GiB, or bytes); the block count follows and is logged",
     "num_kv_blocks": "KV cache blocks, overriding --kv-cache-memory (none: from --kv-cache-memory)",
+    "kv_cache_memory_fraction": "KV cache as a share of the memory available once the model is loaded "
+                                "(RAM on CPU, free GPU memory on CUDA), overriding --kv-cache-memory",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before",
     "tenant_isolation": "prefix-cache hits only within a tenant (hashes salted with the tenant)",
     "prefix_caching_hash_algo": "block hash: sha256 (collisions cannot be crafted) or builtin (cheaper; trusted traffic)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from cadence.cli import main
 from cadence.config import EngineConfig, parse_size
@@ -134,3 +135,21 @@ def test_sim_profile_that_is_not_an_object_is_a_clear_error(tmp_path, capsys) ->
     bad.write_text("[]\n")  # was an AttributeError traceback
     assert main([*_SIM, "--rate", "5", "--profile", str(bad)]) == 2
     assert f"{bad}: malformed profile" in capsys.readouterr().err
+
+
+def test_kv_cache_memory_fraction_resolves_to_bytes_and_is_logged(monkeypatch, caplog) -> None:
+    """A share of the memory available after the weights load, as bytes of KV cache, said in the log."""
+    import logging
+
+    from cadence.engine import builder
+    from cadence.engine.builder import build_engine
+
+    monkeypatch.setattr(builder, "available_memory", lambda device: 8 << 30)
+    with caplog.at_level(logging.INFO):
+        engine = build_engine(EngineConfig.from_options(kv_cache_memory_fraction=0.001, dtype="float32"), tiny=True)
+    per_block = engine.core.executor.kv_bytes_per_block(16)
+    assert engine.core.num_blocks == int((8 << 30) * 0.001) // per_block
+    assert "0.001 of the 8.00 GiB available on cpu" in caplog.text
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction: must be in"):
+        EngineConfig.from_options(kv_cache_memory_fraction=1.5)
+    assert builder.available_memory(torch.device("cpu")) > 0  # the real /proc/meminfo reading

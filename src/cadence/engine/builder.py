@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from cadence.clock import Clock
-from cadence.config import EngineConfig
+from cadence.config import EngineConfig, GiB
 from cadence.engine.core import EngineCore
 from cadence.executor.model_runner import ModelRunner
 from cadence.model.arch import ModelArchConfig
@@ -130,6 +130,7 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
         ckpt = load_checkpoint(path, dtype)
         arch, weights, q4_1 = ckpt.arch, ckpt.weights, ckpt.q4_1
     runner = ModelRunner(arch, weights, dtype=dtype, device=device, q4_1=q4_1)
+    config = resolve_kv_cache_fraction(config, device)
     max_len = config.model.max_model_len or min(arch.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_len > arch.max_position_embeddings:
         raise ValueError(
@@ -139,6 +140,30 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
     name = config.model.served_model_name or (arch.name if tiny else _model_name(path))
     log.info("model %s (%s) on %s in %s, max_model_len %d", name, path.name, device, dtype, max_len)
     return Engine(core, tokenizer, name, max_len, arch.vocab_size, config, device, dtype)
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this process could still take: free memory on the GPU, MemAvailable on the host."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError("kv_cache_memory_fraction: this system does not report its available memory; "
+                     "give --kv-cache-memory instead")
+
+
+def resolve_kv_cache_fraction(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """`kv_cache_memory_fraction` as bytes of `kv_cache_memory`, measured now (after the weights
+    are loaded) and logged; the config unchanged when the fraction is not set or blocks are given."""
+    cache = config.cache
+    if cache.kv_cache_memory_fraction is None or cache.num_kv_blocks is not None:
+        return config
+    free = available_memory(device)
+    size = int(free * cache.kv_cache_memory_fraction)
+    log.info("KV cache memory: %g of the %.2f GiB available on %s = %.2f GiB (--kv-cache-memory-fraction)",
+             cache.kv_cache_memory_fraction, free / GiB, device.type, size / GiB)
+    return config.replace(kv_cache_memory=max(size, 1), kv_cache_memory_fraction=None)
 
 
 def _model_name(path: Path) -> str:

@@ -154,6 +154,9 @@ def sim_engine_config(args: argparse.Namespace) -> EngineConfig:
     decisions depend only on which blocks are equal, so SHA-256 would buy nothing but its cost
     (about 6% of a 100,000-request run)."""
     engine_cfg = engine_config_from_args(args)
+    if engine_cfg.cache.kv_cache_memory_fraction is not None:
+        raise ValueError("--kv-cache-memory-fraction: a share of this machine's memory says nothing of the "
+                         "simulated one; give --kv-cache-memory or --num-kv-blocks")
     if getattr(args, "prefix_caching_hash_algo", None) is None:
         engine_cfg = engine_cfg.replace(prefix_caching_hash_algo="builtin")
     return engine_cfg
