@@ -324,11 +324,11 @@ def test_rope_positions_checked_before_the_kernel_reads_the_table(kernels):
     hf, arch = tiny_hf()
     model = LlamaModel(arch, weights_of(hf), dtype=torch.bfloat16)
     assert isinstance(model.kernels, ck.CpuKernels)  # (a fresh load after the fallback test cleared the cache)
-    rope = model._rope_for(torch.tensor([0, model.cos.shape[0] - 1]))  # the last row is fine
+    rope = model.ops.rope_for(torch.tensor([0, model.cos.shape[0] - 1]))  # the last row is fine
     qkv = bf16(2, 8, 16, seed=11)
     rope(qkv, 6)
     with pytest.raises(ValueError, match="beyond the RoPE table"):
-        model._rope_for(torch.tensor([0, model.cos.shape[0]]))
+        model.ops.rope_for(torch.tensor([0, model.cos.shape[0]]))
 
 
 def _fused_pair(q4: bool, bias: bool) -> tuple[ModelRunner, ModelRunner]:

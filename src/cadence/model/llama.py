@@ -104,18 +104,25 @@ class Linear:
             self.packed = _pack_for_cpu(weight.contiguous(), bias)
         # Keep only one copy of the weight: the packed one when there is one.
         self.weight = weight.contiguous() if self.packed is None and self.q4_1 is None else None
+        self._forward = self._choose_forward()  # the one place the layer's path is chosen
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q4_1 is not None:
-            assert self.kernel is not None
-            return self.kernel.linear_q4_1(x, self.q4_1, self.shape[0], self.kernel_bias)
-        if self.kernel is not None:
-            assert self.packed is not None
-            return self.kernel.linear(x, self.packed, self.shape[0], self.kernel_bias)
+        return self._forward(x)
+
+    def _choose_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        n, kernel, bias = self.shape[0], self.kernel, self.kernel_bias
+        if kernel is not None and self.q4_1 is not None:
+            q4 = self.q4_1
+            return lambda x: kernel.linear_q4_1(x, q4, n, bias)
+        if kernel is not None and self.packed is not None:
+            packed = self.packed
+            return lambda x: kernel.linear(x, packed, n, bias)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        assert self.weight is not None
-        return F.linear(x, self.weight, self.bias)
+            onednn = self.packed
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, self.bias, "none", [], "")
+        weight = self.weight
+        assert weight is not None
+        return lambda x: F.linear(x, weight, self.bias)
 
     def float32(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output in float32. On the bfloat16 kernel, the sums unrounded (the logits: a
@@ -137,6 +144,56 @@ def _pack_for_cpu(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
         return None
     tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
     return packed if torch.allclose(got.float(), want.float(), rtol=tol, atol=tol) else None
+
+
+class TorchOps:
+    """Norms, RoPE and SwiGLU on torch ops: float32, CUDA, or bfloat16 without cadence's kernels."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, eps: float) -> None:
+        self.cos, self.sin, self.dtype, self.eps = cos, sin, dtype, eps
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """x += delta (in place; skipped when None), then rms_norm(x) * weight. [T, E] -> [T, E]"""
+        if delta is not None:
+            x += delta
+        return rms_norm(x, weight, self.eps)
+
+    def rope_for(self, positions: torch.Tensor) -> Callable[[torch.Tensor, int], None]:
+        """This step's rotary embedding: f(qkv [T, heads, D], n) rotates heads [0, n) in place.
+        The table lookup is done here, once for all layers."""
+        cos = self.cos[positions].to(self.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(self.dtype)[:, None, :]
+        return lambda qkv, n: apply_rope_(qkv[:, :n], cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's silu(gate) * up from the fused [T, 2F] projection -> [T, F]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class KernelOps:
+    """The same on cadence's bfloat16 CPU kernels (model/cpu_kernels.py)."""
+
+    def __init__(self, kernels: CpuKernels, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> None:
+        self.kernels, self.cos, self.sin, self.eps = kernels, cos, sin, eps
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        return self.kernels.add_rms_norm(x, delta, weight, self.eps)
+
+    def rope_for(self, positions: torch.Tensor) -> Callable[[torch.Tensor, int], None]:
+        """The kernel reads the tables by position unchecked: checked here, once for all layers."""
+        check_positions(positions, self.cos.shape[0])
+        pos = positions.contiguous()
+        return lambda qkv, n: self.kernels.rope_(qkv, n, pos, self.cos, self.sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
+
+
+def check_positions(positions: torch.Tensor, table_len: int) -> None:
+    """Positions past the RoPE tables are an error (a kernel would read past them unchecked)."""
+    if positions.numel() and int(positions.max()) >= table_len:
+        raise ValueError(f"position {int(positions.max())} beyond the RoPE table ({table_len})")
 
 
 @dataclass
@@ -225,8 +282,12 @@ class LlamaModel:
         if self.lm_head.shape != (arch.vocab_size, arch.hidden_size):
             raise ValueError(f"lm_head shape {self.lm_head.shape} does not match the architecture")
         self.cos, self.sin = rope_tables(arch, self.device)
-        # Norms, SwiGLU and RoPE through cadence's CPU kernels where its linear layers use them.
+        # Norms, SwiGLU and RoPE through cadence's CPU kernels where its linear layers use them:
+        # chosen here, once.
         self.kernels = self.lm_head.kernel
+        self.ops: TorchOps | KernelOps = (
+            KernelOps(self.kernels, self.cos, self.sin, arch.rms_norm_eps) if self.kernels is not None
+            else TorchOps(self.cos, self.sin, dtype, arch.rms_norm_eps))
         # ... and decode attention, where the kernel handles the head layout.
         self.decode_kernels = self.kernels if self.kernels is not None and CpuKernels.supports_decode_attention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim) else None
@@ -251,14 +312,15 @@ class LlamaModel:
         """Run every decoder layer over the flat batch. [T] -> [T, E] (before the final norm)."""
         if self.fused_decode is not None and _all_decode(meta, input_ids.shape[0]):
             return self._decode_step(input_ids, meta, kv_cache)
-        rope = self._rope_for(meta.positions)
+        rope = self.ops.rope_for(meta.positions)
+        add_norm = self.ops.add_norm
         x = F.embedding(input_ids, self.embed)  # [T, E]
-        h = self._add_norm(x, None, self.layers[0].input_norm)
+        h = add_norm(x, None, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             # Residuals are added in place (no new [T, E]), fused with the norm that reads them next.
-            h = self._add_norm(x, self._attention(h, layer, rope, kv_cache.layer(i), meta), layer.post_norm)
+            h = add_norm(x, self._attention(h, layer, rope, kv_cache.layer(i), meta), layer.post_norm)
             if i + 1 < len(self.layers):
-                h = self._add_norm(x, self._mlp(h, layer), self.layers[i + 1].input_norm)
+                h = add_norm(x, self._mlp(h, layer), self.layers[i + 1].input_norm)
             else:
                 x += self._mlp(h, layer)
         return x
@@ -266,7 +328,7 @@ class LlamaModel:
     def _decode_step(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache) -> torch.Tensor:
         """`hidden_states` of a step of single-token rows, through `CpuKernels.decode_layers`."""
         assert self.kernels is not None and self.fused_decode is not None
-        self._check_positions(meta.positions)
+        check_positions(meta.positions, self.cos.shape[0])
         d = meta.decodes[0]
         assert isinstance(d, PagedDecode)
         x = F.embedding(input_ids, self.embed)  # [T, E]
@@ -302,32 +364,7 @@ class LlamaModel:
         """[S, E] -> [S, V] float32: the sampler always works in float32."""
         if hidden.shape[0] == 0:  # no request samples this step (all mid-prefill)
             return hidden.new_zeros(0, self.arch.vocab_size, dtype=torch.float32)
-        return self.lm_head.float32(self._add_norm(hidden.contiguous(), None, self.norm))
-
-    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
-        """x += delta (in place; skipped when None), then rms_norm(x) * weight. [T, E] -> [T, E]"""
-        if self.kernels is not None:
-            return self.kernels.add_rms_norm(x, delta, weight, self.arch.rms_norm_eps)
-        if delta is not None:
-            x += delta
-        return rms_norm(x, weight, self.arch.rms_norm_eps)
-
-    def _check_positions(self, positions: torch.Tensor) -> None:
-        """The kernels read the RoPE tables by position unchecked (a table lookup in torch would raise)."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            raise ValueError(f"position {int(positions.max())} beyond the RoPE table ({self.cos.shape[0]})")
-
-    def _rope_for(self, positions: torch.Tensor) -> Callable[[torch.Tensor, int], None]:
-        """This step's rotary embedding: f(qkv [T, heads, D], n) rotates heads [0, n) in place.
-        The per-step work (a table lookup or a bounds check) is done here, once for all layers."""
-        kernels = self.kernels
-        if kernels is not None:
-            self._check_positions(positions)
-            pos = positions.contiguous()
-            return lambda qkv, n: kernels.rope_(qkv, n, pos, self.cos, self.sin)
-        cos = self.cos[positions].to(self.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(self.dtype)[:, None, :]
-        return lambda qkv, n: apply_rope_(qkv[:, :n], cos, sin)
+        return self.lm_head.float32(self.ops.add_norm(hidden.contiguous(), None, self.norm))
 
     def _attention(
         self,
@@ -349,11 +386,7 @@ class LlamaModel:
         return layer.o(o.reshape(t, self.q_size))  # [T, E]
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate_up = layer.gate_up(x)  # [T, 2F]
-        if self.kernels is not None:
-            return layer.down(self.kernels.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
-        return layer.down(F.silu(gate) * up)  # SwiGLU, [T, E]
+        return layer.down(self.ops.silu_mul(layer.gate_up(x)))  # SwiGLU, [T, 2F] -> [T, F] -> [T, E]
 
 
 def _all_decode(meta: AttentionMetadata, num_rows: int) -> bool:
