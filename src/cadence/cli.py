@@ -200,6 +200,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                                      "is 2 if any line was refused")
     p.add_argument("--output", default="-", help="JSONL results (default: stdout)")
     p.add_argument("--chat", action="store_true", help="treat --prompt as a user message and apply the chat template")
+    p.add_argument("--split-special-tokens", action="store_true",
+                   help="read special-token text in a prompt (e.g. <|im_start|>) as ordinary characters; by default "
+                        "it is the token it names, as in vLLM (chat messages are always read as characters)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's top_p; 1: off (default %(default)s)")
@@ -248,9 +251,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {args.output}: its directory does not exist")
     llm = LLM(tiny=args.tiny, **options)
     if args.prompt is not None:
-        results = [_result_row(rows[0].id, _run_one(llm, rows[0]))]
+        results = [_result_row(rows[0].id, _run_one(llm, rows[0], args.split_special_tokens))]
     else:
-        results = _run_rows(llm, rows)
+        results = _run_rows(llm, rows, args.split_special_tokens)
     sink = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     try:
         for result in results:
@@ -266,14 +269,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_one(llm: Any, row: _Row) -> Any:
+def _run_one(llm: Any, row: _Row, split_special_tokens: bool) -> Any:
     assert row.params is not None
     if row.messages is not None:
         return llm.chat(row.messages, row.params, use_tqdm=False)[0]
-    return llm.generate([row.prompt], row.params, use_tqdm=False)[0]
+    return llm.generate([row.prompt], row.params, use_tqdm=False, split_special_tokens=split_special_tokens)[0]
 
 
-def _run_rows(llm: Any, rows: list[_Row]) -> list[dict[str, Any]]:
+def _run_rows(llm: Any, rows: list[_Row], split_special_tokens: bool) -> list[dict[str, Any]]:
     """A file's rows: each checked on its own (a refused one gets its error row), then all the
     others generated together, as one batch that the engine schedules continuously."""
     ready: dict[int, list[int]] = {}
@@ -285,7 +288,8 @@ def _run_rows(llm: Any, rows: list[_Row]) -> list[dict[str, Any]]:
             if row.messages is not None:
                 toks = llm.encode_chat(row.messages)
             else:
-                toks = llm.tokenizer.encode(row.prompt) if isinstance(row.prompt, str) else row.prompt
+                toks = (llm.tokenizer.encode(row.prompt, split_special_tokens=split_special_tokens)
+                        if isinstance(row.prompt, str) else row.prompt)
             ready[k] = llm.check_prompt(toks, row.params)
         except (ValueError, TypeError) as e:
             row.error = f"{row.where}: {e}"

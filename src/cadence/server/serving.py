@@ -80,7 +80,10 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.inputs.check_model(body.model)
         with self.counting_refusals():
-            prompts = [await self.inputs.prompt_ids(p, "prompt") for p in body.prompts()]
+            prompts = [
+                await self.inputs.prompt_ids(p, "prompt", split_special_tokens=body.split_special_tokens)
+                for p in body.prompts()
+            ]
             job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt")
         fmt = CompletionFormatter(
             job.request_id,
@@ -113,7 +116,9 @@ class OpenAIServing:
                 None,
             )
         else:
-            ids = await self.inputs.prompt_ids(body.prompt or "", "prompt", allow_empty=True)
+            ids = await self.inputs.prompt_ids(
+                body.prompt or "", "prompt", allow_empty=True, split_special_tokens=body.split_special_tokens
+            )
         out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
         if body.return_token_strs:
             out["token_strs"] = [self.tokens(t) for t in ids]
