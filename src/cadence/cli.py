@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from cadence import chat_client
 from cadence.config import OPTION_CHOICES, OPTION_HELP, EngineConfig, ServerConfig, engine_option_fields
 from cadence.config import parse_size as config_parse_size
 from cadence.request import SamplingParams
@@ -404,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_optional(sub, "cadence.bench.cli")
     _add_optional(sub, "cadence.sim.cli")
+    chat_client.add_parser(sub)  # chat, complete
     return parser
 
 
