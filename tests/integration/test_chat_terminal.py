@@ -46,24 +46,23 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     port = _free_port()
-    log = tempfile.TemporaryFile()
     cmd = [sys.executable, "-m", "cadence.cli", "serve", "--tiny", "--port", str(port), "--num-kv-blocks", "512",
            "--max-model-len", "1024", "--device", "cpu", "--dtype", "float32", "--no-enable-prefix-caching"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(lambda: proc.poll() is not None or _healthy(url), "the server to start")
-        assert proc.poll() is None, "cadence serve --tiny exited"
-        yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            _wait(lambda: proc.poll() is not None or _healthy(url), "the server to start")
+            assert proc.poll() is None, "cadence serve --tiny exited"
+            yield url
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _healthy(url: str) -> bool:
