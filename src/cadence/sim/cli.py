@@ -245,7 +245,7 @@ def _parse_bool(text: str) -> bool:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from cadence.sim.plan import Objective, format_plan, format_trial, plan
+    from cadence.sim.plan import Objective, format_header, format_plan, format_trial, plan
 
     objectives = [Objective.parse(s) for s in args.objectives]
     if not objectives:
@@ -259,11 +259,12 @@ def run_plan(args: argparse.Namespace) -> int:
     engine_cfg = sim_engine_config(args)
     workload, cfg = prepare_workload(args)
     print(f"planning for {len(workload)} requests of {workload.name}; " + "; ".join(workload.notes[-2:]), flush=True)
+    print(format_header(objectives), flush=True)  # each row is printed once, as it is tried
     result = plan(workload, engine_cfg, model, objectives, grid=grid, router=args.router,
                   max_replicas=args.max_replicas, max_model_len=args.max_model_len, seed=args.seed,
                   max_error_rate=args.max_error_rate,
-                  progress=lambda t: print("  tried " + format_trial(t, objectives), flush=True))
-    print(format_plan(result))
+                  progress=lambda t: print(format_trial(t, objectives), flush=True))
+    print(format_plan(result, with_table=False))
     return 0 if result.best is not None else 1
 
 
