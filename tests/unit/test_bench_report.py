@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from array import array
 from pathlib import Path
@@ -255,3 +256,22 @@ def test_short_outputs_without_exact_lengths_asked_do_not_blame_the_server() -> 
     free = summarize([eos], {}, {"force_output_lengths": False})["warnings"]
     assert not any("does not honour" in w for w in free)
     assert any("1 of 1 completed requests stopped before max_tokens" in w and "model chose" in w for w in free)
+
+
+def test_compare_warns_when_runs_differ_in_more_than_one_setting(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from cadence.bench.cli import _compare
+
+    meta = {"model": "m", "endpoint": "chat", "workload": "chat", "arrival": "poisson", "rate": 4.0,
+            "concurrency": None, "num_requests": 4, "seed": 0}
+    runs = {"same": meta, "rate": {**meta, "rate": 8.0}, "three": {**meta, "rate": 8.0, "workload": "code",
+                                                                      "endpoint": "completions"}}
+    for name, m in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(summarize(_four(), {}, m)))
+    out = {}
+    for name in runs:
+        assert _compare([str(tmp_path / "same.json"), str(tmp_path / f"{name}.json")]) == 0
+        out[name] = capsys.readouterr().out
+    assert "warning" not in out["same"] and "differ" not in out["same"]
+    assert "note: the runs differ in rate: 4.0 vs 8.0" in out["rate"] and "warning" not in out["rate"]
+    warning = next(line for line in out["three"].splitlines() if line.startswith("warning:"))
+    assert "3 settings" in warning and "endpoint: chat vs completions" in warning and "workload: chat vs code" in warning

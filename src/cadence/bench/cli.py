@@ -448,6 +448,8 @@ def _compare(files: list[str], out: str | None = None) -> int:
     la = a["meta"].get("label") or Path(files[0]).stem
     lb = b["meta"].get("label") or Path(files[1]).stem
     print(report.compare(a, b, la[:13], lb[:13]))
+    for line in report.compare_warnings(a, b):
+        print(line)
     runs = [(lbl, _records_beside(f)) for lbl, f in ((la, files[0]), (lb, files[1]))]
     if out and all(recs for _, recs in runs):
         from cadence.bench.plots import plot_latency_cdfs_compared

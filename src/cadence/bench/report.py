@@ -468,6 +468,26 @@ def compare(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -> str:
     return "\n".join(lines)
 
 
+# The benchmark settings a summary's `meta` records; two runs compared should differ in one at most
+# (or only in the server's own settings, which `meta` does not see).
+COMPARED_SETTINGS = ("model", "endpoint", "workload", "arrival", "rate", "burstiness", "concurrency",
+                     "num_requests", "duration", "seed", "force_output_lengths")
+
+
+def setting_differences(meta_a: dict, meta_b: dict) -> list[str]:
+    """`name: A vs B` for each recorded benchmark setting in which two runs differ."""
+    return [f"{k}: {meta_a.get(k)} vs {meta_b.get(k)}" for k in COMPARED_SETTINGS if meta_a.get(k) != meta_b.get(k)]
+
+
+def compare_warnings(a: dict, b: dict) -> list[str]:
+    """Warn when two runs differ in more than one benchmark setting: the ratios then mix the effects."""
+    diffs = setting_differences(a.get("meta", {}), b.get("meta", {}))
+    if len(diffs) <= 1:
+        return [f"note: the runs differ in {diffs[0]}"] if diffs else []
+    return [f"warning: the runs differ in {len(diffs)} settings ({'; '.join(diffs)}): the ratios mix their "
+            "effects; compare runs that differ in one setting"]
+
+
 def _fmt(v: float | None) -> str:
     if v is None:
         return "n/a"
