@@ -15,6 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from cadence.clock import unix_offset
 from cadence.config import EngineConfig
 from cadence.engine.builder import Engine, build_engine
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
@@ -208,7 +209,8 @@ def _apply(target: tuple[RequestOutput, int], sd: StreamDelta) -> None:
     if sd.finished:
         co.finish_reason, co.stop_reason = sd.finish_reason, sd.stop_reason
         ro.num_cached_tokens = max(ro.num_cached_tokens, sd.num_cached_tokens)
-        ro.metrics = ro.metrics or sd.metrics
+        if ro.metrics is None and sd.metrics is not None:
+            ro.metrics = replace(sd.metrics, unix_offset=unix_offset())  # the engine runs on RealClock
         ro.finished = all(o.finished for o in ro.outputs)
 
 
