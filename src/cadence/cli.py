@@ -413,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: thousands of lines per benchmark run, none of them news.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # matplotlib (bench's plots) logs its font cache's creation at INFO on first use: not news either.
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

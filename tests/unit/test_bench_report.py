@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from array import array
 from pathlib import Path
@@ -275,3 +276,23 @@ def test_compare_warns_when_runs_differ_in_more_than_one_setting(tmp_path: Path,
     assert "note: the runs differ in rate: 4.0 vs 8.0" in out["rate"] and "warning" not in out["rate"]
     warning = next(line for line in out["three"].splitlines() if line.startswith("warning:"))
     assert "3 settings" in warning and "endpoint: chat vs completions" in warning and "workload: chat vs code" in warning
+
+
+def test_first_plot_logs_nothing_about_matplotlib_font_cache(tmp_path: Path) -> None:
+    """A fresh matplotlib config (as on a new machine) builds its font cache on the first plot;
+    that is not news for the user of `cadence bench`."""
+    import subprocess
+    import sys
+
+    for name in ("a", "b"):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps(summarize(_four(), {}, {"label": name})))
+        (run / "requests.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in _four()))
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl"), "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    done = subprocess.run([sys.executable, "-m", "cadence.cli", "bench", "compare", str(tmp_path / "a"),
+                           str(tmp_path / "b"), "--out", str(tmp_path / "out")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "latency_cdf_compare.png").exists()
+    assert "matplotlib" not in done.stderr and "fontManager" not in done.stderr, done.stderr
