@@ -19,6 +19,7 @@ from cadence import chat_client
 from cadence.config import OPTION_CHOICES, OPTION_HELP, EngineConfig, ServerConfig, engine_option_fields
 from cadence.config import parse_size as config_parse_size
 from cadence.request import SamplingParams
+from cadence.wording import counted
 
 
 def parse_size(text: str) -> int:
@@ -265,7 +266,7 @@ def _generate(args: argparse.Namespace) -> int:
     refused = sum(1 for row in rows if row.error)
     if refused:
         rest = "none generated" if refused == len(rows) else "the others were generated"
-        print(f"cadence: error: {refused} of {len(rows)} requests refused ({rest})", file=sys.stderr)
+        print(f"cadence: error: {refused} of {counted(len(rows), 'request')} refused ({rest})", file=sys.stderr)
         return 2
     return 0
 

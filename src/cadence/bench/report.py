@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from cadence.wording import counted
+
 PERCENTILES = (50, 90, 95, 99)
 _TOKEN_FINISHES = ("stop", "length")  # a stream ends on a generated token (EOS, stop string, the cap)
 _SERVER_COUNTS = ("usage", "timings")  # counts that include a token that streams no text (EOS)
@@ -388,7 +390,7 @@ def _warnings(records: Sequence[RequestRecord], overall: dict, exact_asked: bool
         out.append(f"output token counts: {how} (usage is the server's own count; tokenize re-counts the "
                    "text; chunks assumes one token per streamed chunk)")
     if overall["rate_limited"]:
-        out.append(f"{overall['rate_limited']} requests were refused with HTTP 429")
+        out.append(f"{counted(overall['rate_limited'], 'request')} refused with HTTP 429")
     return out
 
 

@@ -41,6 +41,7 @@ from cadence.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from cadence.wording import counted
 
 log = logging.getLogger("cadence.server")
 
@@ -158,7 +159,7 @@ class OpenAIServing:
             self._count_refusal(ErrorKind.TENANT_QUOTA)
             raise AdmissionError(
                 ErrorKind.TENANT_QUOTA,
-                f"tenant {job.tenant!r} has {cap} requests in flight, its cap; retry later",
+                f"tenant {job.tenant!r} has {counted(cap, 'request')} in flight, its cap; retry later",
                 retry_after=self.engine.drain_rate.retry_after(),
             )
         self.tenant_in_flight[job.tenant] += 1

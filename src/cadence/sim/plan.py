@@ -21,6 +21,7 @@ from cadence.bench import report
 from cadence.config import EngineConfig, option_flags
 from cadence.executor.cost_model import StepCostModel, StepFeatures
 from cadence.sim.simulator import SimOptions, Simulator
+from cadence.wording import counted
 from cadence.workload import Workload
 
 PLAN_METRICS = ("ttft", "itl", "tpot", "e2e", "queue")
@@ -205,7 +206,7 @@ def format_plan(result: PlanResult, with_table: bool = True) -> str:
         slos, head = format_header(objs).split("\n")
         lines = [slos, floor, head, *(format_trial(t, objs) for t in result.trials)]
     if result.trials and result.trials[0].refused:
-        lines.append(f"note: {result.trials[0].refused} requests are refused by any fleet (longer than max_model_len); "
+        lines.append(f"note: {counted(result.trials[0].refused, 'request')} refused by any fleet (longer than max_model_len); "
                      "they are left out of the SLOs")
     lines += [f"note: {n}" for n in result.notes]
     if result.best is not None:
