@@ -331,3 +331,15 @@ def test_vllm_bench_serve_spellings(fake_server, tmp_path: Path, capsys) -> None
 def test_vllm_spellings_refuse_contradictions(argv: list[str], says: str, capsys) -> None:
     assert main([*argv, "--num-requests", "1", "--no-progress"]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_cli_run_warns_on_a_busy_machine(fake_server, tmp_path: Path, capsys, monkeypatch) -> None:
+    url, _ = fake_server
+    argv = ["--base-url", url, "--num-requests", "2", "--max-output-tokens", "4", "--max-prompt-tokens", "32",
+            "--no-progress", "--rate", "30"]
+    monkeypatch.setattr("cadence.host_load.os.cpu_count", lambda: 2)
+    for load, warned in ((0.2, False), (7.5, True)):
+        monkeypatch.setattr("cadence.host_load.os.getloadavg", lambda load=load: (load, load, load))
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert ("warning: the machine is busy (load average 7.5 on 2 CPUs)" in out) == warned, out

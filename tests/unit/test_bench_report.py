@@ -14,6 +14,7 @@ import pytest
 from cadence.bench.plots import plot_latency_cdfs, plot_sweep
 from cadence.bench.report import (
     RequestRecord,
+    client_starvation,
     compare,
     distribution,
     format_table,
@@ -296,3 +297,32 @@ def test_first_plot_logs_nothing_about_matplotlib_font_cache(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "latency_cdf_compare.png").exists()
     assert "matplotlib" not in done.stderr and "fontManager" not in done.stderr, done.stderr
+
+
+def _stream(i: int, stall_at: float | None, resume: float = 0.0, step: float = 0.02) -> RequestRecord:
+    """A stream of a chunk every `step` s; after the chunk at `stall_at` nothing is read until
+    `resume`, when five chunks are read at once."""
+    times, t = [], 0.1 + i * 0.003
+    while len(times) < 60:
+        times.append(t)
+        if stall_at is not None and abs(t - stall_at) < step / 2:
+            t = resume
+            times += [t + k * 2e-5 for k in range(5)]
+            t += 5 * 2e-5
+        t += step
+    return rec(i, 0.0, times)
+
+
+def test_client_starvation_warned_when_streams_burst_together() -> None:
+    # All four streams stall together and then read their buffered chunks at once.
+    starved = [_stream(i, stall_at=0.6 + i * 0.003, resume=0.8) for i in range(4)]
+    warning = client_starvation(starved)
+    assert warning is not None and warning.startswith("the client was starved of CPU: 4 of 4 streams")
+    assert "200 ms" in warning  # the longest stall: stream 0's, from 0.6 s to 0.8 s
+    assert warning in summarize(starved, {})["warnings"]
+    # Steady streams, or a single stream's burst (the server's own doing, not the client's): no warning.
+    assert client_starvation([_stream(i, stall_at=None) for i in range(4)]) is None
+    alone = [_stream(0, stall_at=0.6, resume=0.8), *(_stream(i, stall_at=None) for i in range(1, 4))]
+    assert client_starvation(alone) is None
+    apart = [_stream(i, stall_at=0.3 + 0.2 * i, resume=0.45 + 0.2 * i) for i in range(4)]  # at different moments
+    assert client_starvation(apart) is None

@@ -31,6 +31,7 @@ from cadence.bench.client import (
     request_count,
     run_benchmark,
 )
+from cadence.host_load import busy_warning
 from cadence.workload import (
     ARRIVALS,
     BUILTIN_WORKLOADS,
@@ -508,6 +509,10 @@ def run(args: argparse.Namespace) -> int:
         wanted = _percentile_request(args)  # checked before the load, printed after it
         cfg = config_from_args(args)
         resolve_model(cfg)
+        # The client's own timestamps suffer first (client_starvation in the report says so after the run).
+        busy = busy_warning("run the client on a quiet machine, or on another one than the server")
+        if busy:
+            print(busy, flush=True)
         return _sweep(args, cfg) if args.action == "sweep" else _run_one(cfg, args, wanted)
     except (ValueError, OSError) as e:
         print(f"cadence bench: error: {e}", file=sys.stderr)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -272,6 +271,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    from cadence.host_load import busy_warning
     from cadence.sim.calibrate import calibrate
 
     if args.model_path and args.model is None:
@@ -281,10 +281,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     out_dir = Path(args.out).parent
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {args.out}: {out_dir} is not a directory")
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load > 0.5 * cores:
-        print(f"warning: the machine is busy (load average {load:.1f} on {cores} CPUs): timings will be slow and "
-              "noisy; calibrate on a quiet machine", flush=True)
+    busy = busy_warning("calibrate on a quiet machine")
+    if busy:
+        print(busy, flush=True)
     model = calibrate(engine_config_from_args(args), tiny=args.tiny, quick=args.quick, repeats=args.repeats,
                       served=not args.no_serve, serve_log=str(Path(args.out).with_suffix(".serve.log")))
     path = model.save(Path(args.out))
