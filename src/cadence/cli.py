@@ -15,9 +15,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from cadence import chat_client
 from cadence.config import OPTION_CHOICES, OPTION_HELP, EngineConfig, ServerConfig, engine_option_fields
 from cadence.config import parse_size as config_parse_size
 from cadence.request import SamplingParams
+from cadence.wording import counted
 
 
 def parse_size(text: str) -> int:
@@ -200,6 +202,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                                      "is 2 if any line was refused")
     p.add_argument("--output", default="-", help="JSONL results (default: stdout)")
     p.add_argument("--chat", action="store_true", help="treat --prompt as a user message and apply the chat template")
+    p.add_argument("--split-special-tokens", action="store_true",
+                   help="read special-token text in a prompt (e.g. <|im_start|>) as ordinary characters; by default "
+                        "it is the token it names, as in vLLM (chat messages are always read as characters)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's top_p; 1: off (default %(default)s)")
@@ -248,9 +253,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {args.output}: its directory does not exist")
     llm = LLM(tiny=args.tiny, **options)
     if args.prompt is not None:
-        results = [_result_row(rows[0].id, _run_one(llm, rows[0]))]
+        results = [_result_row(rows[0].id, _run_one(llm, rows[0], args.split_special_tokens))]
     else:
-        results = _run_rows(llm, rows)
+        results = _run_rows(llm, rows, args.split_special_tokens)
     sink = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     try:
         for result in results:
@@ -261,19 +266,19 @@ def _generate(args: argparse.Namespace) -> int:
     refused = sum(1 for row in rows if row.error)
     if refused:
         rest = "none generated" if refused == len(rows) else "the others were generated"
-        print(f"cadence: error: {refused} of {len(rows)} requests refused ({rest})", file=sys.stderr)
+        print(f"cadence: error: {refused} of {counted(len(rows), 'request')} refused ({rest})", file=sys.stderr)
         return 2
     return 0
 
 
-def _run_one(llm: Any, row: _Row) -> Any:
+def _run_one(llm: Any, row: _Row, split_special_tokens: bool) -> Any:
     assert row.params is not None
     if row.messages is not None:
         return llm.chat(row.messages, row.params, use_tqdm=False)[0]
-    return llm.generate([row.prompt], row.params, use_tqdm=False)[0]
+    return llm.generate([row.prompt], row.params, use_tqdm=False, split_special_tokens=split_special_tokens)[0]
 
 
-def _run_rows(llm: Any, rows: list[_Row]) -> list[dict[str, Any]]:
+def _run_rows(llm: Any, rows: list[_Row], split_special_tokens: bool) -> list[dict[str, Any]]:
     """A file's rows: each checked on its own (a refused one gets its error row), then all the
     others generated together, as one batch that the engine schedules continuously."""
     ready: dict[int, list[int]] = {}
@@ -285,7 +290,8 @@ def _run_rows(llm: Any, rows: list[_Row]) -> list[dict[str, Any]]:
             if row.messages is not None:
                 toks = llm.encode_chat(row.messages)
             else:
-                toks = llm.tokenizer.encode(row.prompt) if isinstance(row.prompt, str) else row.prompt
+                toks = (llm.tokenizer.encode(row.prompt, split_special_tokens=split_special_tokens)
+                        if isinstance(row.prompt, str) else row.prompt)
             ready[k] = llm.check_prompt(toks, row.params)
         except (ValueError, TypeError) as e:
             row.error = f"{row.where}: {e}"
@@ -400,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_optional(sub, "cadence.bench.cli")
     _add_optional(sub, "cadence.sim.cli")
+    chat_client.add_parser(sub)  # chat, complete
     return parser
 
 
@@ -407,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: thousands of lines per benchmark run, none of them news.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # matplotlib (bench's plots) logs its font cache's creation at INFO on first use: not news either.
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -17,6 +17,11 @@ class RealClock:
         return time.monotonic()
 
 
+def unix_offset() -> float:
+    """What to add to a `RealClock` reading to get Unix time (as `time.time()` gives it)."""
+    return time.time() - time.monotonic()
+
+
 class VirtualClock:
     """Time that moves only when told to: the simulator advances it by each step's modelled cost."""
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from cadence.clock import unix_offset
 from cadence.config import EngineConfig
 from cadence.engine.builder import Engine, build_engine
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
@@ -46,13 +47,20 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         tenant: Sequence[str] | None = None,
+        split_special_tokens: bool = False,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in the prompts' order.
+
+        A text prompt is tokenized as vLLM and Hugging Face tokenize it: special-token text such as
+        `<|im_start|>` becomes the token it names (a prompt already rendered through the chat
+        template runs as `chat` would run it); `split_special_tokens=True` reads it as ordinary
+        characters instead.
 
         Every prompt and parameter is checked before any is queued: a ValueError or TypeError names
         the one at fault (`prompts[3]: ...`) and the engine is left as it was."""
         items = _as_prompt_list(prompts)
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in items]
+        token_lists = [self.tokenizer.encode(p, split_special_tokens=split_special_tokens) if isinstance(p, str) else p
+                       for p in items]
         texts = [p if isinstance(p, str) else None for p in items]
         return self._run(token_lists, texts, sampling_params, use_tqdm, priority, tenant)
 
@@ -201,7 +209,8 @@ def _apply(target: tuple[RequestOutput, int], sd: StreamDelta) -> None:
     if sd.finished:
         co.finish_reason, co.stop_reason = sd.finish_reason, sd.stop_reason
         ro.num_cached_tokens = max(ro.num_cached_tokens, sd.num_cached_tokens)
-        ro.metrics = ro.metrics or sd.metrics
+        if ro.metrics is None and sd.metrics is not None:
+            ro.metrics = replace(sd.metrics, unix_offset=unix_offset())  # the engine runs on RealClock
         ro.finished = all(o.finished for o in ro.outputs)
 
 

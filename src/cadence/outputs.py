@@ -23,6 +23,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One request's result. `metrics` holds its timings as readings of the engine's monotonic
+    clock (`time.monotonic()`), so that `ttft` and the other differences are immune to the wall
+    clock being set; vLLM's `metrics.arrival_time` is Unix time, which is
+    `metrics.arrival_unix_time` here (`metrics.unix_time(t)` for any other reading)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

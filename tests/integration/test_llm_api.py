@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -255,3 +256,12 @@ def test_a_stop_string_finish_keeps_its_metrics(llm: LLM) -> None:
     assert out.outputs[0].finish_reason == "stop"
     m = out.metrics
     assert m is not None and m.queue_time is not None and m.ttft is not None and m.e2e_latency is not None
+
+
+def test_metrics_give_monotonic_and_unix_arrival_times(llm: LLM) -> None:
+    wall0, mono0 = time.time(), time.monotonic()
+    m = llm.generate("Hello", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].metrics
+    wall1, mono1 = time.time(), time.monotonic()
+    assert mono0 <= m.arrival_time <= mono1  # the engine's monotonic clock
+    assert m.arrival_unix_time is not None and wall0 - 0.01 <= m.arrival_unix_time <= wall1 + 0.01  # vLLM's reading
+    assert m.unix_time(m.finished_time) - m.arrival_unix_time == pytest.approx(m.e2e_latency, abs=1e-5)

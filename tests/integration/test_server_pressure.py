@@ -221,6 +221,7 @@ def test_tenant_cap_refuses_only_that_tenant(server_factory):
         timeout=30,
     )
     assert over.status_code == 429 and over.json()["error"]["code"] == "tenant_quota_exceeded"
+    assert over.json()["error"]["message"] == "tenant 'greedy' has 1 request in flight, its cap; retry later"
     assert int(over.headers["retry-after"]) >= 1
     other = httpx.post(
         live.url + "/v1/completions",

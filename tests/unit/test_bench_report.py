@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from array import array
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 from cadence.bench.plots import plot_latency_cdfs, plot_sweep
 from cadence.bench.report import (
     RequestRecord,
+    client_starvation,
     compare,
     distribution,
     format_table,
@@ -255,3 +258,71 @@ def test_short_outputs_without_exact_lengths_asked_do_not_blame_the_server() -> 
     free = summarize([eos], {}, {"force_output_lengths": False})["warnings"]
     assert not any("does not honour" in w for w in free)
     assert any("1 of 1 completed requests stopped before max_tokens" in w and "model chose" in w for w in free)
+
+
+def test_compare_warns_when_runs_differ_in_more_than_one_setting(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from cadence.bench.cli import _compare
+
+    meta = {"model": "m", "endpoint": "chat", "workload": "chat", "arrival": "poisson", "rate": 4.0,
+            "concurrency": None, "num_requests": 4, "seed": 0}
+    runs = {"same": meta, "rate": {**meta, "rate": 8.0}, "three": {**meta, "rate": 8.0, "workload": "code",
+                                                                      "endpoint": "completions"}}
+    for name, m in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(summarize(_four(), {}, m)))
+    out = {}
+    for name in runs:
+        assert _compare([str(tmp_path / "same.json"), str(tmp_path / f"{name}.json")]) == 0
+        out[name] = capsys.readouterr().out
+    assert "warning" not in out["same"] and "differ" not in out["same"]
+    assert "note: the runs differ in rate: 4.0 vs 8.0" in out["rate"] and "warning" not in out["rate"]
+    warning = next(line for line in out["three"].splitlines() if line.startswith("warning:"))
+    assert "3 settings" in warning and "endpoint: chat vs completions" in warning and "workload: chat vs code" in warning
+
+
+def test_first_plot_logs_nothing_about_matplotlib_font_cache(tmp_path: Path) -> None:
+    """A fresh matplotlib config (as on a new machine) builds its font cache on the first plot;
+    that is not news for the user of `cadence bench`."""
+    import subprocess
+    import sys
+
+    for name in ("a", "b"):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps(summarize(_four(), {}, {"label": name})))
+        (run / "requests.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in _four()))
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl"), "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    done = subprocess.run([sys.executable, "-m", "cadence.cli", "bench", "compare", str(tmp_path / "a"),
+                           str(tmp_path / "b"), "--out", str(tmp_path / "out")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "latency_cdf_compare.png").exists()
+    assert "matplotlib" not in done.stderr and "fontManager" not in done.stderr, done.stderr
+
+
+def _stream(i: int, stall_at: float | None, resume: float = 0.0, step: float = 0.02) -> RequestRecord:
+    """A stream of a chunk every `step` s; after the chunk at `stall_at` nothing is read until
+    `resume`, when five chunks are read at once."""
+    times, t = [], 0.1 + i * 0.003
+    while len(times) < 60:
+        times.append(t)
+        if stall_at is not None and abs(t - stall_at) < step / 2:
+            t = resume
+            times += [t + k * 2e-5 for k in range(5)]
+            t += 5 * 2e-5
+        t += step
+    return rec(i, 0.0, times)
+
+
+def test_client_starvation_warned_when_streams_burst_together() -> None:
+    # All four streams stall together and then read their buffered chunks at once.
+    starved = [_stream(i, stall_at=0.6 + i * 0.003, resume=0.8) for i in range(4)]
+    warning = client_starvation(starved)
+    assert warning is not None and warning.startswith("the client was starved of CPU: 4 of 4 streams")
+    assert "200 ms" in warning  # the longest stall: stream 0's, from 0.6 s to 0.8 s
+    assert warning in summarize(starved, {})["warnings"]
+    # Steady streams, or a single stream's burst (the server's own doing, not the client's): no warning.
+    assert client_starvation([_stream(i, stall_at=None) for i in range(4)]) is None
+    alone = [_stream(0, stall_at=0.6, resume=0.8), *(_stream(i, stall_at=None) for i in range(1, 4))]
+    assert client_starvation(alone) is None
+    apart = [_stream(i, stall_at=0.3 + 0.2 * i, resume=0.45 + 0.2 * i) for i in range(4)]  # at different moments
+    assert client_starvation(apart) is None

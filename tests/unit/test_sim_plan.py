@@ -167,3 +167,14 @@ def test_cli_plan_prints_boolean_options_as_serve_flags(capsys) -> None:
     assert rc == 0, text
     cheapest = next(line for line in text.splitlines() if line.startswith("cheapest:"))
     assert "--no-enable-prefix-caching" in cheapest and "False" not in cheapest
+
+
+def test_cli_plan_prints_each_tried_row_once(capsys) -> None:
+    rc = main(["sim", "plan", "--workload", "chat", "--num-requests", "20", "--rate", "2",
+               "--slo", "ttft_p95=30", "--max-replicas", "4", "--grid", "max_num_seqs=8,16"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    heads = [i for i, line in enumerate(lines) if line.startswith("engine options")]
+    tried = [line.split()[:2] for line in lines if "max_num_seqs=" in line and not line.startswith("cheapest")]
+    assert tried == [["max_num_seqs=8", "1"], ["max_num_seqs=16", "1"]]  # each row once
+    assert len(heads) == 1 and lines[heads[0] + 1].startswith("max_num_seqs=8")

@@ -100,6 +100,21 @@ def test_user_text_never_yields_control_tokens(tok: Tokenizer, hf: Any) -> None:
     assert IM_START in hf(text, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.parametrize("text", CORPUS)
+def test_prompt_special_text_equals_transformers(tok: Tokenizer, hf: Any, text: str) -> None:
+    # A raw prompt read as transformers (and vLLM) read it: special-token text is the token it names.
+    assert tok.encode(text, split_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
+
+
+def test_pre_templated_prompt_is_the_chat_it_spells(tok: Tokenizer, hf: Any) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, split_special_tokens=False)
+    assert ids == tok.apply_chat_template(messages) == _hf_chat(hf, messages, add_generation_prompt=True)
+    assert len(tok.encode("<|im_start|>user\nhi<|im_end|>\n", split_special_tokens=False)) == 6
+    assert len(tok.encode("<|im_start|>user\nhi<|im_end|>\n")) == 18  # the literal reading
+
+
 def test_decode_special_tokens(tok: Tokenizer) -> None:
     ids = [IM_START, *tok.encode("user"), IM_END]
     assert tok.decode(ids) == "user"

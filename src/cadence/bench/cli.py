@@ -31,6 +31,7 @@ from cadence.bench.client import (
     request_count,
     run_benchmark,
 )
+from cadence.host_load import busy_warning
 from cadence.workload import (
     ARRIVALS,
     BUILTIN_WORKLOADS,
@@ -448,6 +449,8 @@ def _compare(files: list[str], out: str | None = None) -> int:
     la = a["meta"].get("label") or Path(files[0]).stem
     lb = b["meta"].get("label") or Path(files[1]).stem
     print(report.compare(a, b, la[:13], lb[:13]))
+    for line in report.compare_warnings(a, b):
+        print(line)
     runs = [(lbl, _records_beside(f)) for lbl, f in ((la, files[0]), (lb, files[1]))]
     if out and all(recs for _, recs in runs):
         from cadence.bench.plots import plot_latency_cdfs_compared
@@ -506,6 +509,10 @@ def run(args: argparse.Namespace) -> int:
         wanted = _percentile_request(args)  # checked before the load, printed after it
         cfg = config_from_args(args)
         resolve_model(cfg)
+        # The client's own timestamps suffer first (client_starvation in the report says so after the run).
+        busy = busy_warning("run the client on a quiet machine, or on another one than the server")
+        if busy:
+            print(busy, flush=True)
         return _sweep(args, cfg) if args.action == "sweep" else _run_one(cfg, args, wanted)
     except (ValueError, OSError) as e:
         print(f"cadence bench: error: {e}", file=sys.stderr)

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from cadence.bench import report
 from cadence.bench.prompts import LocalTokenizer, PromptBuilder, ServerTokenizer, Tokenizer
 from cadence.bench.report import RequestRecord
+from cadence.wording import counted
 from cadence.workload import Workload, WorkloadRequest, assign_arrivals, builtin_workload
 
 
@@ -366,7 +367,7 @@ def _meta(cfg: BenchConfig, model: str, w: Workload, builder: PromptBuilder, sen
     if cfg.duration is not None and cfg.arrival == "none" and sent == prepared:
         notes.append(f"all {prepared} prepared requests were sent before the {cfg.duration:g}s duration ended")
     if cfg.arrival != "none" and sent < prepared:
-        notes.append(f"{prepared - sent} of {prepared} requests were never sent: still waiting for one of the "
+        notes.append(f"{prepared - sent} of {counted(prepared, 'request')} never sent: still waiting for one of the "
                      f"{cfg.concurrency} --concurrency slots when the drain timeout ended the run")
     return {
         "label": cfg.label, "base_url": cfg.base_url, "model": model, "endpoint": cfg.endpoint,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: never needs a display
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 from cadence.bench.report import RequestRecord  # noqa: E402
 
@@ -37,6 +40,15 @@ def plot_latency_cdfs(records: Sequence[RequestRecord], path: str | Path, title:
 def plot_latency_cdfs_compared(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path: str | Path,
                                title: str = "") -> Path:
     """The same four CDFs with one labelled curve per run (e.g. two server settings)."""
+    fig = latency_cdf_figure(runs, title)
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def latency_cdf_figure(runs: Sequence[tuple[str, Sequence[RequestRecord]]], title: str = "") -> Any:
+    """The figure `plot_latency_cdfs_compared` saves (the caller closes it)."""
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for name, records in runs:
         ok = [r for r in records if r.ok]
@@ -48,14 +60,29 @@ def plot_latency_cdfs_compared(runs: Sequence[tuple[str, Sequence[RequestRecord]
     if any(name for name, _ in runs):
         for ax in (a for row in axes for a in row):
             ax.set_xscale("log")  # two settings can differ by orders of magnitude
+            _readable_log_ticks(ax)
             ax.legend()
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _readable_log_ticks(ax: Any) -> None:
+    """Plain-number labels that never overlap on a log axis. matplotlib's own label every minor
+    tick in scientific notation when the range is under a decade (as two close TPOTs make it):
+    '9.5x10^0 1.05x10^1 1.1x10^1 ...' run into each other."""
+    lo, hi = ax.get_xlim()
+    if lo <= 0 or hi <= lo:
+        return
+    decades = math.log10(hi / lo)
+    if decades < 1:  # a few evenly spaced round values
+        major: Any = MaxNLocator(nbins=4)
+    else:  # 1-2-5 steps for a decade or two; decades only beyond
+        major = LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 2.5 else (1.0,))
+    ax.xaxis.set_major_locator(major)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def plot_sweep(points: Sequence[tuple[float, dict]], path: str | Path, load_label: str = "offered load (req/s)",

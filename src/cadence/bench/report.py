@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from cadence.wording import counted
+
 PERCENTILES = (50, 90, 95, 99)
 _TOKEN_FINISHES = ("stop", "length")  # a stream ends on a generated token (EOS, stop string, the cap)
 _SERVER_COUNTS = ("usage", "timings")  # counts that include a token that streams no text (EOS)
@@ -388,8 +390,53 @@ def _warnings(records: Sequence[RequestRecord], overall: dict, exact_asked: bool
         out.append(f"output token counts: {how} (usage is the server's own count; tokenize re-counts the "
                    "text; chunks assumes one token per streamed chunk)")
     if overall["rate_limited"]:
-        out.append(f"{overall['rate_limited']} requests were refused with HTTP 429")
+        out.append(f"{counted(overall['rate_limited'], 'request')} refused with HTTP 429")
+    starved = client_starvation(records)
+    if starved:
+        out.append(starved)
     return out
+
+
+# A server sends one stream's chunks at least a decode step apart (milliseconds); chunks read less
+# than this apart were waiting together in the socket, because their reader could not run.
+BUFFERED_GAP_S = 1e-4
+_MIN_BURST_GAPS = 2  # at least three chunks read at once
+_SAME_MOMENT_S = 2e-3  # stalls of two streams ending this close ended together
+
+
+def _stall_ends(rec: RequestRecord, stall_s: float) -> list[tuple[float, float]]:
+    """(when, how long) of each stall of at least `stall_s` that a burst of buffered chunks follows."""
+    t = np.asarray(rec.token_times, dtype=float)
+    g = np.diff(t)
+    ends = []
+    for i in np.flatnonzero(g >= stall_s):
+        burst = g[i + 1 : i + 1 + _MIN_BURST_GAPS]
+        if len(burst) == _MIN_BURST_GAPS and bool(np.all(burst < BUFFERED_GAP_S)):
+            ends.append((float(t[i + 1]), float(g[i])))
+    return ends
+
+
+def client_starvation(records: Sequence[RequestRecord]) -> str | None:
+    """A warning when the benchmark client (or the server's HTTP loop) was starved of CPU: streams
+    stall, then their chunks arrive in bursts under 0.1 ms apart, and the stalls end at the same
+    moments across streams (one starved process reading every socket at once). The ITLs measured
+    are then the machine's contention, not the engine's steps."""
+    ok = [r for r in records if r.ok and len(r.token_times) > _MIN_BURST_GAPS + 1]
+    gaps = pooled_itls(ok)
+    if not len(gaps) or not bool(np.any(gaps < BUFFERED_GAP_S)):
+        return None  # the usual case, decided without looking at each stream
+    steps = gaps[gaps >= BUFFERED_GAP_S]
+    stall_s = 2.0 * float(np.median(steps)) if len(steps) else BUFFERED_GAP_S
+    ends = sorted((when, stall, k) for k, r in enumerate(ok) for when, stall in _stall_ends(r, stall_s))
+    shared = {k for a, b in zip(ends, ends[1:], strict=False) if b[0] - a[0] <= _SAME_MOMENT_S and a[2] != b[2]
+              for k in (a[2], b[2])}
+    if len(shared) < 2:
+        return None
+    longest = max(stall for _, stall, k in ends if k in shared)
+    return (f"the client was starved of CPU: {len(shared)} of {len(ok)} streams stalled (up to "
+            f"{longest * 1e3:.0f} ms) and then got bursts of chunks under 0.1 ms apart, the stalls ending at "
+            "the same moments across streams; ITL and TPOT measure that contention, not the server's steps "
+            "(run the client on another machine, or with fewer streams)")
 
 
 def format_table(summary: dict) -> str:
@@ -466,6 +513,26 @@ def compare(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -> str:
         name = f"{path} ({unit})" if unit else path
         lines.append(f"{name:<34}{_fmt(va):>14}{_fmt(vb):>14}{ratio:>9}")
     return "\n".join(lines)
+
+
+# The benchmark settings a summary's `meta` records; two runs compared should differ in one at most
+# (or only in the server's own settings, which `meta` does not see).
+COMPARED_SETTINGS = ("model", "endpoint", "workload", "arrival", "rate", "burstiness", "concurrency",
+                     "num_requests", "duration", "seed", "force_output_lengths")
+
+
+def setting_differences(meta_a: dict, meta_b: dict) -> list[str]:
+    """`name: A vs B` for each recorded benchmark setting in which two runs differ."""
+    return [f"{k}: {meta_a.get(k)} vs {meta_b.get(k)}" for k in COMPARED_SETTINGS if meta_a.get(k) != meta_b.get(k)]
+
+
+def compare_warnings(a: dict, b: dict) -> list[str]:
+    """Warn when two runs differ in more than one benchmark setting: the ratios then mix the effects."""
+    diffs = setting_differences(a.get("meta", {}), b.get("meta", {}))
+    if len(diffs) <= 1:
+        return [f"note: the runs differ in {diffs[0]}"] if diffs else []
+    return [f"warning: the runs differ in {len(diffs)} settings ({'; '.join(diffs)}): the ratios mix their "
+            "effects; compare runs that differ in one setting"]
 
 
 def _fmt(v: float | None) -> str:

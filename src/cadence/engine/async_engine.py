@@ -38,6 +38,7 @@ from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.metrics.stats import IterationStats, SchedulerStats
 from cadence.request import Request, RequestStatus, SamplingParams
 from cadence.sched.output import RequestDelta
+from cadence.wording import counted
 
 if TYPE_CHECKING:
     from cadence.engine.builder import Engine
@@ -397,7 +398,7 @@ class AsyncEngine:
         try:
             return self.core.finish_requests(ids, status)
         except Exception:
-            log.exception("finishing %d requests in the core failed", len(ids))
+            log.exception("finishing %s in the core failed", counted(len(ids), "request"))
             return []
 
     def _send_errors(self, sub_ids: list[str], error: CadenceError) -> None:
@@ -434,8 +435,8 @@ class AsyncEngine:
             self._dead = reason
             pending, self._inbox = self._inbox, []
         groups = list(self._groups.values())  # one C-level copy: safe against the engine thread waking
-        log.error("engine stalled: %s; failing %d requests in flight; the engine stays down until the "
-                  "process is restarted", reason, len(groups))
+        log.error("engine stalled: %s; failing %s in flight; the engine stays down until the "
+                  "process is restarted", reason, counted(len(groups), "request"))
         self._refuse_pending(pending, reason)
         error = CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {reason}")
         for group in groups:

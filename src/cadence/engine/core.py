@@ -23,6 +23,7 @@ from cadence.request import Request, RequestStatus
 from cadence.sched.output import ModelOutput, RequestDelta
 from cadence.sched.scheduler import Scheduler
 from cadence.sched.stretch import DecodeStretch
+from cadence.wording import counted
 
 logger = logging.getLogger(__name__)
 _NO_OUTPUT = ModelOutput()
@@ -174,7 +175,7 @@ class EngineCore:
             try:
                 result = self.executor.execute(out)
             except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
-                logger.exception("step %d failed; finishing its %d requests with an error", out.step, out.num_scheduled)
+                logger.exception("step %d failed; finishing its %s with an error", out.step, counted(out.num_scheduled, "request"))
                 deltas = sched.fail_step(out, f"engine step failed: {type(e).__name__}: {e}", self.clock.now())
             else:
                 now = self.clock.now()

@@ -1,8 +1,10 @@
 """Tokenizer from a GGUF file or a Hugging Face directory, with its chat template.
 
-Text a user sends is always plain text: typing `<|im_start|>` yields the tokens of those characters,
-never the control token. Only a chat template's own markers become control tokens (see
-chat_template.py for how contents are told apart from markers). The streaming side
+Message content is always plain text: typing `<|im_start|>` in a chat message yields the tokens of
+those characters, never the control token; only a chat template's own markers become control
+tokens (see chat_template.py for how contents are told apart from markers). A raw prompt (a
+completion, an offline prompt) may instead be read as Hugging Face and vLLM read it, special-token
+text as the token it names: `encode(text, split_special_tokens=False)`. The streaming side
 (`IncrementalDetokenizer`, `StopChecker`) lives in detokenizer.py and is re-exported here.
 """
 
@@ -156,7 +158,7 @@ class Tokenizer:
         template_limits: RenderLimits | None = None,
     ) -> None:
         self._tok = tok
-        # A twin that never parses special-token text: user text is plain text.
+        # A twin that never parses special-token text: message contents, and prompts read literally.
         self._plain = HFTokenizer.from_str(tok.to_str())
         self._plain.encode_special_tokens = True
         self.name = name
@@ -259,11 +261,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text` as plain text; `add_special_tokens` adds what the model adds (e.g. BOS)."""
+    def encode(self, text: str, add_special_tokens: bool = False, *, split_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds what the model adds (e.g. BOS).
+
+        `split_special_tokens` (transformers' name and meaning): True, the default here, reads
+        special-token text such as `<|im_start|>` as ordinary characters; False reads it as the
+        token it names, as a pre-templated prompt needs."""
         if not isinstance(text, str):
             raise ValueError(f"text: must be a string, not {type(text).__name__}")
-        return _encode_ids(self._plain, text, add_special_tokens)
+        return _encode_ids(self._plain if split_special_tokens else self._tok, text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary decode to nothing."""

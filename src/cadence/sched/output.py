@@ -158,13 +158,25 @@ class ModelOutput:
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Timings of one request on the engine clock (seconds)."""
+    """Timings of one request on the engine clock (seconds): a monotonic clock for a real engine,
+    virtual time in the simulator. Differences (`ttft`, `queue_time`, ...) are what they mean on
+    either; `unix_offset`, where the caller knows it (the offline `LLM` sets it), turns a reading
+    into Unix time, which is what vLLM's `arrival_time` holds (`arrival_unix_time`)."""
 
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
     num_preemptions: int = 0
+    unix_offset: float | None = None  # Unix time minus the engine clock
+
+    def unix_time(self, t: float | None) -> float | None:
+        """An engine-clock reading of these metrics as Unix time (None where the offset is unknown)."""
+        return None if t is None or self.unix_offset is None else t + self.unix_offset
+
+    @property
+    def arrival_unix_time(self) -> float | None:
+        return self.unix_time(self.arrival_time)
 
     @property
     def queue_time(self) -> float | None:

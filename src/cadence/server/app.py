@@ -53,6 +53,7 @@ from cadence.server.protocol import (
 )
 from cadence.server.serving import OpenAIServing
 from cadence.server.stopping import STOPPED_MESSAGE, StopGuard
+from cadence.wording import counted
 
 log = logging.getLogger("cadence.server")
 
@@ -367,13 +368,13 @@ class DrainingServer(uvicorn.Server):
 
     async def drain(self) -> None:
         log.info(
-            "SIGTERM: draining (up to %.1f s for %d requests in flight)", self.timeout, self.serving.active
+            "SIGTERM: draining (up to %.1f s for %s in flight)", self.timeout, counted(self.serving.active, "request")
         )
         self.engine.begin_drain()
         if not await _wait_for(
             lambda: self.engine.num_in_flight == 0 and self.serving.active == 0, self.timeout
         ):
-            log.warning("shutdown timeout: ending %d requests with an error", self.serving.active)
+            log.warning("shutdown timeout: ending %s with an error", counted(self.serving.active, "request"))
             self.engine.abort_all(
                 CadenceError(
                     ErrorKind.UNAVAILABLE,
@@ -386,7 +387,7 @@ class DrainingServer(uvicorn.Server):
     async def stop_now(self) -> None:
         if self._drain_task is not None:
             self._drain_task.cancel()
-        log.warning("stopping now: ending %d requests in flight with an error", self.serving.active)
+        log.warning("stopping now: ending %s in flight with an error", counted(self.serving.active, "request"))
         self.engine.begin_drain()
         self.engine.abort_all(CadenceError(ErrorKind.UNAVAILABLE, STOPPED_MESSAGE))
         await _wait_for(lambda: self.serving.active == 0, STOP_ENGINE_S)

@@ -7,6 +7,7 @@ rather than in protocol.py; each failure is a 400 naming the parameter.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import uuid
@@ -65,11 +66,17 @@ class InputBuilder:
             )
 
     async def prompt_ids(
-        self, prompt: str | list[int], param: str, *, allow_empty: bool = False
+        self,
+        prompt: str | list[int],
+        param: str,
+        *,
+        allow_empty: bool = False,
+        split_special_tokens: bool = False,
     ) -> list[int]:
+        """A raw prompt's ids: special-token text is the token it names unless `split_special_tokens`."""
         if not isinstance(prompt, str):
             return self.check_ids(prompt, param)
-        encode = self.engine.tokenizer.encode
+        encode = functools.partial(self.engine.tokenizer.encode, split_special_tokens=split_special_tokens)
         ids = (
             await asyncio.to_thread(encode, prompt)
             if len(prompt) > _ENCODE_IN_THREAD_CHARS

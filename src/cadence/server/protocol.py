@@ -134,6 +134,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    # False (as vLLM reads a prompt): special-token text such as "<|im_start|>" is the token it
+    # names. True (transformers' name): ordinary characters.
+    split_special_tokens: bool = False
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
@@ -235,6 +238,7 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    split_special_tokens: bool = False  # for `prompt`, as on /v1/completions
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -41,6 +41,7 @@ from cadence.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from cadence.wording import counted
 
 log = logging.getLogger("cadence.server")
 
@@ -80,7 +81,10 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.inputs.check_model(body.model)
         with self.counting_refusals():
-            prompts = [await self.inputs.prompt_ids(p, "prompt") for p in body.prompts()]
+            prompts = [
+                await self.inputs.prompt_ids(p, "prompt", split_special_tokens=body.split_special_tokens)
+                for p in body.prompts()
+            ]
             job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt")
         fmt = CompletionFormatter(
             job.request_id,
@@ -113,7 +117,9 @@ class OpenAIServing:
                 None,
             )
         else:
-            ids = await self.inputs.prompt_ids(body.prompt or "", "prompt", allow_empty=True)
+            ids = await self.inputs.prompt_ids(
+                body.prompt or "", "prompt", allow_empty=True, split_special_tokens=body.split_special_tokens
+            )
         out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
         if body.return_token_strs:
             out["token_strs"] = [self.tokens(t) for t in ids]
@@ -153,7 +159,7 @@ class OpenAIServing:
             self._count_refusal(ErrorKind.TENANT_QUOTA)
             raise AdmissionError(
                 ErrorKind.TENANT_QUOTA,
-                f"tenant {job.tenant!r} has {cap} requests in flight, its cap; retry later",
+                f"tenant {job.tenant!r} has {counted(cap, 'request')} in flight, its cap; retry later",
                 retry_after=self.engine.drain_rate.retry_after(),
             )
         self.tenant_in_flight[job.tenant] += 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -248,7 +247,7 @@ def _parse_bool(text: str) -> bool:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from cadence.sim.plan import Objective, format_plan, format_trial, plan
+    from cadence.sim.plan import Objective, format_header, format_plan, format_trial, plan
 
     objectives = [Objective.parse(s) for s in args.objectives]
     if not objectives:
@@ -262,11 +261,12 @@ def run_plan(args: argparse.Namespace) -> int:
     engine_cfg = sim_engine_config(args)
     workload, cfg = prepare_workload(args)
     print(f"planning for {len(workload)} requests of {workload.name}; " + "; ".join(workload.notes[-2:]), flush=True)
+    print(format_header(objectives), flush=True)  # each row is printed once, as it is tried
     result = plan(workload, engine_cfg, model, objectives, grid=grid, router=args.router,
                   max_replicas=args.max_replicas, max_model_len=args.max_model_len, seed=args.seed,
                   max_error_rate=args.max_error_rate,
-                  progress=lambda t: print("  tried " + format_trial(t, objectives), flush=True))
-    print(format_plan(result))
+                  progress=lambda t: print(format_trial(t, objectives), flush=True))
+    print(format_plan(result, with_table=False))
     return 0 if result.best is not None else 1
 
 
@@ -274,6 +274,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    from cadence.host_load import busy_warning
     from cadence.sim.calibrate import calibrate
 
     if args.model_path and args.model is None:
@@ -283,10 +284,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     out_dir = Path(args.out).parent
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {args.out}: {out_dir} is not a directory")
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load > 0.5 * cores:
-        print(f"warning: the machine is busy (load average {load:.1f} on {cores} CPUs): timings will be slow and "
-              "noisy; calibrate on a quiet machine", flush=True)
+    busy = busy_warning("calibrate on a quiet machine")
+    if busy:
+        print(busy, flush=True)
     model = calibrate(engine_config_from_args(args), tiny=args.tiny, quick=args.quick, repeats=args.repeats,
                       served=not args.no_serve, serve_log=str(Path(args.out).with_suffix(".serve.log")))
     path = model.save(Path(args.out))

@@ -21,6 +21,7 @@ from cadence.bench import report
 from cadence.config import EngineConfig, option_flags
 from cadence.executor.cost_model import StepCostModel, StepFeatures
 from cadence.sim.simulator import SimOptions, Simulator
+from cadence.wording import counted
 from cadence.workload import Workload
 
 PLAN_METRICS = ("ttft", "itl", "tpot", "e2e", "queue")
@@ -188,15 +189,24 @@ def format_trial(t: Trial, objectives: list[Objective]) -> str:
     return f"{opts:<48}{t.replicas:>9}{vals}{t.failed:>8}{'yes' if t.meets else 'no':>6}{t.wall_s:>8.1f}"
 
 
-def format_plan(result: PlanResult) -> str:
-    objs = result.objectives
-    head = f"{'engine options':<48}{'replicas':>9}" + "".join(f"{o.key + ' s':>12}" for o in objs) + \
+def format_header(objectives: list[Objective]) -> str:
+    """The SLO line and the column heads of the table `format_trial` rows go under."""
+    head = f"{'engine options':<48}{'replicas':>9}" + "".join(f"{o.key + ' s':>12}" for o in objectives) + \
         f"{'failed':>8}{'meets':>6}{'sim s':>8}"
-    lines = ["SLOs: " + ", ".join(f"{o.key} <= {o.bound:g}s" for o in objs),
-             "unloaded floor: " + ", ".join(f"{k} {v:.3f}s" for k, v in result.floor.items() if k.startswith("ttft")),
-             head] + [format_trial(t, objs) for t in result.trials]
+    return "SLOs: " + ", ".join(f"{o.key} <= {o.bound:g}s" for o in objectives) + "\n" + head
+
+
+def format_plan(result: PlanResult, with_table: bool = True) -> str:
+    """The plan's report; `with_table=False` leaves out the SLOs and the tried rows (for a caller
+    that printed them as they were tried)."""
+    objs = result.objectives
+    floor = "unloaded floor: " + ", ".join(f"{k} {v:.3f}s" for k, v in result.floor.items() if k.startswith("ttft"))
+    lines = [floor]
+    if with_table:
+        slos, head = format_header(objs).split("\n")
+        lines = [slos, floor, head, *(format_trial(t, objs) for t in result.trials)]
     if result.trials and result.trials[0].refused:
-        lines.append(f"note: {result.trials[0].refused} requests are refused by any fleet (longer than max_model_len); "
+        lines.append(f"note: {counted(result.trials[0].refused, 'request')} refused by any fleet (longer than max_model_len); "
                      "they are left out of the SLOs")
     lines += [f"note: {n}" for n in result.notes]
     if result.best is not None:
