@@ -103,8 +103,9 @@ def test_stop_signal_ends_everything_at_once_and_cleanly(cli_server_factory, sig
     assert code == exit_code
     assert answered < 1.5, f"the last answer came {answered:.1f} s after the signal"
     # The rest of the exit is the interpreter's own teardown, torch's above all: 0.3 s on an idle
-    # 2-core machine, 2 s and more on a loaded one.
-    assert exited < 5.0, f"the server took {exited:.1f} s to exit"
+    # 2-core machine, over 10 s on one loaded five times over. What the signal promises is the
+    # answers above; the exit only has to come, not to race the machine's load.
+    assert exited < 25.0, f"the server took {exited:.1f} s to exit"
     # The stream: some tokens, then a terminal error event, then [DONE].
     events = streamed["events"]
     assert streamed["status"] == 200 and events[-1] == "[DONE]"
