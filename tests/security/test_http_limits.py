@@ -231,3 +231,26 @@ def test_ordinary_requests_and_streams_still_work(server):
     ))
     assert chunks and chunks[-1].choices[0].finish_reason == "length"
     assert oai.completions.create(model="cadence-tiny-random", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_client_gone_mid_body_is_no_server_error(app_client):
+    """The connection closes while the app reads the body (a limit cut it off, or the client left):
+    the app ends the request without raising, so the server logs no traceback for it."""
+    import asyncio
+
+    app = app_client.app
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                         (b"transfer-encoding", b"chunked")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    asyncio.run(app(scope, receive, send))  # raised ClientDisconnect before
+    assert sent and sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
