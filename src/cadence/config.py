@@ -80,6 +80,7 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda when present, else cpu
     max_model_len: int | None = None  # None: the model's context length, capped at 8192
     served_model_name: str | None = None
+    chat_template: str | None = None  # a Jinja chat template, or a file holding one, instead of the model's
     seed: int = 0  # seeds unseeded random sampling
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     # The served engine is declared stalled (unhealthy) when one step runs longer than this many
@@ -297,6 +298,8 @@ OPTION_HELP: dict[str, str] = {
     "device": "auto: CUDA when present, else the CPU",
     "max_model_len": "longest context (prompt + output) a request may use (none: the model's, at most 8192)",
     "served_model_name": "the model name the API answers to (none: the file's name)",
+    "chat_template": "a Jinja chat template, or the path of a file holding one, used instead of the model's "
+                     "(under the same limits, checked at start-up)",
     "seed": "seeds sampling of requests that give no seed",
     "num_threads": "torch and kernel threads (none: one per core)",
     "step_timeout": "seconds one engine step may run before the server reports itself unhealthy; 0: no watchdog",

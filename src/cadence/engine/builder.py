@@ -121,7 +121,7 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
         config.model.chat_template_max_chars,
         config.model.chat_template_max_iterations,
     )
-    tokenizer = Tokenizer.from_model_path(path, limits)
+    tokenizer = Tokenizer.from_model_path(path, limits, read_chat_template(config.model.chat_template))
     q4_1: dict[str, torch.Tensor] = {}
     if tiny:
         arch = tiny_arch(tokenizer.vocab_size)
@@ -140,6 +140,19 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
     name = config.model.served_model_name or (arch.name if tiny else _model_name(path))
     log.info("model %s (%s) on %s in %s, max_model_len %d", name, path.name, device, dtype, max_len)
     return Engine(core, tokenizer, name, max_len, arch.vocab_size, config, device, dtype)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: the text of the file it names, or the template itself (as vLLM reads it)."""
+    if value is None:
+        return None
+    looks_like_path = "{" not in value and "\n" not in value
+    if looks_like_path:
+        p = Path(value).expanduser()
+        if not p.is_file():
+            raise ValueError(f"chat_template: {value}: no such file (give a file or the template's text)")
+        return p.read_text(encoding="utf-8")
+    return value
 
 
 def available_memory(device: torch.device) -> int:

@@ -59,13 +59,28 @@ def default_model_path() -> Path:
     return found[0]
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def missing_model_message(path: Path) -> str:
+    """Why `path` cannot be loaded: no such file, and, where it reads like a Hugging Face hub id, that
+    cadence fetches nothing from a hub and what to give it instead."""
+    text = f"{path}: no such file or directory"
+    if _HUB_ID.match(str(path)) and path.suffix != ".gguf":
+        text += (f". It looks like a Hugging Face hub id, but cadence loads models from local files only and "
+                 f"downloads nothing: fetch the model where there is network (for example `hf download {path} "
+                 f"--local-dir DIR`) and give DIR (a directory with config.json, tokenizer.json and "
+                 f"*.safetensors), or give a GGUF file")
+    return text
+
+
 def load_checkpoint(path: str | Path | None, dtype: torch.dtype = torch.float32) -> Checkpoint:
     """Load a GGUF file or a Hugging Face directory; None loads the default model."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: must be a floating-point torch.dtype, not {dtype!r}")
     p = default_model_path() if path is None else Path(path)
     if not p.exists():
-        raise LoadError(f"{p}: no such file or directory")
+        raise LoadError(missing_model_message(p))
     try:
         return _load_any(p, dtype)
     except OSError as e:  # unreadable file, permissions, I/O error

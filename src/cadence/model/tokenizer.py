@@ -25,7 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from cadence.model.chat_template import RenderedChat, render_chat
 from cadence.model.detokenizer import IncrementalDetokenizer, StopChecker
 from cadence.model.gguf_file import LoadError, field_value, open_gguf
-from cadence.model.loader import default_model_path
+from cadence.model.loader import default_model_path, missing_model_message
 from cadence.model.template_limits import ChatTemplateLimitError, RenderLimits
 
 __all__ = ["IncrementalDetokenizer", "StopChecker", "Tokenizer"]
@@ -179,22 +179,25 @@ class Tokenizer:
     # ----- construction -----
 
     @classmethod
-    def from_model_path(cls, path: str | Path | None, template_limits: RenderLimits | None = None) -> Tokenizer:
-        """From a GGUF file, or a directory with tokenizer.json (or exactly one .gguf); None: the default model."""
+    def from_model_path(cls, path: str | Path | None, template_limits: RenderLimits | None = None,
+                        chat_template: str | None = None) -> Tokenizer:
+        """From a GGUF file, or a directory with tokenizer.json (or exactly one .gguf); None: the default
+        model. `chat_template`: used instead of the model's own (checked on the probes the same way)."""
         p = default_model_path() if path is None else Path(path)
         if p.is_dir():
             if (p / "tokenizer.json").is_file():
-                return cls.from_hf_dir(p, template_limits)
+                return cls.from_hf_dir(p, template_limits, chat_template)
             ggufs = sorted(p.glob("*.gguf"))
             if len(ggufs) == 1:
-                return cls.from_gguf(ggufs[0], template_limits)
+                return cls.from_gguf(ggufs[0], template_limits, chat_template)
             raise LoadError(f"{p}: no tokenizer.json (nor exactly one .gguf file) in this directory")
         if not p.exists():
-            raise LoadError(f"{p}: no such file or directory")
-        return cls.from_gguf(p, template_limits)
+            raise LoadError(missing_model_message(p))
+        return cls.from_gguf(p, template_limits, chat_template)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, template_limits: RenderLimits | None = None) -> Tokenizer:
+    def from_gguf(cls, path: str | Path, template_limits: RenderLimits | None = None,
+                  chat_template: str | None = None) -> Tokenizer:
         path = Path(path)
         reader = open_gguf(path)
 
@@ -220,7 +223,7 @@ class Tokenizer:
         for k, v in ids.items():
             if v is not None and not (isinstance(v, int) and 0 <= v < len(tokens)):
                 raise LoadError(f"{path}: tokenizer.ggml.{k}_token_id {v} is outside the vocabulary")
-        template = get("chat_template")
+        template = chat_template if chat_template is not None else get("chat_template")
         if get("ggml.add_bos_token") and ids["bos"] is not None:
             bos = tokens[ids["bos"]]
             tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, ids["bos"])])
@@ -229,7 +232,8 @@ class Tokenizer:
                    template_limits=template_limits)  # fmt: skip
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path, template_limits: RenderLimits | None = None) -> Tokenizer:
+    def from_hf_dir(cls, path: str | Path, template_limits: RenderLimits | None = None,
+                    chat_template: str | None = None) -> Tokenizer:
         folder = Path(path)
         tj = folder / "tokenizer.json"
         if not tj.is_file():
@@ -244,6 +248,8 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
             template = named.get("default")
+        if chat_template is not None:
+            template = chat_template
         extra = _ids(_read_json(folder / "generation_config.json").get("eos_token_id"))
         extra |= _ids(_read_json(folder / "config.json").get("eos_token_id"))
 
