@@ -9,6 +9,7 @@ iterations and calls) and no chat blocks the server's event loop.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import socket
@@ -195,6 +196,50 @@ def test_a_request_template_over_a_limit_is_a_400_naming_the_limit(live: Live, t
     assert err["param"] == "chat_template" and err["type"] == "invalid_request_error"
     assert "over this server's limit (the limit: option chat_template_" in err["message"], err
     assert chat(live, {"messages": CHAT}).status_code == 200  # the server goes on
+
+
+# One built-in call that counts nothing while it works: a request template's render runs in a
+# worker process, which is killed past the time limit and whose memory is capped.
+UNCOUNTED = {
+    "wordwrap": ("{{ ('a ' * 1900000)|wordwrap(1) }}", "ran longer than 1 s"),
+    "width from an argument": ("{{ '%*s' % (3000000000, 'a') }}", "MiB of memory"),
+    "format width": ("{{ '{:{}}'.format('a', 3000000000) }}", "MiB of memory"),
+}
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.parametrize("name", list(UNCOUNTED))
+def test_an_uncounted_builtin_is_stopped_in_its_worker(live: Live, name: str) -> None:
+    template, says = UNCOUNTED[name]
+    before = _rss_mib()
+    t0 = time.monotonic()
+    r = chat(live, {"messages": CHAT, "chat_template": template})
+    assert time.monotonic() - t0 < 15
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert says in r.json()["error"]["message"]
+    assert _rss_mib() - before < 100  # the server's own memory: the work was the worker's
+    assert chat(live, {"messages": CHAT, "chat_template": "{{ messages[0].content }}"}).status_code == 200
+
+
+def test_lipsum_is_not_offered(live: Live) -> None:
+    r = chat(live, {"messages": CHAT, "chat_template": "{{ lipsum(n=100000000)|length }}"})
+    assert r.status_code == 400 and "'lipsum' is undefined" in r.json()["error"]["message"]
+
+
+def test_runaway_request_templates_never_block_the_chat_route(live: Live) -> None:
+    """More runaway renders than there are workers, clients giving up: the next chats still answer."""
+    template = UNCOUNTED["wordwrap"][0]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        for f in [pool.submit(chat, live, {"messages": CHAT, "chat_template": template}) for _ in range(6)]:
+            assert f.result().status_code == 400
+    assert chat(live, {"messages": CHAT}).status_code == 200
+    assert chat(live, {"messages": CHAT, "chat_template": "{{ messages[0].content }}"}).status_code == 200
 
 
 def test_the_model_template_over_a_limit_is_a_500_naming_it(live: Live) -> None:

@@ -234,6 +234,9 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 @functools.lru_cache(maxsize=1)
 def _environment() -> _Sandbox:
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], autoescape=False)
+    # lipsum(n) builds its text in one uncounted call (10**8 paragraphs: gigabytes); no chat
+    # template has a use for it.
+    del env.globals["lipsum"]
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson

@@ -27,6 +27,7 @@ from cadence.model.detokenizer import IncrementalDetokenizer, StopChecker
 from cadence.model.gguf_file import LoadError, field_value, open_gguf
 from cadence.model.loader import default_model_path, missing_model_message
 from cadence.model.template_limits import ChatTemplateLimitError, RenderLimits
+from cadence.model.template_process import template_processes
 
 __all__ = ["IncrementalDetokenizer", "StopChecker", "Tokenizer"]
 
@@ -299,10 +300,13 @@ class Tokenizer:
     def render_chat(self, messages: Any, add_generation_prompt: bool = True, chat_template: str | None = None) -> RenderedChat:
         """The chat as text, with where each message's content lies in it. Raises ChatTemplateLimitError
         (a ValueError) when the template goes over `template_limits`."""
-        template = chat_template if chat_template is not None else self.chat_template
-        if template is None:
+        if chat_template is not None:  # a caller's template: in a worker process that can be killed
+            return template_processes().render(chat_template, messages, add_generation_prompt,
+                                               self._template_variables(), self.template_limits)
+        if self.chat_template is None:
             raise ValueError("chat_template: this model has no chat template; pass one")
-        return render_chat(template, messages, add_generation_prompt, self._template_variables(), self.template_limits)
+        return render_chat(self.chat_template, messages, add_generation_prompt, self._template_variables(),
+                           self.template_limits)
 
     def apply_chat_template(
         self, messages: Any, add_generation_prompt: bool = True, chat_template: str | None = None
