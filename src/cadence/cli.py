@@ -138,6 +138,9 @@ def _add_http_limits(p: argparse.ArgumentParser) -> None:
                         "opening; then 408 and the connection closes (default %(default)s)")
     g.add_argument("--keep-alive-timeout", type=float, default=ServerConfig.keep_alive_timeout,
                    help="seconds an idle connection stays open between requests (default %(default)s)")
+    g.add_argument("--body-timeout", type=float, default=ServerConfig.body_timeout,
+                   help="seconds a request's body may take to arrive after its head; then the connection "
+                        "closes (default %(default)s)")
 
 
 def http_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -148,6 +151,7 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_request_line_bytes": args.max_request_line_bytes,
         "header_timeout": args.header_timeout,
         "keep_alive_timeout": args.keep_alive_timeout,
+        "body_timeout": args.body_timeout,
         "allowed_origins": tuple(args.allowed_origins),
         "allowed_methods": tuple(m.upper() for m in args.allowed_methods),
         "allowed_headers": tuple(args.allowed_headers),

@@ -220,6 +220,7 @@ class ServerConfig:
     max_request_line_bytes: int = 8 << 10
     header_timeout: float = 10.0  # seconds from a connection's or a request's first byte to its last header
     keep_alive_timeout: float = 5.0  # seconds an idle connection stays open between requests
+    body_timeout: float = 60.0  # seconds from a request's head to the end of its body
     # CORS: off unless origins are given.
     allowed_origins: tuple[str, ...] = ()  # "*" for any
     allowed_methods: tuple[str, ...] = ("GET", "POST")
@@ -241,7 +242,7 @@ class ServerConfig:
             is_int(self.max_request_line_bytes) and 64 <= self.max_request_line_bytes <= self.max_header_bytes,
             "max_request_line_bytes", f"must be between 64 bytes and max_header_bytes ({self.max_header_bytes})",
         )
-        for name in ("header_timeout", "keep_alive_timeout"):
+        for name in ("header_timeout", "keep_alive_timeout", "body_timeout"):
             value = getattr(self, name)
             _require(is_finite(value) and value > 0, name, f"must be a number of seconds > 0, got {value!r}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):

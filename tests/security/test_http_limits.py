@@ -19,13 +19,15 @@ from serve_process import CliServer, read_response, start_cli_server, status_of
 
 HEADER_TIMEOUT = 2.0
 KEEP_ALIVE_TIMEOUT = 1.0
+BODY_TIMEOUT = 3.0
 MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[CliServer]:
     live = start_cli_server(
-        "--header-timeout", str(HEADER_TIMEOUT), "--keep-alive-timeout", str(KEEP_ALIVE_TIMEOUT)
+        "--header-timeout", str(HEADER_TIMEOUT), "--keep-alive-timeout", str(KEEP_ALIVE_TIMEOUT),
+        "--body-timeout", str(BODY_TIMEOUT),
     )
     try:
         yield live
@@ -254,3 +256,32 @@ def test_a_client_gone_mid_body_is_no_server_error(app_client):
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
     asyncio.run(app(scope, receive, send))  # raised ClientDisconnect before
     assert sent and sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
+
+
+def test_a_body_trickled_in_is_cut_off_at_the_body_timeout(server):
+    """A whole head, then the body a byte every 0.3 s: each read is news, but the body as a whole
+    must arrive within --body-timeout, so the connection closes then (it never would before)."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode() + b" " * 200
+    head_bytes = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+    with server.connect() as sock:
+        sock.sendall(head_bytes)
+        start = time.monotonic()
+        closed = False
+        for byte in body:  # 240 bytes x 0.3 s: over a minute if never cut off
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            readable, _, _ = select.select([sock], [], [], 0.3)
+            if readable and sock.recv(4096) == b"":
+                closed = True
+                break
+        elapsed = time.monotonic() - start
+    assert closed, "the trickled body was never cut off"
+    assert BODY_TIMEOUT - 0.2 <= elapsed <= BODY_TIMEOUT + 3.0, elapsed
+    assert "Traceback" not in server.log()
+    # A body that arrives in time is served.
+    assert status_of(exchange(server, head_bytes.replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n", 1)
+                              + body)) == 200

@@ -13,7 +13,9 @@ subclass of uvicorn's protocol adds, per connection:
 - the raw bytes of a whole message: the body has its own limit in the app, but chunk framing and
   trailer fields never reach it, so a message over twice the body limit plus the head limit closes;
 - a clock from a connection's opening, or a request's first byte, to its last header field:
-  past `header_timeout`, 408 (or a plain close when nothing of a request came).
+  past `header_timeout`, 408 (or a plain close when nothing of a request came);
+- a clock from a request's last header field to the end of its body: past `body_timeout`, the
+  connection closes (a byte every few seconds would otherwise hold a body's memory for ever).
 
 Idle connections between requests are closed by uvicorn's own keep-alive timer. httptools stays
 the parser (rather than h11, whose size limit could replace the byte counts): it costs less Python
@@ -46,6 +48,7 @@ class HeadLimits:
     max_header_bytes: int  # request line and header fields
     max_request_line_bytes: int
     header_timeout: float
+    body_timeout: float
     max_message_bytes: int  # head, body, chunk framing and trailers of one request
 
     @classmethod
@@ -55,6 +58,7 @@ class HeadLimits:
             max_header_bytes=config.max_header_bytes,
             max_request_line_bytes=config.max_request_line_bytes,
             header_timeout=config.header_timeout,
+            body_timeout=config.body_timeout,
             max_message_bytes=config.max_header_bytes + 2 * config.max_body_bytes,
         )
 
@@ -86,6 +90,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # header fields parsed so far, as sent ("name: value\r\n")
         self._header_count = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
         self._pending: Refusal | None = None  # found in a parser callback, answered after it
         self._refused = False
@@ -97,10 +102,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_head_timer()  # a connection that never sends a byte is timed too
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._head_timer, self._linger_timer):
+        for timer in (self._head_timer, self._body_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._linger_timer = None
+        self._head_timer = self._body_timer = self._linger_timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -162,9 +167,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._reading_head = False
         self._cancel_head_timer()
+        self._body_timer = self.loop.call_later(self.limits.body_timeout, self._body_timed_out)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
         super().on_message_complete()
         self._reading_head = True
         self._raw = 0
@@ -226,6 +235,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+    def _body_timed_out(self) -> None:
+        """The body is not all in `body_timeout` after its head: the request is given up and the
+        connection closed (the app, waiting for the body, sees the client gone)."""
+        self._body_timer = None
+        if self.transport.is_closing() or self._reading_head or self._refused:
+            return
+        self._refused = True
+        client = f"{self.client[0]}:{self.client[1]} - " if self.client else ""
+        log.info("%srefused: the request body did not arrive within %g s", client, self.limits.body_timeout)
+        self.transport.close()
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
