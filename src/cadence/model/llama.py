@@ -14,6 +14,8 @@ matrix, gate and up into one [2F, E] matrix, because one large matmul beats thre
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +25,8 @@ import torch.nn.functional as F
 from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import AttentionMetadata, PagedDecode, PagedKVCache, paged_attention
 from cadence.model.cpu_kernels import DL_FIELDS, CpuKernels, DecodeLayers, cpu_kernels, q4_1_kernels_enabled
+
+log = logging.getLogger("cadence.model")
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks
@@ -112,15 +116,15 @@ class Linear:
     def _choose_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
         n, kernel, bias = self.shape[0], self.kernel, self.kernel_bias
         if kernel is not None and self.q4_1 is not None:
-            q4 = self.q4_1
+            q4, self.path = self.q4_1, "cadence's kernel on the checkpoint's Q4_1 blocks"
             return lambda x: kernel.linear_q4_1(x, q4, n, bias)
         if kernel is not None and self.packed is not None:
-            packed = self.packed
+            packed, self.path = self.packed, "cadence's kernel on bfloat16 weights"
             return lambda x: kernel.linear(x, packed, n, bias)
         if self.packed is not None:
-            onednn = self.packed
+            onednn, self.path = self.packed, "oneDNN on packed weights"
             return lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, self.bias, "none", [], "")
-        weight = self.weight
+        weight, self.path = self.weight, "torch's linear"
         assert weight is not None
         return lambda x: F.linear(x, weight, self.bias)
 
@@ -294,6 +298,9 @@ class LlamaModel:
         self.q_size = arch.num_heads * arch.head_dim
         # All-decode steps run every layer in one kernel call (same kernels, same order, same bits).
         self.fused_decode = self._fused_decode_layers() if self.decode_kernels is not None else None
+        paths = Counter(lin.path for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        log.info("linear layers: %s; output layer: %s", ", ".join(f"{k} x {v}" for k, v in paths.items()),
+                 self.lm_head.path)
 
     def forward(
         self,
