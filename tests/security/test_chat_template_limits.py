@@ -303,3 +303,11 @@ def test_the_event_loop_answers_while_a_megabyte_is_tokenized(live: Live, route:
     assert took > 0.2, "the request was too quick to tell"
     # The loop answered all along: many health checks, none held for a good part of the tokenization.
     assert len(during) >= 5 and max(during) < max(0.1, took / 3), (took, len(during), sorted(during)[-5:])
+
+
+def test_a_conversation_over_the_character_cap_is_the_clients_400(base: Tokenizer) -> None:
+    """Contents alone over --chat-template-max-chars: refused naming messages, before any render
+    (it was a 500 blaming the model's template)."""
+    tok = with_template(base, base.chat_template, RenderLimits(max_chars=2048))
+    with pytest.raises(ValueError, match=r"^messages: the conversation has 3000 characters"):
+        tok.render_chat([{"role": "user", "content": "x" * 3000}])

@@ -323,11 +323,16 @@ def render_chat(
     """Render `messages` with the template `source` under `limits` (compiling and both passes
     together); see the module docstring for the two passes."""
     msgs = validate_messages(messages)
+    limits = limits or RenderLimits()
+    chars = sum(len(m["content"]) for m in msgs)
+    if chars > limits.max_chars:  # the conversation alone is over the cap: the caller's doing, not the template's
+        raise ValueError(f"messages: the conversation has {chars} characters, more than a chat may render "
+                         f"(chat_template_max_chars {limits.max_chars})")
     extra = dict(variables or {})
     contents = [m["content"] for m in msgs]
     nonce = secrets.token_hex(8)
     marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(msgs))]
-    with render_budget(limits or RenderLimits()) as budget:
+    with render_budget(limits) as budget:
         validate_template(source)
         template = _compile(source)
         shaped = _run(template, {**extra, "messages": [dict(m, content=k) for m, k in zip(msgs, marks, strict=True)],
