@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+from typing import Any
 
 import pytest
 import torch
@@ -331,9 +332,9 @@ def test_rope_positions_checked_before_the_kernel_reads_the_table(kernels):
         model.ops.rope_for(torch.tensor([0, model.cos.shape[0]]))
 
 
-def _fused_pair(q4: bool, bias: bool) -> tuple[ModelRunner, ModelRunner]:
-    """Two runners on the same random model (head_dim 32, so the decode kernel applies): one with
-    all-decode steps in one `decode_layers` call, one layer by layer in Python."""
+def kernel_model(q4: bool, bias: bool, seed: int) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(arch, weights, q4_1) of a random model the kernels take whole (head_dim 32): Llama, Qwen2 (a
+    qkv bias), or with its projections as Q4_1 blocks (as the default GGUF model's); norms random."""
     from dataclasses import replace
 
     from cadence.engine.builder import random_weights
@@ -343,8 +344,8 @@ def _fused_pair(q4: bool, bias: bool) -> tuple[ModelRunner, ModelRunner]:
                            intermediate_size=160, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
                            rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True,
                            attention_bias=bias, rms_norm_eps=1e-6)
-    weights = random_weights(replace(arch), seed=11)
-    g = torch.Generator().manual_seed(12)
+    weights = random_weights(replace(arch), seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
     for name in list(weights):
         if "norm" in name:
             weights[name] = 1.0 + 0.2 * torch.randn(weights[name].shape, generator=g)
@@ -358,6 +359,13 @@ def _fused_pair(q4: bool, bias: bool) -> tuple[ModelRunner, ModelRunner]:
             if name.endswith("proj.weight"):
                 raw, exact = q4_1_matrix(*w.shape, seed=len(q4_1))
                 q4_1[name], weights[name] = raw, exact.float()
+    return arch, weights, q4_1
+
+
+def _fused_pair(q4: bool, bias: bool) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners on the same random model: one with all-decode steps in one `decode_layers` call,
+    one layer by layer in Python."""
+    arch, weights, q4_1 = kernel_model(q4, bias, seed=11)
     runners = tuple(ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1) for _ in range(2))
     assert runners[0].model.fused_decode is not None
     if q4:

@@ -12,17 +12,15 @@ recompute of everything so far into fresh blocks (what preemption does). Every l
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_cpu_kernels import needs_kernels, q4_1_matrix
+from test_cpu_kernels import kernel_model, needs_kernels
 
-from cadence.engine.builder import random_weights
 from cadence.executor.model_runner import ModelRunner
-from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import AttentionMetadata, SeqSpan
 from cadence.request import SamplingParams
 from cadence.sched.output import ScheduledRequest, SchedulerOutput
@@ -35,27 +33,8 @@ pytestmark = needs_kernels
 
 @cache
 def kernel_runner(q4: bool, bias: bool) -> ModelRunner:
-    """A random bfloat16 model the kernels take whole (head_dim 32): Llama, Qwen2 (qkv bias), or with
-    its projections as Q4_1 blocks (as the default GGUF model's)."""
-    arch = ModelArchConfig(architecture="qwen2" if bias else "llama", vocab_size=VOCAB, hidden_size=128,
-                           intermediate_size=160, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
-                           rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True,
-                           attention_bias=bias, rms_norm_eps=1e-6)
-    weights = random_weights(replace(arch), seed=21)
-    g = torch.Generator().manual_seed(22)
-    for name in list(weights):
-        if "norm" in name:
-            weights[name] = 1.0 + 0.2 * torch.randn(weights[name].shape, generator=g)
-    if bias:
-        for i in range(arch.num_layers):
-            for part, rows in (("q", 128), ("k", 64), ("v", 64)):
-                weights[f"model.layers.{i}.self_attn.{part}_proj.bias"] = 0.3 * torch.randn(rows, generator=g)
-    q4_1 = {}
-    if q4:
-        for name, w in weights.items():
-            if name.endswith("proj.weight"):
-                raw, exact = q4_1_matrix(*w.shape, seed=len(q4_1))
-                q4_1[name], weights[name] = raw, exact.float()
+    """A random bfloat16 model the kernels take whole (test_cpu_kernels.kernel_model)."""
+    arch, weights, q4_1 = kernel_model(q4, bias, seed=21)
     runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1)
     assert runner.model.fused_decode is not None and runner.model.decode_kernels is not None
     assert (runner.model.layers[0].down.q4_1 is not None) == q4

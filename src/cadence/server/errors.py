@@ -71,22 +71,15 @@ ERROR_TABLE: dict[ErrorKind | HTTPKind, ErrorSpec] = {
 }
 
 
-class APIError(Exception):
-    """An HTTP-layer error; raised in handlers and middleware, answered through the table."""
+class APIError(CadenceError):
+    """An HTTP-layer error (its kind may be one only HTTP has, such as 413 or 415); raised in
+    handlers and middleware, answered through the table as the engine's errors are."""
 
-    def __init__(
-        self,
-        kind: ErrorKind | HTTPKind,
-        message: str,
-        *,
-        param: str | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.param = param
-        self.retry_after = retry_after
+    kind: ErrorKind | HTTPKind  # type: ignore[assignment]  # HTTP's kinds beside the engine's
+
+    def __init__(self, kind: ErrorKind | HTTPKind, message: str, *, param: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(kind, message, param=param, retry_after=retry_after)  # type: ignore[arg-type]
 
 
 def error_payload(kind: ErrorKind | HTTPKind, message: str, param: str | None = None) -> dict[str, Any]:
@@ -113,7 +106,7 @@ def error_bytes(kind: ErrorKind | HTTPKind, message: str) -> bytes:
 
 def from_exception(exc: BaseException) -> JSONResponse:
     """Any exception as an OpenAI-shaped error response."""
-    if isinstance(exc, (APIError, CadenceError)):
+    if isinstance(exc, CadenceError):  # APIError too
         return error_response(exc.kind, exc.message, param=exc.param, retry_after=exc.retry_after)
     if isinstance(exc, (ValidationError, RequestValidationError)):
         message, param = describe_validation(exc.errors())

@@ -123,18 +123,35 @@ class Formatter(abc.ABC):
     def start_chunks(self) -> list[dict[str, Any]]:
         return []
 
-    @abc.abstractmethod
     def chunk(self, index: int, d: StreamDelta) -> dict[str, Any] | None:
         """One SSE chunk for a delta, or None when it carries nothing to send."""
+        if not d.text and not d.finished and not d.logprobs:
+            return None  # nothing a client could see (bytes of a character, or a possible stop string)
+        choice = {"index": index, **self._delta(index, d), "finish_reason": d.finish_reason}
+        if d.finished:
+            choice["stop_reason"] = d.stop_reason
+        return self._envelope(self.chunk_object_name, [choice])
+
+    @abc.abstractmethod
+    def _delta(self, index: int, d: StreamDelta) -> dict[str, Any]:
+        """A chunk's choice fields between its index and its finish reason: the text and logprobs."""
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         body = self._envelope(self.chunk_object_name, [])
         body["usage"] = usage
         return body
 
-    @abc.abstractmethod
     def response(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The whole non-streaming body."""
+        choices = [{"index": i, **self._final(st), "finish_reason": st.finish_reason, "stop_reason": st.stop_reason}
+                   for i, st in enumerate(self.choices)]
+        body = self._envelope(self.object_name, choices)
+        body["usage"] = usage
+        return body
+
+    @abc.abstractmethod
+    def _final(self, st: ChoiceState) -> dict[str, Any]:
+        """A whole choice's fields between its index and its finish reason: the text and logprobs."""
 
 
 class CompletionFormatter(Formatter):
@@ -155,31 +172,13 @@ class CompletionFormatter(Formatter):
             "text_offset": offsets,
         }
 
-    def chunk(self, index: int, d: StreamDelta) -> dict[str, Any] | None:
-        if not d.text and not d.finished and not d.logprobs:
-            return None  # nothing a client could see (bytes of a character, or a possible stop string)
+    def _delta(self, index: int, d: StreamDelta) -> dict[str, Any]:
         lp = self._logprobs(self.choices[index], d.logprobs) if d.logprobs is not None else None
-        choice = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-        if d.finished:
-            choice["stop_reason"] = d.stop_reason
-        return self._envelope(self.chunk_object_name, [choice])
+        return {"text": d.text, "logprobs": lp}
 
-    def response(self, usage: dict[str, Any]) -> dict[str, Any]:
-        choices = []
-        for i, st in enumerate(self.choices):
-            lp = self._logprobs(ChoiceState(), st.logprobs) if self.want_logprobs else None
-            choices.append(
-                {
-                    "index": i,
-                    "text": "".join(st.text),
-                    "logprobs": lp,
-                    "finish_reason": st.finish_reason,
-                    "stop_reason": st.stop_reason,
-                }
-            )
-        body = self._envelope(self.object_name, choices)
-        body["usage"] = usage
-        return body
+    def _final(self, st: ChoiceState) -> dict[str, Any]:
+        lp = self._logprobs(ChoiceState(), st.logprobs) if self.want_logprobs else None
+        return {"text": "".join(st.text), "logprobs": lp}
 
 
 class ChatFormatter(Formatter):
@@ -215,29 +214,10 @@ class ChatFormatter(Formatter):
             for i in range(len(self.choices))
         ]
 
-    def chunk(self, index: int, d: StreamDelta) -> dict[str, Any] | None:
-        if not d.text and not d.finished and not d.logprobs:
-            return None
+    def _delta(self, index: int, d: StreamDelta) -> dict[str, Any]:
         lp = self._logprobs(d.logprobs) if d.logprobs is not None else None
-        delta = {"content": d.text} if d.text else {}
-        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-        if d.finished:
-            choice["stop_reason"] = d.stop_reason
-        return self._envelope(self.chunk_object_name, [choice])
+        return {"delta": {"content": d.text} if d.text else {}, "logprobs": lp}
 
-    def response(self, usage: dict[str, Any]) -> dict[str, Any]:
-        choices = []
-        for i, st in enumerate(self.choices):
-            lp = self._logprobs(st.logprobs) if self.want_logprobs else None
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": "".join(st.text)},
-                    "logprobs": lp,
-                    "finish_reason": st.finish_reason,
-                    "stop_reason": st.stop_reason,
-                }
-            )
-        body = self._envelope(self.object_name, choices)
-        body["usage"] = usage
-        return body
+    def _final(self, st: ChoiceState) -> dict[str, Any]:
+        lp = self._logprobs(st.logprobs) if self.want_logprobs else None
+        return {"message": {"role": "assistant", "content": "".join(st.text)}, "logprobs": lp}
