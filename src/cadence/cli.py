@@ -92,7 +92,47 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-tenant-labels", type=int, default=ServerConfig.max_tenant_labels)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--tiny", action="store_true", help="a tiny random-weight model with the real tokenizer (testing)")
+    _add_fleet_args(p)
     p.set_defaults(func=_serve)
+
+
+# -- the fleet (cadence serve --replicas N) --------------------------------------------------------
+
+
+def _add_fleet_args(p: argparse.ArgumentParser) -> None:
+    from cadence.routing import ROUTERS
+
+    f = p.add_argument_group("fleet options (Ray Serve; see docs/fleet.md)")
+    f.add_argument("--replicas", type=int, default=None,
+                   help="serve N engines behind one endpoint on Ray Serve (default: one engine, no Ray)")
+    f.add_argument("--router", choices=ROUTERS, default="prefix-affinity", help="how requests are placed (default %(default)s)")
+    f.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. HEAD:6379 after `ray start --head`) instead of starting one")
+    f.add_argument("--replica-threads", type=int, default=None,
+                   help="torch threads (and CPUs reserved) per replica (default: the cores divided among the replicas)")
+    f.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests the ingress holds for busy replicas; beyond it, 429 (default %(default)s)")
+
+
+def _serve_fleet(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+    import math
+
+    from cadence.fleet.deploy import FleetOptions
+    from cadence.fleet.launch import RayOptions, run_fleet
+
+    replicas = args.replicas or 1
+    if replicas < 1:
+        raise ValueError(f"--replicas: must be >= 1, got {replicas}")
+    threads = args.replica_threads or engine_cfg.model.num_threads or max(1, (os.cpu_count() or 1) // replicas)
+    if threads < 1:
+        raise ValueError(f"--replica-threads: must be >= 1, got {threads}")
+    fleet = FleetOptions(replicas=replicas, router=args.router, replica_cpus=float(threads),
+                         max_queued_requests=args.max_queued_requests, tiny=args.tiny).validate()
+    engine_cfg = engine_cfg.replace(num_threads=threads)
+    # A local Ray gets the replicas' CPUs and the ingress's, whatever this machine counts.
+    ray_opts = RayOptions(address=args.ray_address,
+                          num_cpus=None if args.ray_address else math.ceil(replicas * threads + fleet.ingress_cpus))
+    return run_fleet(engine_cfg, server_cfg, fleet, ray_opts)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -116,6 +156,8 @@ def _serve(args: argparse.Namespace) -> int:
         allow_request_chat_template=args.allow_request_chat_template, slo_ttft=args.slo_ttft,
         slo_itl=args.slo_itl, tenant_max_requests=args.tenant_max_requests, max_tenant_labels=args.max_tenant_labels, log_level=args.log_level,
     ).validate()
+    if args.replicas is not None or args.ray_address is not None:
+        return _serve_fleet(args, engine_cfg, server_cfg)
     return run_server(engine_cfg, server_cfg, tiny=args.tiny)
 
 

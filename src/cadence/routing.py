@@ -21,7 +21,7 @@ next snapshot shows it. Imports only the standard library and the KV manager's h
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cadence.kv.hashing import BlockHash
@@ -102,8 +102,8 @@ def check_router(name: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ pure parts
-def matched_blocks(chain: Sequence[int], digest: Collection[int], recent: Mapping[int, int] | None = None,
-                   replica: int = -1) -> int:
+def matched_blocks(chain: Sequence[int], digest: Collection[int], recent: Mapping[int, Hashable] | None = None,
+                   replica: Hashable = -1) -> int:
     """Leading blocks of `chain` cached on a replica: in its `digest`, or sent to it lately
     (`recent[fp] == replica`). Stops at the first miss: a later block is worth nothing without
     the ones before it."""
@@ -134,12 +134,15 @@ def least_loaded(loads: Sequence[int], start: int = 0) -> int:
 
 
 def prefix_affinity(chain: Sequence[int], stats: Sequence[ReplicaStats], start: int = 0,
-                    cfg: RoutingConfig = RoutingConfig(), recent: Mapping[int, int] | None = None) -> int:
-    """The replica with the best prefix hit minus load (see the module's docstring)."""
+                    cfg: RoutingConfig = RoutingConfig(), recent: Mapping[int, Hashable] | None = None,
+                    ids: Sequence[Hashable] | None = None) -> int:
+    """The replica with the best prefix hit minus load (see the module's docstring). `recent` maps
+    a block's fingerprint to the replica (its entry in `ids`, default its index) it was sent to."""
     loads = [s.load for s in stats]
     if not chain or unbalanced(loads, cfg):
         return least_loaded(loads, start)
-    hits = [matched_blocks(chain, s.digest, recent, i) for i, s in enumerate(stats)]
+    keys = ids if ids is not None else range(len(stats))
+    hits = [matched_blocks(chain, s.digest, recent, k) for s, k in zip(stats, keys, strict=True)]
     if not any(hits):
         return least_loaded(loads, start)
     n = len(stats)
@@ -153,7 +156,8 @@ def prefix_affinity(chain: Sequence[int], stats: Sequence[ReplicaStats], start: 
 
 
 def choose(policy: str, chain: Sequence[int], stats: Sequence[ReplicaStats], start: int = 0,
-           cfg: RoutingConfig = RoutingConfig(), recent: Mapping[int, int] | None = None) -> int:
+           cfg: RoutingConfig = RoutingConfig(), recent: Mapping[int, Hashable] | None = None,
+           ids: Sequence[Hashable] | None = None) -> int:
     """Index into `stats` of the replica for a request whose block chain fingerprints are `chain`;
     `start` is the rotation cursor ties are broken from."""
     if not stats:
@@ -163,7 +167,7 @@ def choose(policy: str, chain: Sequence[int], stats: Sequence[ReplicaStats], sta
     if policy == "least-loaded":
         return least_loaded([s.load for s in stats], start)
     if policy == "prefix-affinity":
-        return prefix_affinity(chain, stats, start, cfg, recent)
+        return prefix_affinity(chain, stats, start, cfg, recent, ids)
     raise ValueError(f"router: expected one of {ROUTERS}, got {policy!r}")
 
 
@@ -171,13 +175,14 @@ def choose(policy: str, chain: Sequence[int], stats: Sequence[ReplicaStats], sta
 @dataclass
 class Router:
     """`choose` with its state: the rotation cursor and, for prefix-affinity, where recent chains
-    went (bounded, least recently used forgotten first). Replicas are indices into the stats."""
+    went (bounded, least recently used forgotten first). Replicas are named by `ids` (stable
+    across calls, as a fleet's replica ids are), by default their indices in `stats`."""
 
     policy: str
     cfg: RoutingConfig = field(default_factory=RoutingConfig)
     recent_limit: int = 1 << 16
     _next: int = 0
-    _recent: OrderedDict[int, int] = field(default_factory=OrderedDict)
+    _recent: OrderedDict[int, Hashable] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         check_router(self.policy)
@@ -188,19 +193,21 @@ class Router:
         """Whether requests' chains and replicas' digests matter (else they may be left empty)."""
         return self.policy == "prefix-affinity"
 
-    def route(self, chain: Sequence[int], stats: Sequence[ReplicaStats]) -> int:
+    def route(self, chain: Sequence[int], stats: Sequence[ReplicaStats], ids: Sequence[Hashable] | None = None) -> int:
+        """Index into `stats` of the replica for a request with block chain `chain`."""
         recent = self._recent if self.wants_prefixes else None
-        i = choose(self.policy, chain, stats, self._next, self.cfg, recent)
+        i = choose(self.policy, chain, stats, self._next, self.cfg, recent, ids)
         self._next = i + 1
         if recent is not None:
+            key = ids[i] if ids is not None else i
             for fp in chain[:RECENT_CHAIN_BLOCKS]:
-                recent[fp] = i
+                recent[fp] = key
                 recent.move_to_end(fp)
             while len(recent) > self.recent_limit:
                 recent.popitem(last=False)
         return i
 
-    def forget_replica(self, i: int) -> None:
-        """Replica `i` lost its cache (restarted): drop what was sent to it."""
-        for fp in [fp for fp, r in self._recent.items() if r == i]:
+    def forget_replica(self, key: Hashable) -> None:
+        """A replica lost its cache (it restarted, or left): drop what was sent to it."""
+        for fp in [fp for fp, r in self._recent.items() if r == key]:
             del self._recent[fp]
