@@ -117,8 +117,19 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
 def _serve_fleet(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     import math
 
-    from cadence.fleet.deploy import FleetOptions
     from cadence.fleet.launch import RayOptions, run_fleet
+
+    engine_cfg, fleet = fleet_options(args, engine_cfg)
+    # A local Ray gets the replicas' CPUs and the ingress's, whatever this machine counts.
+    ray_opts = RayOptions(address=args.ray_address, num_cpus=None if args.ray_address else
+                          math.ceil(fleet.replicas * fleet.replica_cpus + fleet.ingress_cpus))
+    return run_fleet(engine_cfg, server_cfg, fleet, ray_opts)
+
+
+def fleet_options(args: argparse.Namespace, engine_cfg: EngineConfig) -> tuple[EngineConfig, Any]:
+    """The fleet's options of parsed `cadence serve` flags, and the engine configuration with each
+    replica's threads."""
+    from cadence.fleet.deploy import FleetOptions
 
     replicas = args.replicas or 1
     if replicas < 1:
@@ -128,16 +139,27 @@ def _serve_fleet(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg:
         raise ValueError(f"--replica-threads: must be >= 1, got {threads}")
     fleet = FleetOptions(replicas=replicas, router=args.router, replica_cpus=float(threads),
                          max_queued_requests=args.max_queued_requests, tiny=args.tiny).validate()
-    engine_cfg = engine_cfg.replace(num_threads=threads)
-    # A local Ray gets the replicas' CPUs and the ingress's, whatever this machine counts.
-    ray_opts = RayOptions(address=args.ray_address,
-                          num_cpus=None if args.ray_address else math.ceil(replicas * threads + fleet.ingress_cpus))
-    return run_fleet(engine_cfg, server_cfg, fleet, ray_opts)
+    return engine_cfg.replace(num_threads=threads), fleet
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The parser of `cadence serve`'s flags alone (for `cadence.fleet:app`'s arguments)."""
+    sub = argparse.ArgumentParser(prog="cadence").add_subparsers()
+    _add_serve(sub)
+    return sub.choices["serve"]
 
 
 def _serve(args: argparse.Namespace) -> int:
     from cadence.server.app import run_server
 
+    engine_cfg, server_cfg = serve_configs(args)
+    if args.replicas is not None or args.ray_address is not None:
+        return _serve_fleet(args, engine_cfg, server_cfg)
+    return run_server(engine_cfg, server_cfg, tiny=args.tiny)
+
+
+def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The engine and server configurations of parsed `cadence serve` flags."""
     if args.model_path and args.model is None:
         args.model = args.model_path
     pairs = []
@@ -156,9 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
         allow_request_chat_template=args.allow_request_chat_template, slo_ttft=args.slo_ttft,
         slo_itl=args.slo_itl, tenant_max_requests=args.tenant_max_requests, max_tenant_labels=args.max_tenant_labels, log_level=args.log_level,
     ).validate()
-    if args.replicas is not None or args.ray_address is not None:
-        return _serve_fleet(args, engine_cfg, server_cfg)
-    return run_server(engine_cfg, server_cfg, tiny=args.tiny)
+    return engine_cfg, server_cfg
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

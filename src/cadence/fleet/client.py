@@ -19,11 +19,10 @@ from typing import Any
 from cadence.config import EngineConfig
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.fleet.metrics import merge_expositions
 from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
 from cadence.fleet.replica import ReplicaInfo, refusal_error
 from cadence.kv.hashing import block_hashers
-from cadence.metrics.prometheus import PrometheusExporter
+from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
 from cadence.request import SamplingParams
 from cadence.routing import fingerprints
 
@@ -31,7 +30,7 @@ log = logging.getLogger("cadence.fleet")
 
 REPLICA_HEADER = b"x-cadence-replica"
 BUSY_RETRY_AFTER_S = 1.0  # Retry-After when Serve's own queue for the replicas is full
-METRICS_TIMEOUT_S = 5.0
+METRICS_TIMEOUT_S = 10.0
 
 # Per HTTP request: a slot the client fills with the replica's name for the middleware to send.
 _REPLICA_SLOT: ContextVar[dict[str, str] | None] = ContextVar("cadence_replica_slot", default=None)
@@ -209,11 +208,13 @@ class FleetClient:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
         call = GenerateCall(tuple(prompts), params, request_id, priority, tenant, deadline, cache_salt,
                             self.chain(prompts[0], cache_salt))
-        gen = self._handle.options(stream=True).generate.remote(call)
+        gen = None
         try:
+            gen = self._handle.options(stream=True).generate.remote(call)
             first = await gen.__anext__()
         except asyncio.CancelledError:  # the client left while the request waited for a replica
-            gen.cancel()
+            if gen is not None:
+                gen.cancel()
             raise
         except BackPressureError:
             raise AdmissionError(ErrorKind.QUEUE_FULL, "every replica is full; retry later",
@@ -262,20 +263,19 @@ class FleetClient:
         """The fleet's /metrics: this ingress's refusals and every replica's metrics, merged."""
         from cadence.fleet.state import replica_ids
 
-        ids = replica_ids()
-        calls = [self._handle.metrics.remote(Target(rid)) for rid in ids]
-        texts = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), METRICS_TIMEOUT_S)
         replicas = {}
-        for rid, text in zip(ids, texts, strict=True):
-            if isinstance(text, BaseException):
-                log.warning("replica %s: no metrics (%s)", rid, type(text).__name__)
-                continue
-            replicas[rid] = text
+        # One replica at a time: Serve's router may leave one of several calls pinned to
+        # different replicas waiting (for seconds) while it routes the others.
+        for rid in replica_ids():
+            try:
+                replicas[rid] = await asyncio.wait_for(self._handle.metrics.remote(Target(rid)), METRICS_TIMEOUT_S)
+            except Exception as e:  # a replica restarting: the fleet's metrics go on without it
+                log.warning("replica %s: no metrics (%s)", rid, type(e).__name__)
         return merge_expositions(exporter.render()[0].decode(), replicas).encode()
 
     async def replica_loads(self) -> dict[str, tuple[int, int]]:
         """Each replica's (requests in flight, requests running), by name."""
         from cadence.fleet.state import replica_ids
 
-        loads = await asyncio.gather(*[self._handle.load.remote(Target(rid)) for rid in replica_ids()])
+        loads = [await self._handle.load.remote(Target(rid)) for rid in replica_ids()]
         return {name: (in_flight, running) for name, in_flight, running in loads}

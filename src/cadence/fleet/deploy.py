@@ -96,13 +96,18 @@ def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, option
             request_routing_stats_timeout_s=5.0,
         ),
     )
+    # The ingress only forwards: it takes what the replicas and their queue can hold, and twice
+    # that again, so that a request over the replicas' bounds gets cadence's own 429 (JSON, with
+    # Retry-After). Serve's proxy holds requests while it routes them to the ingress; beyond four
+    # times that it answers 429 itself (plain text, with Retry-After).
+    ingress_capacity = 2 * (options.max_queued_requests + options.replicas * (sched.max_num_seqs + sched.max_queue_len))
     ingress = serve.deployment(
         CadenceIngress,
         name=INGRESS_NAME,
         num_replicas=1,
         ray_actor_options={"num_cpus": options.ingress_cpus},
-        max_ongoing_requests=options.max_queued_requests + options.replicas * (sched.max_num_seqs + sched.max_queue_len),
-        max_queued_requests=options.max_queued_requests,
+        max_ongoing_requests=ingress_capacity,
+        max_queued_requests=4 * ingress_capacity,
         backpressure_config={"status_code": 429, "retry_after_s": 1.0},
         graceful_shutdown_timeout_s=server_config.shutdown_timeout,
     )
