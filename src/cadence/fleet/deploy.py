@@ -35,7 +35,7 @@ class FleetOptions:
     replicas: int = 2
     router: str = "prefix-affinity"
     replica_cpus: float = 1.0
-    ingress_cpus: float = 0.5
+    ingress_cpus: float = 0.0  # (it tokenizes and forwards: it does not reserve a core from the replicas)
     max_queued_requests: int = 256
     health_check_period_s: float = 5.0
     tiny: bool = False
@@ -44,8 +44,10 @@ class FleetOptions:
         if self.replicas < 1:
             raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
         check_router(self.router)
-        if not self.replica_cpus > 0 or not self.ingress_cpus > 0:
-            raise ValueError("replica_cpus, ingress_cpus: must be > 0")
+        if not self.replica_cpus > 0:
+            raise ValueError("replica_cpus: must be > 0")
+        if not self.ingress_cpus >= 0:
+            raise ValueError("ingress_cpus: must be >= 0")
         if self.max_queued_requests < 1:
             raise ValueError("max_queued_requests: must be >= 1")
         return self
