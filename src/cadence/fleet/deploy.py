@@ -11,6 +11,7 @@ Retry-After.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +73,34 @@ class CadenceIngress:
         client = FleetClient(self._replicas, info, tokenizer, self._engine_config)
         app = create_app(client, self._server_config, render_metrics=client.render_metrics)
         app.add_middleware(ReplicaHeaderMiddleware)
-        app.state.fleet = client
+        self._client, self._serving = client, app.state.serving
         return app
+
+    async def drain(self, timeout: float) -> int:
+        """Drain as a single server does on SIGTERM: refuse new requests (503, and /ready 503), give
+        those in flight `timeout` seconds, then end the rest with an error event. Returns how many
+        were ended."""
+        from cadence.errors import CadenceError, ErrorKind
+
+        client, serving = self._client, self._serving
+        client.begin_drain()
+        if await _wait_for(lambda: client.num_in_flight == 0 and serving.active == 0, timeout):
+            return 0
+        left = serving.active
+        client.abort_all(CadenceError(ErrorKind.UNAVAILABLE,
+                                      f"the server shut down; the request did not finish within {timeout:g} s"))
+        await _wait_for(lambda: serving.active == 0, 5.0)
+        return left
+
+
+async def _wait_for(cond: Any, timeout: float) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() >= end:
+            return False
+        await asyncio.sleep(0.02)
+    return True
 
 
 def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, options: FleetOptions) -> Any:

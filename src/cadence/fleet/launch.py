@@ -42,13 +42,17 @@ def start_ray(opts: RayOptions) -> None:
                  log_to_driver=False)
 
 
-def start_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any, ray_opts: RayOptions) -> None:
-    """Start Ray (or join it) and run the fleet's application, serving HTTP on the server's host:port."""
+def start_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any, ray_opts: RayOptions,
+                after_ray: Any = None) -> None:
+    """Start Ray (or join it) and run the fleet's application, serving HTTP on the server's host:port;
+    `after_ray()` is called once Ray is up, before the application is deployed."""
     from ray import serve
 
     from cadence.fleet.deploy import build_fleet
 
     start_ray(ray_opts)
+    if after_ray is not None:
+        after_ray()
     serve.start(http_options={"host": server_config.host, "port": server_config.port})
     serve.run(build_fleet(engine_config, server_config, fleet), name=APP_NAME, route_prefix="/")
 
@@ -63,20 +67,49 @@ def stop_fleet() -> None:
         ray.shutdown()
 
 
-def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any, ray_opts: RayOptions) -> int:
-    """Serve until SIGTERM (drained) or SIGINT; return the exit code."""
-    stop = threading.Event()
+def drain_fleet(timeout: float) -> None:
+    """Drain the ingress (see CadenceIngress.drain), waiting at most `timeout` seconds plus a margin."""
+    from ray import serve
+
+    from cadence.fleet.deploy import INGRESS_NAME
+
     try:
-        start_fleet(engine_config, server_config, fleet, ray_opts)
+        ingress = serve.get_deployment_handle(INGRESS_NAME, app_name=APP_NAME)
+        ended = ingress.drain.remote(timeout).result(timeout_s=timeout + 15)
+    except Exception:  # the fleet is going away in any case
+        log.exception("draining the fleet failed")
+        return
+    if ended:
+        log.warning("shutdown timeout: ended %d requests with an error", ended)
+
+
+def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any, ray_opts: RayOptions) -> int:
+    """Serve until SIGTERM (drained, as a single server drains) or SIGINT; return the exit code."""
+    stop = threading.Event()
+    signals: list[int] = []
+
+    def on_signal(sig: int, _frame: Any) -> None:
+        signals.append(sig)
+        stop.set()
+
+    def catch_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+
+    catch_signals()
+    try:  # (again once Ray is up: ray.init installs its own handlers)
+        start_fleet(engine_config, server_config, fleet, ray_opts, after_ray=catch_signals)
     except BaseException:
         stop_fleet()
         raise
-    for sig in (signal.SIGTERM, signal.SIGINT):  # (after ray.init, which installs its own)
-        signal.signal(sig, lambda *_: stop.set())
     log.info("fleet of %d replicas (%s routing) on http://%s:%d", fleet.replicas, fleet.router,
              server_config.host, server_config.port)
     try:
-        stop.wait()
+        while not stop.wait(0.5):  # (a timed wait lets the signal handlers run)
+            pass
+        if signals[0] == signal.SIGTERM:
+            log.info("SIGTERM: draining the fleet (up to %.1f s)", server_config.shutdown_timeout)
+            drain_fleet(server_config.shutdown_timeout)
     finally:
         stop_fleet()
     return 0
