@@ -106,6 +106,12 @@ class CadenceReplica:
         """(its name, requests admitted and not finished, requests running): for tests and operators."""
         return self.name, self.engine.num_in_flight, self.engine.core.scheduler_stats.num_running
 
+    def node_id(self, target: Target | None = None) -> str:
+        """The Ray node this replica runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
