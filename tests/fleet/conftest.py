@@ -70,10 +70,10 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def running_fleet(router: str = "prefix-affinity") -> Iterator[Fleet]:
+def running_fleet(router: str = "prefix-affinity", **server_options: Any) -> Iterator[Fleet]:
     """Ray and a fleet of two tiny replicas, stopped on exit."""
     engine_config = EngineConfig.from_options(**TINY_ENGINE)
-    server_config = ServerConfig(host="127.0.0.1", port=free_port())
+    server_config = ServerConfig(host="127.0.0.1", port=free_port(), **server_options)
     options = FleetOptions(replicas=2, router=router, replica_cpus=0.5, ingress_cpus=0.5,
                            max_queued_requests=2, tiny=True)
     try:
