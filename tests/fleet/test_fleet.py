@@ -168,3 +168,17 @@ def test_every_replica_full_gives_429_with_retry_after(fleet) -> None:
             assert float(r.headers["retry-after"]) > 0
             assert r.headers["content-type"] == "application/json", r.text
             assert r.json()["error"]["type"]
+
+
+def test_tenants_priorities_and_deadlines_reach_the_replicas(fleet) -> None:
+    name = "cadence:finished_requests_total"
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        before = c.get("/metrics").text
+        r = c.post("/v1/completions", headers={"x-tenant": "alice"},
+                   json={"prompt": "tenant test", "max_tokens": 3, "priority": 2, "deadline": 60})
+        assert r.status_code == 200, r.text
+        late = c.post("/v1/completions", json={"prompt": "too late", "max_tokens": 3, "deadline": 1e-6})
+        after = c.get("/metrics").text
+    assert _metric(after, name, tenant="alice") - _metric(before, name, tenant="alice") == 1
+    assert late.status_code == 408, late.text
+    assert late.json()["error"]["code"] == "deadline_exceeded" or "deadline" in late.json()["error"]["message"]
