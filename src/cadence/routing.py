@@ -207,6 +207,15 @@ class Router:
                 recent.popitem(last=False)
         return i
 
+    def route_by_load(self, loads: Sequence[int]) -> int:
+        """`route` for round-robin and least-loaded, which read nothing but each replica's load
+        (running + waiting): the same choice without building the stats."""
+        if self.wants_prefixes:
+            raise ValueError("route_by_load: prefix-affinity needs the replicas' stats")
+        i = self._next % len(loads) if self.policy == "round-robin" else least_loaded(loads, self._next)
+        self._next = i + 1
+        return i
+
     def forget_replica(self, key: Hashable) -> None:
         """A replica lost its cache (it restarted, or left): drop what was sent to it."""
         for fp in [fp for fp, r in self._recent.items() if r == key]:

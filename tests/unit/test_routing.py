@@ -39,6 +39,13 @@ def test_round_robin_and_least_loaded() -> None:
     assert [ll.route((), _stats(0, 0, 0)) for _ in range(3)] == [0, 1, 2]
     with pytest.raises(ValueError, match="router"):
         Router("random")
+    # The loads-only path chooses as `route` does.
+    for policy in ("round-robin", "least-loaded"):
+        a, b = Router(policy), Router(policy)
+        for loads in ([0, 0, 0], [2, 1, 1], [1, 1, 1], [0, 3, 0], [5, 5, 4]):
+            assert a.route((), _stats(*loads)) == b.route_by_load(loads)
+    with pytest.raises(ValueError, match="prefix-affinity"):
+        Router("prefix-affinity").route_by_load([0, 0])
 
 
 def test_match_is_the_longest_cached_prefix_never_a_later_block_alone() -> None:

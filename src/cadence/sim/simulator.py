@@ -258,16 +258,16 @@ class Simulator:
         fleet's router has: each replica's requests (running, waiting), free blocks and, for
         prefix-affinity, the digest of its cache as last published (every STATS_PERIOD_S)."""
         router = self.router
-        chain: tuple[int, ...] = ()
-        if router.wants_prefixes:  # (the simulator's requests carry no cache salt)
-            chain = fingerprints(self._hash_chain(prompt, self._block_size, None, ()))
-        stats = [self._replica_stats(rep, t) for rep in self.replicas]
-        return router.route(chain, stats)
+        if not router.wants_prefixes:  # (each replica's running + waiting is its sent, unfinished requests)
+            return router.route_by_load(self._outstanding)
+        # (The simulator's requests carry no cache salt.)
+        chain = fingerprints(self._hash_chain(prompt, self._block_size, None, ()))
+        return router.route(chain, [self._replica_stats(rep, t) for rep in self.replicas])
 
     def _replica_stats(self, rep: _Replica, t: float) -> routing.ReplicaStats:
         core = rep.core
         waiting = len(core.scheduler.waiting)
-        if self.router.wants_prefixes and t - rep.digest_time >= STATS_PERIOD_S:
+        if t - rep.digest_time >= STATS_PERIOD_S:
             if rep.stretch is not None:  # the cache as of `t`: the steps that started before it have run
                 self._cut(rep, t)
             rep.digest = frozenset(fingerprints(core.kv.cached_hashes(DIGEST_LIMIT)))
