@@ -131,7 +131,7 @@ def fleet_options(args: argparse.Namespace, engine_cfg: EngineConfig) -> tuple[E
     replica's threads."""
     from cadence.fleet.deploy import FleetOptions
 
-    replicas = args.replicas or 1
+    replicas = 1 if args.replicas is None else args.replicas  # (--ray-address alone: one replica)
     if replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {replicas}")
     threads = args.replica_threads or engine_cfg.model.num_threads or max(1, (os.cpu_count() or 1) // replicas)

@@ -39,7 +39,11 @@ def app(args: Mapping[str, Any] | None = None) -> Any:
     from cadence.fleet.deploy import build_fleet
 
     parser = serve_parser()
-    parsed = parser.parse_args(serve_argv(args or {}, parser._option_string_actions))
+    argv = serve_argv(args or {}, parser._option_string_actions)
+    try:
+        parsed = parser.parse_args(argv)
+    except SystemExit:  # (argparse has printed why)
+        raise ValueError(f"cadence.fleet:app: bad arguments {argv}") from None
     engine_cfg, server_cfg = serve_configs(parsed)
     engine_cfg, fleet = fleet_options(parsed, engine_cfg)
     return build_fleet(engine_cfg, server_cfg, fleet)
