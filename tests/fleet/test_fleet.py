@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from collections import Counter
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from fleet_helpers import complete, metric
 
 from cadence.engine.async_engine import AsyncEngine
 from cadence.engine.builder import build_engine
@@ -24,41 +24,18 @@ FAMILY_TEXT = {
 }
 
 
-def _complete(client: httpx.Client, prompt: str, **extra: object) -> httpx.Response:
-    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
-    return client.post("/v1/completions", json=body)
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels` (and no `replica` label unless asked)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        m = re.match(r"([^{\s]+)(?:\{(.*)\})? (\S+)$", line)
-        assert m, line
-        if m.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
-        if "replica" in found and "replica" not in labels:
-            continue
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
-
-
 def test_greedy_outputs_equal_a_single_engines(fleet) -> None:
     prompts = ["The capital of France is", "def fibonacci(n):", FAMILY_TEXT["a"] + "Where is parcel 7?"]
     engine = AsyncEngine(build_engine(fleet.engine_config, tiny=True))
     try:
         with TestClient(create_app(engine, fleet.server_config)) as local:
-            expected = [_complete(local, p, max_tokens=12).json()["choices"][0]["text"] for p in prompts]
+            expected = [complete(local, p, max_tokens=12).json()["choices"][0]["text"] for p in prompts]
     finally:
         engine.shutdown()
     with httpx.Client(base_url=fleet.url, timeout=60) as c:
         got = []
         for p in prompts:
-            r = _complete(c, p, max_tokens=12)
+            r = complete(c, p, max_tokens=12)
             assert r.status_code == 200, r.text
             assert r.headers["x-cadence-replica"]
             got.append(r.json()["choices"][0]["text"])
@@ -87,31 +64,31 @@ def test_families_each_land_on_one_replica_and_hit_the_cache(fleet) -> None:
         before = c.get("/metrics").text
         for i in range(10):
             for fam, text in FAMILY_TEXT.items():
-                r = _complete(c, text + f" Question {i}: what happens next?")
+                r = complete(c, text + f" Question {i}: what happens next?")
                 assert r.status_code == 200, r.text
                 placed[fam][r.headers["x-cadence-replica"]] += 1
         after = c.get("/metrics").text
     for fam, where in placed.items():
         assert where.most_common(1)[0][1] >= 9, (fam, placed)
     assert {w.most_common(1)[0][0] for w in placed.values()} == set(fleet.replica_ids())  # one each
-    queries = _metric(after, "cadence:prefix_cache_query_tokens_total") - _metric(before, "cadence:prefix_cache_query_tokens_total")
-    hits = _metric(after, "cadence:prefix_cache_hit_tokens_total") - _metric(before, "cadence:prefix_cache_hit_tokens_total")
+    queries = metric(after, "cadence:prefix_cache_query_tokens_total") - metric(before, "cadence:prefix_cache_query_tokens_total")
+    hits = metric(after, "cadence:prefix_cache_hit_tokens_total") - metric(before, "cadence:prefix_cache_hit_tokens_total")
     assert queries > 0 and hits / queries > 0.6, (hits, queries)
 
 
 def test_metrics_are_the_sum_of_the_replicas(fleet) -> None:
     with httpx.Client(base_url=fleet.url, timeout=60) as c:
         for i in range(4):
-            assert _complete(c, f"count {i}").status_code == 200
+            assert complete(c, f"count {i}").status_code == 200
         merged = c.get("/metrics").text
     per_replica = fleet.replica_call("metrics")
     assert len(per_replica) == 2
     for name in ("cadence:generation_tokens_total", "cadence:prompt_tokens_total",
                  "cadence:time_to_first_token_seconds_count", "cadence:finished_requests_total"):
-        total = sum(_metric(text, name) for text in per_replica.values())
-        assert total > 0 and _metric(merged, name) == total, name
+        total = sum(metric(text, name) for text in per_replica.values())
+        assert total > 0 and metric(merged, name) == total, name
     bucket = 'cadence:e2e_request_latency_seconds_bucket'
-    assert _metric(merged, bucket, le="+Inf") == sum(_metric(t, bucket, le="+Inf") for t in per_replica.values())
+    assert metric(merged, bucket, le="+Inf") == sum(metric(t, bucket, le="+Inf") for t in per_replica.values())
     for rid in per_replica:  # gauges: one series per replica, and their sum
         assert f'cadence:running_requests{{replica="{rid}"}}' in merged
     assert "cadence:running_requests 0.0" in merged
@@ -134,9 +111,9 @@ def test_client_disconnect_aborts_on_the_replica(fleet) -> None:
     assert all(n == 0 and run == 0 for _, n, run in loads.values()), loads
     with httpx.Client(base_url=fleet.url, timeout=60) as c:
         after = c.get("/metrics").text
-    aborted = _metric(after, "cadence:finished_requests_total", reason="abort") - _metric(
+    aborted = metric(after, "cadence:finished_requests_total", reason="abort") - metric(
         before, "cadence:finished_requests_total", reason="abort")
-    tokens = _metric(after, "cadence:generation_tokens_total") - _metric(before, "cadence:generation_tokens_total")
+    tokens = metric(after, "cadence:generation_tokens_total") - metric(before, "cadence:generation_tokens_total")
     assert aborted == 1 and tokens < 900
 
 
@@ -179,6 +156,6 @@ def test_tenants_priorities_and_deadlines_reach_the_replicas(fleet) -> None:
         assert r.status_code == 200, r.text
         late = c.post("/v1/completions", json={"prompt": "too late", "max_tokens": 3, "deadline": 1e-6})
         after = c.get("/metrics").text
-    assert _metric(after, name, tenant="alice") - _metric(before, name, tenant="alice") == 1
+    assert metric(after, name, tenant="alice") - metric(before, name, tenant="alice") == 1
     assert late.status_code == 408, late.text
     assert late.json()["error"]["code"] == "deadline_exceeded" or "deadline" in late.json()["error"]["message"]

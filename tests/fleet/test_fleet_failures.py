@@ -8,10 +8,10 @@ import time
 import httpx
 import pytest
 import ray
+from fleet_helpers import TINY_ENGINE
 
 from cadence.config import EngineConfig
 from cadence.fleet.replica import CadenceReplica
-from conftest import TINY_ENGINE
 
 pytestmark = pytest.mark.slow
 

@@ -7,13 +7,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from fleet_helpers import TINY_ENGINE, Fleet, running_fleet
 from starlette.routing import Route
 
 from cadence.config import EngineConfig, ServerConfig
 from cadence.engine.async_engine import AsyncEngine
 from cadence.engine.builder import build_engine
 from cadence.server.app import create_app
-from conftest import TINY_ENGINE, Fleet, running_fleet
 
 pytestmark = pytest.mark.slow
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_fleet import _complete, _metric
-
-from conftest import running_fleet
+from fleet_helpers import complete, metric, running_fleet
 
 pytestmark = pytest.mark.slow
 
@@ -21,13 +19,13 @@ def _hit_rate(url: str) -> float:
         before = c.get("/metrics").text
         for rnd in range(2):
             for doc in DOCS:
-                r = _complete(c, doc + f" Question {rnd}: who is bound?", max_tokens=2)
+                r = complete(c, doc + f" Question {rnd}: who is bound?", max_tokens=2)
                 assert r.status_code == 200, r.text
         after = c.get("/metrics").text
     name_q, name_h = "cadence:prefix_cache_query_tokens_total", "cadence:prefix_cache_hit_tokens_total"
-    queried = _metric(after, name_q) - _metric(before, name_q)
+    queried = metric(after, name_q) - metric(before, name_q)
     assert queried > 0
-    return (_metric(after, name_h) - _metric(before, name_h)) / queried
+    return (metric(after, name_h) - metric(before, name_h)) / queried
 
 
 def test_prefix_affinity_hits_the_cache_more_than_round_robin() -> None:

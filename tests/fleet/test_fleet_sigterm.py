@@ -12,8 +12,7 @@ import time
 
 import httpx
 import pytest
-
-from conftest import free_port
+from fleet_helpers import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -7,12 +7,12 @@ from collections import Counter
 import httpx
 import pytest
 import ray
+from fleet_helpers import TINY_ENGINE, Fleet, free_port
 from ray.cluster_utils import Cluster
 
 from cadence.config import EngineConfig, ServerConfig
 from cadence.fleet.deploy import FleetOptions
 from cadence.fleet.launch import RayOptions, start_fleet, stop_fleet
-from conftest import TINY_ENGINE, Fleet, free_port
 
 pytestmark = pytest.mark.slow
 
