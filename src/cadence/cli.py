@@ -122,6 +122,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--tiny", action="store_true", help="a tiny random-weight model with the real tokenizer (testing)")
     _add_http_limits(p)
     _add_cors(p)
+    _add_fleet_args(p)
     p.set_defaults(func=_serve)
 
 
@@ -172,9 +173,70 @@ def _add_cors(p: argparse.ArgumentParser) -> None:
                    help="let cross-origin requests carry cookies and HTTP authentication (not with '*' origins)")
 
 
+# -- the fleet (cadence serve --replicas N) --------------------------------------------------------
+
+
+def _add_fleet_args(p: argparse.ArgumentParser) -> None:
+    from cadence.routing import ROUTERS
+
+    f = p.add_argument_group("fleet options (Ray Serve; see docs/fleet.md)")
+    f.add_argument("--replicas", type=int, default=None,
+                   help="serve N engines behind one endpoint on Ray Serve (default: one engine, no Ray)")
+    f.add_argument("--router", choices=ROUTERS, default="prefix-affinity", help="how requests are placed (default %(default)s)")
+    f.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. HEAD:6379 after `ray start --head`) instead of starting one")
+    f.add_argument("--replica-threads", type=int, default=None,
+                   help="torch threads (and CPUs reserved) per replica (default: the cores divided among the replicas)")
+    f.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests the ingress holds for busy replicas; beyond it, 429 (default %(default)s)")
+
+
+def _serve_fleet(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+    import math
+
+    from cadence.fleet.launch import RayOptions, run_fleet
+
+    engine_cfg, fleet = fleet_options(args, engine_cfg)
+    # A local Ray gets the replicas' CPUs and the ingress's, whatever this machine counts.
+    ray_opts = RayOptions(address=args.ray_address, num_cpus=None if args.ray_address else
+                          math.ceil(fleet.replicas * fleet.replica_cpus + fleet.ingress_cpus))
+    return run_fleet(engine_cfg, server_cfg, fleet, ray_opts)
+
+
+def fleet_options(args: argparse.Namespace, engine_cfg: EngineConfig) -> tuple[EngineConfig, Any]:
+    """The fleet's options of parsed `cadence serve` flags, and the engine configuration with each
+    replica's threads."""
+    from cadence.fleet.deploy import FleetOptions
+
+    replicas = 1 if args.replicas is None else args.replicas  # (--ray-address alone: one replica)
+    if replicas < 1:
+        raise ValueError(f"--replicas: must be >= 1, got {replicas}")
+    threads = args.replica_threads or engine_cfg.model.num_threads or max(1, (os.cpu_count() or 1) // replicas)
+    if threads < 1:
+        raise ValueError(f"--replica-threads: must be >= 1, got {threads}")
+    fleet = FleetOptions(replicas=replicas, router=args.router, replica_cpus=float(threads),
+                         max_queued_requests=args.max_queued_requests, tiny=args.tiny).validate()
+    return engine_cfg.replace(num_threads=threads), fleet
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The parser of `cadence serve`'s flags alone (for `cadence.fleet:app`'s arguments)."""
+    sub = argparse.ArgumentParser(prog="cadence").add_subparsers()
+    _add_serve(sub)
+    return sub.choices["serve"]
+
+
 def _serve(args: argparse.Namespace) -> int:
     from cadence.server.app import run_server
 
+    engine_cfg, server_cfg = serve_configs(args)
+    if args.replicas is not None or args.ray_address is not None:
+        return _serve_fleet(args, engine_cfg, server_cfg)
+    return run_server(engine_cfg, server_cfg, tiny=args.tiny)
+
+
+def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The engine and server configurations of parsed `cadence serve` flags."""
     if args.model_path and args.model is None:
         args.model = args.model_path
     pairs = []
@@ -194,7 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
         slo_itl=args.slo_itl, tenant_max_requests=args.tenant_max_requests, max_tenant_labels=args.max_tenant_labels, log_level=args.log_level,
         **http_options(args),
     ).validate()
-    return run_server(engine_cfg, server_cfg, tiny=args.tiny)
+    return engine_cfg, server_cfg
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

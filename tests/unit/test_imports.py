@@ -1,11 +1,12 @@
 """DESIGN.md's dependency rules, checked by parsing every module's imports (nothing is imported).
 
-- the pure core (request, sched/, kv/, clock, workload, and the plain-data modules they share:
+- the pure core (request, sched/, kv/, clock, workload, routing, and the plain-data modules they share:
   config, errors, metrics/stats) imports only the standard library and itself;
 - engine/core imports no torch and no asyncio, not even through the cadence modules it imports;
 - model/ and executor/ never import asyncio or the server;
 - only server/ imports FastAPI and pydantic;
-- only metrics/prometheus.py imports prometheus_client.
+- only metrics/prometheus.py imports prometheus_client;
+- only fleet/ imports Ray, and the server knows nothing of the fleet (nor of Ray).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PKG = SRC / "cadence"
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 
-PURE = ("cadence.request", "cadence.sched", "cadence.kv", "cadence.clock", "cadence.workload")
+PURE = ("cadence.request", "cadence.sched", "cadence.kv", "cadence.clock", "cadence.workload", "cadence.routing")
 SHARED_PLAIN_DATA = ("cadence.config", "cadence.errors", "cadence.metrics.stats")
 
 
@@ -110,6 +111,15 @@ def test_web_and_exporter_libraries_stay_in_their_modules(module: str) -> None:
         assert not tops & {"fastapi", "pydantic"}, f"{module} imports FastAPI/pydantic outside server/"
     if module != "cadence.metrics.prometheus":
         assert "prometheus_client" not in tops, f"{module} imports prometheus_client"
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_ray_stays_in_the_fleet(module: str) -> None:
+    imported = imports_of(module)
+    if not within(module, ("cadence.fleet",)):
+        assert "ray" not in {top(i) for i in imported}, f"{module} imports Ray outside fleet/"
+    if within(module, ("cadence.server",)):
+        assert not any(within(i, ("cadence.fleet",)) for i in imported), f"{module} imports the fleet"
 
 
 def test_the_checker_resolves_relative_nested_and_from_imports() -> None:

@@ -21,6 +21,7 @@ the list is a third faster there.)
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+from itertools import islice
 
 from cadence.kv.hashing import BlockHash
 
@@ -81,6 +82,11 @@ class BlockPool:
 
     def lookup(self, block_hash: BlockHash) -> Block | None:
         return self._by_hash.get(block_hash)
+
+    def recent_hashes(self, limit: int) -> list[BlockHash]:
+        """Up to `limit` hashes of cached blocks (used or free), the most recently cached first: what
+        a replica tells a fleet's router it holds."""
+        return list(islice(reversed(self._by_hash), limit))
 
     def holds_any(self, hashes: Iterable[BlockHash]) -> bool:
         """Whether any of `hashes` is cached (in a used or a free block)."""

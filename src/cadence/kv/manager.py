@@ -97,6 +97,11 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def cached_hashes(self, limit: int) -> list[BlockHash]:
+        """Up to `limit` hashes of the prefix blocks it can serve from cache, the most recently cached
+        first (a fleet router's view of this cache)."""
+        return self.pool.recent_hashes(limit)
+
     def pop_prefix_stats(self) -> PrefixCacheStats:
         """Counts since the previous call (the scheduler folds them into each step's stats)."""
         out = PrefixCacheStats(self._queries, self._hits)

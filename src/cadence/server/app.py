@@ -13,6 +13,7 @@ import hmac
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from types import FrameType
 from typing import Any
 
@@ -29,6 +30,7 @@ from cadence.config import EngineConfig, ServerConfig
 from cadence.engine.async_engine import AsyncEngine
 from cadence.errors import CadenceError, ErrorKind
 from cadence.metrics.prometheus import PrometheusExporter
+from cadence.server.engine_client import EngineClient
 from cadence.server.errors import (
     ERROR_TABLE,
     APIError,
@@ -208,9 +210,18 @@ def _install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+# Renders /metrics from this app's exporter (its refusals) and wherever the engines' are.
+MetricsRenderer = Callable[[PrometheusExporter], Awaitable[bytes]]
+
+
 def create_app(
-    engine: AsyncEngine, server_config: ServerConfig, *, exporter: PrometheusExporter | None = None
+    engine: EngineClient,
+    server_config: ServerConfig,
+    *,
+    exporter: PrometheusExporter | None = None,
+    render_metrics: MetricsRenderer | None = None,
 ) -> FastAPI:
+    """The app over `engine`; `render_metrics` replaces the local /metrics (a fleet merges its replicas')."""
     server_config.validate()
     exporter = exporter or PrometheusExporter(
         slo_ttft=server_config.slo_ttft,
@@ -223,7 +234,7 @@ def create_app(
     app = FastAPI(title="cadence", version="0.1.0", description="An OpenAI-compatible LLM server.")
     app.state.engine, app.state.serving, app.state.exporter = engine, serving, exporter
     install_error_handlers(app)
-    _add_routes(app, engine, serving, exporter)
+    _add_routes(app, engine, serving, exporter, render_metrics)
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     json_paths = frozenset(r.path for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods)
     # Added innermost first: StopGuard wraps CORS, which wraps the guard, so a preflight (which
@@ -242,7 +253,11 @@ def create_app(
 
 
 def _add_routes(
-    app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, exporter: PrometheusExporter
+    app: FastAPI,
+    engine: EngineClient,
+    serving: OpenAIServing,
+    exporter: PrometheusExporter,
+    render_metrics: MetricsRenderer | None = None,
 ) -> None:
     @app.post(
         "/v1/completions",
@@ -301,6 +316,8 @@ def _add_routes(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if render_metrics is not None:
+            return Response(await render_metrics(exporter), media_type=exporter.render()[1])
         # The gauges as of now, not as of the last step: an abort (a client that left) or a finish
         # with nothing left to run changes them with no step after it. The core keeps a snapshot
         # for exactly this read from another thread.

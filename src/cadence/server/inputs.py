@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from cadence.config import ServerConfig
-from cadence.engine.async_engine import AsyncEngine
 from cadence.errors import CadenceError, ErrorKind
 from cadence.model.template_limits import ChatTemplateLimitError
 from cadence.request import SamplingParams
+from cadence.server.engine_client import EngineClient
 from cadence.server.errors import APIError, HTTPKind, param_of
 from cadence.server.protocol import SamplingFields
 
@@ -49,7 +49,7 @@ class Job:
 class InputBuilder:
     """Checks a request against the served model and builds the `Job` the engine runs."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         cache_cfg = getattr(getattr(engine.engine, "config", None), "cache", None)

@@ -20,10 +20,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cadence.config import ServerConfig
-from cadence.engine.async_engine import AsyncEngine, RequestStream
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.metrics.prometheus import PrometheusExporter
+from cadence.server.engine_client import EngineClient
+from cadence.server.engine_client import EngineStream as RequestStream
 from cadence.server.errors import APIError, error_payload
 from cadence.server.formats import (
     DONE_EVENT,
@@ -66,7 +67,7 @@ class DisconnectWatcher:
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncEngine, config: ServerConfig, exporter: PrometheusExporter | None = None
+        self, engine: EngineClient, config: ServerConfig, exporter: PrometheusExporter | None = None
     ) -> None:
         self.engine = engine
         self.config = config

@@ -21,7 +21,7 @@ from typing import Any
 
 from cadence.cli import add_engine_args, engine_config_from_args
 from cadence.config import EngineConfig
-from cadence.sim.router import ROUTERS
+from cadence.routing import ROUTERS
 
 _TARGET_DEFAULTS = dict(base_url="(simulated)", endpoint="completions", api_key=None, tokenizer="none",
                         request_timeout=600.0, no_exact_output=False, temperature=None, top_p=None, no_progress=True,

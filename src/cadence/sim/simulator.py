@@ -29,16 +29,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cadence import routing
 from cadence.bench.report import RequestRecord
 from cadence.clock import VirtualClock
 from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError, ErrorKind
 from cadence.executor.cost_model import SimExecutor, StepCostModel
+from cadence.kv.hashing import block_hashers
 from cadence.request import Request, SamplingParams
+from cadence.routing import DIGEST_LIMIT, STATS_PERIOD_S, Router, check_router, fingerprints
 from cadence.sched.records import request_metrics
 from cadence.sched.stretch import DecodeStretch
-from cadence.sim.router import Router, make_router
 from cadence.sim.synth import PromptSynth
 from cadence.workload import Workload, WorkloadRequest
 
@@ -76,7 +78,7 @@ class SimOptions:
     def validate(self) -> SimOptions:
         if self.replicas < 1:
             raise ValueError("replicas: must be >= 1")
-        make_router(self.router)
+        check_router(self.router)
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency: must be >= 1")
         if self.closed_loop and not self.concurrency:
@@ -108,7 +110,7 @@ class SimResult:
 
 class _Replica:
     __slots__ = ("index", "core", "clock", "executor", "stats", "in_heap", "last_end", "busy_from", "stretch",
-                 "finish_points", "entry")
+                 "finish_points", "entry", "digest", "digest_time")
 
     def __init__(self, index: int, core: EngineCore, clock: Any, executor: Any) -> None:
         self.index, self.core, self.clock, self.executor = index, core, clock, executor
@@ -125,6 +127,9 @@ class _Replica:
         # finishes (the next one last, to pop).
         self.finish_points: list[tuple[int, list[int]]] = []
         self.entry = 0.0  # where its heap entry is, while coasting
+        # Its published prefix digest (routing.ReplicaStats.digest) and when it was taken.
+        self.digest: frozenset[int] = frozenset()
+        self.digest_time = -_INF
 
 
 class _Client:
@@ -187,7 +192,10 @@ class Simulator:
             executor_factory = lambda clock: SimExecutor(cost_model, clock=clock)  # noqa: E731
         max_len = options.max_model_len or int((cost_model.metadata if cost_model else {}).get("max_model_len", 0)) or 8192
         self.max_model_len = max_len
-        self.router: Router = make_router(options.router)
+        # The fleet's router, fed what a real fleet's would see (see `_route`).
+        self.router = Router(options.router)
+        self._hash_chain = block_hashers(config.cache.prefix_caching_hash_algo)[1]
+        self._block_size = config.cache.block_size
         self.on_step = on_step
         self.replicas: list[_Replica] = []
         for i in range(options.replicas):
@@ -223,12 +231,13 @@ class Simulator:
                             scheduled_time=wr.arrival_time, send_time=t - self._t0, output_count_source="usage",
                             token_times=array("d"))
         self._records.append(rec)
-        rep = self.replicas[self.router.choose(wr, self._outstanding)] if len(self.replicas) > 1 else self.replicas[0]
+        prompt = self._synth.prompt(i, wr)
+        rep = self.replicas[self._route(prompt, t)] if len(self.replicas) > 1 else self.replicas[0]
         if rep.stretch is not None:
             self._cut(rep, t)
         if not rep.in_heap:  # idle: its clock jumps to the arrival
             rep.clock.advance_to(t)
-        req = Request(str(i), self._synth.prompt(i, wr), self._sampling(wr.output_tokens), arrival_time=t,
+        req = Request(str(i), prompt, self._sampling(wr.output_tokens), arrival_time=t,
                       priority=wr.priority, tenant=wr.tenant,
                       deadline=None if wr.deadline is None else t + wr.deadline)
         try:
@@ -245,6 +254,29 @@ class Simulator:
             # An idle replica may still be finishing its last step (its clock is ahead of t).
             rep.in_heap = True
             heapq.heappush(self._heap, (max(t, rep.last_end), rep.index))
+
+    def _route(self, prompt: list[int], t: float) -> int:
+        """The replica for a prompt sent at `t`, chosen by the fleet's router from the stats a real
+        fleet's router has: each replica's requests (running, waiting), free blocks and, for
+        prefix-affinity, the digest of its cache as last published (every STATS_PERIOD_S)."""
+        router = self.router
+        if not router.wants_prefixes:  # (each replica's running + waiting is its sent, unfinished requests)
+            return router.route_by_load(self._outstanding)
+        # (The simulator's requests carry no cache salt.)
+        chain = fingerprints(self._hash_chain(prompt, self._block_size, None, ()))
+        return router.route(chain, [self._replica_stats(rep, t) for rep in self.replicas])
+
+    def _replica_stats(self, rep: _Replica, t: float) -> routing.ReplicaStats:
+        core = rep.core
+        waiting = len(core.scheduler.waiting)
+        if t - rep.digest_time >= STATS_PERIOD_S:
+            if rep.stretch is not None:  # the cache as of `t`: the steps that started before it have run
+                self._cut(rep, t)
+            rep.digest = frozenset(fingerprints(core.kv.cached_hashes(DIGEST_LIMIT)))
+            rep.digest_time = t
+        # Sent and not finished, as the router counts them (a coasting replica's finished
+        # requests are done for the router before its steps are applied).
+        return routing.ReplicaStats(self._outstanding[rep.index] - waiting, waiting, core.kv.num_free_blocks, rep.digest)
 
     # -- the loop ----------------------------------------------------------------------------------
 

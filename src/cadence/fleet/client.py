@@ -1,0 +1,281 @@
+"""`FleetClient`: the HTTP layer's `EngineClient` over a Ray Serve handle to the replica deployment.
+
+The ingress tokenizes and validates requests (the same `OpenAIServing` as a single server), hashes
+the prompt's blocks with the KV manager's function and the request's cache salt, and sends a
+`GenerateCall`; the fleet's router picks the replica. The replica's first answer is its admission
+(`Admitted` or `Refused`), so refusals are real HTTP errors as on a single server; its name is
+put in the response's `X-Cadence-Replica` header (`ReplicaHeaderMiddleware`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from cadence.config import EngineConfig
+from cadence.engine.output_processor import StreamDelta
+from cadence.errors import AdmissionError, CadenceError, ErrorKind
+from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
+from cadence.fleet.replica import ReplicaInfo, refusal_error
+from cadence.kv.hashing import block_hashers
+from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
+from cadence.request import SamplingParams
+from cadence.routing import fingerprints
+
+log = logging.getLogger("cadence.fleet")
+
+REPLICA_HEADER = b"x-cadence-replica"
+BUSY_RETRY_AFTER_S = 1.0  # Retry-After when Serve's own queue for the replicas is full
+METRICS_TIMEOUT_S = 10.0
+
+# Per HTTP request: a slot the client fills with the replica's name for the middleware to send.
+_REPLICA_SLOT: ContextVar[dict[str, str] | None] = ContextVar("cadence_replica_slot", default=None)
+
+
+class ReplicaHeaderMiddleware:
+    """Pure ASGI: adds `X-Cadence-Replica: NAME` to a response a replica served (or refused)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        slot: dict[str, str] = {}
+        token = _REPLICA_SLOT.set(slot)
+
+        async def send_with_replica(message: dict) -> None:
+            if message["type"] == "http.response.start" and "replica" in slot:
+                headers = [*message.get("headers", []), (REPLICA_HEADER, slot["replica"].encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_replica)
+        finally:
+            _REPLICA_SLOT.reset(token)
+
+
+def _note_replica(name: str) -> None:
+    slot = _REPLICA_SLOT.get()
+    if slot is not None:
+        slot["replica"] = name
+
+
+@dataclass(frozen=True)
+class _EngineView:
+    config: EngineConfig  # (the HTTP layer reads whether tenants' caches are isolated)
+
+
+class _FixedRetryAfter:
+    def retry_after(self) -> float | None:
+        return BUSY_RETRY_AFTER_S
+
+
+def _ray_unavailable(exc: BaseException) -> CadenceError:
+    return CadenceError(ErrorKind.UNAVAILABLE, f"the replica serving the request failed ({type(exc).__name__})")
+
+
+class FleetStream:
+    """A request's deltas from its replica (the `EngineStream` of the HTTP layer)."""
+
+    def __init__(self, gen: Any, request_id: str, sub_ids: list[str], on_close: Any) -> None:
+        self._gen = gen
+        self._request_id = request_id
+        self._index = {rid: i for i, rid in enumerate(sub_ids)}
+        self._open = len(sub_ids)
+        self._closed = False
+        self._error: CadenceError | None = None
+        self._on_close = on_close
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    def index_of(self, sub_id: str) -> int:
+        return self._index[sub_id]
+
+    def __aiter__(self) -> FleetStream:
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        from ray.exceptions import RayError
+
+        if self._closed and self._error is None:
+            raise StopAsyncIteration
+        try:
+            item = await self._gen.__anext__()
+        except StopAsyncIteration:
+            self._close()
+            if self._error is not None:
+                raise self._error from None
+            if self._open:  # the replica's stream ended before every choice finished
+                raise CadenceError(ErrorKind.UNAVAILABLE, "the replica ended the request early") from None
+            raise
+        except asyncio.CancelledError:
+            if self._error is not None:
+                self._close()
+                raise self._error from None
+            raise
+        except RayError as e:
+            self._close()
+            raise (self._error or _ray_unavailable(e)) from None
+        if self._error is not None:
+            self._close()
+            raise self._error
+        if isinstance(item, Failed):
+            self._close()
+            raise CadenceError(ErrorKind(item.kind), item.message)
+        if item.finished:
+            self._open -= 1
+        return item
+
+    def fail(self, error: CadenceError) -> None:
+        """End the request with `error` for its reader (a drain that timed out)."""
+        self._error = error
+        self._gen.cancel()
+
+    async def aclose(self) -> None:
+        if not self._closed and self._open:
+            self._gen.cancel()  # Serve cancels the replica's generator: its `finally` aborts the request
+        self._close()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._on_close(self)
+
+
+class FleetClient:
+    """The HTTP layer's engine: a Ray Serve handle to the replicas (see the module docstring)."""
+
+    def __init__(self, handle: Any, info: ReplicaInfo, tokenizer: Any, engine_config: EngineConfig) -> None:
+        self._handle = handle
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.max_request_tokens = info.max_request_tokens
+        self.vocab_size = info.vocab_size
+        self.tokenizer = tokenizer
+        self.engine = _EngineView(engine_config)
+        self.drain_rate = _FixedRetryAfter()
+        self.stats_hooks: list[Any] = []  # (the replicas' own exporters count their steps)
+        self._block_size = info.block_size
+        self._hash_chain = block_hashers(info.hash_algo)[1]
+        self._live: dict[str, FleetStream] = {}
+        self._draining = False
+
+    # -- state --------------------------------------------------------------------------------------
+    # The ingress itself is healthy while it runs; a replica's health is Serve's to check.
+
+    @property
+    def is_healthy(self) -> bool:
+        return True
+
+    @property
+    def is_ready(self) -> bool:
+        return not self._draining
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._live)
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def chain(self, prompt: Sequence[int], cache_salt: str | None) -> tuple[int, ...]:
+        return fingerprints(self._hash_chain(prompt, self._block_size, cache_salt, ()))
+
+    async def submit(self, prompts: Sequence[list[int]], params: SamplingParams, *, request_id: str,
+                     priority: int = 0, tenant: str = "default", deadline: float | None = None,
+                     cache_salt: str | None = None) -> FleetStream:
+        from ray.serve.exceptions import BackPressureError
+
+        if self._draining:
+            raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
+        if request_id in self._live:
+            raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
+        call = GenerateCall(tuple(prompts), params, request_id, priority, tenant, deadline, cache_salt,
+                            self.chain(prompts[0], cache_salt))
+        gen = None
+        try:
+            gen = self._handle.options(stream=True).generate.remote(call)
+            first = await gen.__anext__()
+        except asyncio.CancelledError:  # the client left while the request waited for a replica
+            if gen is not None:
+                gen.cancel()
+            raise
+        except BackPressureError:
+            raise AdmissionError(ErrorKind.QUEUE_FULL, "every replica is full; retry later",
+                                 retry_after=BUSY_RETRY_AFTER_S) from None
+        except StopAsyncIteration:
+            raise CadenceError(ErrorKind.INTERNAL, "the replica answered nothing") from None
+        except Exception as e:
+            from ray.exceptions import RayError
+
+            if isinstance(e, RayError):
+                raise _ray_unavailable(e) from None
+            raise
+        if isinstance(first, Refused):
+            _note_replica(first.replica)
+            raise refusal_error(first)
+        assert isinstance(first, Admitted), type(first)
+        _note_replica(first.replica)
+        total = len(prompts) * params.n
+        sub_ids = [request_id] if total == 1 else [f"{request_id}-{k}" for k in range(total)]
+        stream = FleetStream(gen, request_id, sub_ids, self._closed)
+        self._live[request_id] = stream
+        return stream
+
+    def _closed(self, stream: FleetStream) -> None:
+        if self._live.get(stream.request_id) is stream:
+            del self._live[stream.request_id]
+
+    def abort(self, request_id: str, error: CadenceError | None = None) -> None:
+        stream = self._live.get(request_id)
+        if stream is not None:
+            stream.fail(error or CadenceError(ErrorKind.UNAVAILABLE, "request aborted"))
+
+    def begin_drain(self) -> None:
+        self._draining = True
+
+    def abort_all(self, error: CadenceError) -> None:
+        for stream in list(self._live.values()):
+            stream.fail(error)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._draining = True  # (the replicas are Serve's to stop)
+
+    # -- the replicas' metrics ----------------------------------------------------------------------
+
+    async def render_metrics(self, exporter: PrometheusExporter) -> bytes:
+        """The fleet's /metrics: this ingress's refusals and every replica's metrics, merged."""
+        from cadence.fleet.state import replica_ids
+
+        replicas = {}
+        # One replica at a time: Serve's router may leave one of several calls pinned to
+        # different replicas waiting (for seconds) while it routes the others.
+        for rid in replica_ids():
+            try:
+                replicas[rid] = await asyncio.wait_for(self._handle.metrics.remote(Target(rid)), METRICS_TIMEOUT_S)
+            except Exception as e:  # a replica restarting: the fleet's metrics go on without it
+                log.warning("replica %s: no metrics (%s)", rid, type(e).__name__)
+        return merge_expositions(exporter.render()[0].decode(), replicas).encode()
+
+    async def replica_loads(self) -> dict[str, tuple[int, int]]:
+        """Each replica's (requests in flight, requests running), by name."""
+        from cadence.fleet.state import replica_ids
+
+        loads = [await self._handle.load.remote(Target(rid)) for rid in replica_ids()]
+        return {name: (in_flight, running) for name, in_flight, running in loads}

@@ -1,0 +1,143 @@
+"""The fleet's Ray Serve application: an ingress deployment owning HTTP (the same FastAPI app as
+`cadence serve`, over a `FleetClient`) in front of N replica deployments (one `AsyncEngine` each),
+placed by `CadenceRequestRouter`.
+
+Queues are bounded at both levels: a replica takes at most its engine's `max_num_seqs` plus its
+queue (`max_queue_len`) at once, so Serve never throttles below what continuous batching can use
+and cadence's own admission decides within a replica; beyond that Serve queues at most
+`max_queued_requests` per ingress and refuses the rest, which the ingress answers 429 with
+Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from cadence.config import EngineConfig, ServerConfig
+from cadence.fleet.replica import CadenceReplica
+from cadence.routing import STATS_PERIOD_S, check_router
+
+INGRESS_NAME = "CadenceIngress"
+REPLICA_NAME = "CadenceReplica"
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    """`replicas`: engines; `router`: one of cadence.routing.ROUTERS; `replica_cpus`: the CPUs Ray
+    reserves for each (fractions allowed); `max_queued_requests`: requests the ingress holds for
+    the replicas beyond what they take (then 429); `health_check_period_s`: how often Serve asks
+    each replica whether its engine loop runs."""
+
+    replicas: int = 2
+    router: str = "prefix-affinity"
+    replica_cpus: float = 1.0
+    ingress_cpus: float = 0.0  # (it tokenizes and forwards: it does not reserve a core from the replicas)
+    max_queued_requests: int = 256
+    health_check_period_s: float = 5.0
+    tiny: bool = False
+
+    def validate(self) -> FleetOptions:
+        if self.replicas < 1:
+            raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
+        check_router(self.router)
+        if not self.replica_cpus > 0:
+            raise ValueError("replica_cpus: must be > 0")
+        if not self.ingress_cpus >= 0:
+            raise ValueError("ingress_cpus: must be >= 0")
+        if self.max_queued_requests < 1:
+            raise ValueError("max_queued_requests: must be >= 1")
+        return self
+
+
+@serve.ingress()
+class CadenceIngress:
+    def __init__(self, replicas: Any, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        self._replicas = replicas
+        self._engine_config = engine_config
+        self._server_config = server_config
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        from cadence.fleet.client import FleetClient, ReplicaHeaderMiddleware
+        from cadence.model.loader import default_model_path
+        from cadence.model.tokenizer import Tokenizer
+        from cadence.server.app import create_app
+
+        info = await self._replicas.info.remote()
+        model = self._engine_config.model.model
+        tokenizer = Tokenizer.from_model_path(model if model else default_model_path())
+        client = FleetClient(self._replicas, info, tokenizer, self._engine_config)
+        app = create_app(client, self._server_config, render_metrics=client.render_metrics)
+        app.add_middleware(ReplicaHeaderMiddleware)
+        self._client, self._serving = client, app.state.serving
+        return app
+
+    async def drain(self, timeout: float) -> int:
+        """Drain as a single server does on SIGTERM: refuse new requests (503, and /ready 503), give
+        those in flight `timeout` seconds, then end the rest with an error event. Returns how many
+        were ended."""
+        from cadence.errors import CadenceError, ErrorKind
+
+        client, serving = self._client, self._serving
+        client.begin_drain()
+        if await _wait_for(lambda: client.num_in_flight == 0 and serving.active == 0, timeout):
+            return 0
+        left = serving.active
+        client.abort_all(CadenceError(ErrorKind.UNAVAILABLE,
+                                      f"the server shut down; the request did not finish within {timeout:g} s"))
+        await _wait_for(lambda: serving.active == 0, 5.0)
+        return left
+
+
+async def _wait_for(cond: Any, timeout: float) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() >= end:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, options: FleetOptions) -> Any:
+    """The bound Serve application (what `serve.run` takes)."""
+    options.validate()
+    engine_config.validate()
+    server_config.validate()
+    sched = engine_config.scheduler
+    replica = serve.deployment(
+        CadenceReplica,
+        name=REPLICA_NAME,
+        num_replicas=options.replicas,
+        ray_actor_options={"num_cpus": options.replica_cpus},
+        max_ongoing_requests=sched.max_num_seqs + sched.max_queue_len,
+        max_queued_requests=options.max_queued_requests,
+        health_check_period_s=options.health_check_period_s,
+        graceful_shutdown_timeout_s=server_config.shutdown_timeout,
+        request_router_config=RequestRouterConfig(
+            request_router_class="cadence.fleet.router:CadenceRequestRouter",
+            request_router_kwargs={"policy": options.router},
+            request_routing_stats_period_s=STATS_PERIOD_S,
+            request_routing_stats_timeout_s=5.0,
+        ),
+    )
+    # The ingress only forwards: it takes what the replicas and their queue can hold, and twice
+    # that again, so that a request over the replicas' bounds gets cadence's own 429 (JSON, with
+    # Retry-After). Serve's proxy holds requests while it routes them to the ingress; beyond four
+    # times that it answers 429 itself (plain text, with Retry-After).
+    ingress_capacity = 2 * (options.max_queued_requests + options.replicas * (sched.max_num_seqs + sched.max_queue_len))
+    ingress = serve.deployment(
+        CadenceIngress,
+        name=INGRESS_NAME,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": options.ingress_cpus},
+        max_ongoing_requests=ingress_capacity,
+        max_queued_requests=4 * ingress_capacity,
+        backpressure_config={"status_code": 429, "retry_after_s": 1.0},
+        graceful_shutdown_timeout_s=server_config.shutdown_timeout,
+    )
+    return ingress.bind(replica.bind(engine_config, options.tiny), engine_config, server_config)

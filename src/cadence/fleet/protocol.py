@@ -1,0 +1,58 @@
+"""What travels between the ingress and a replica (pickled by Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cadence.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One client request, validated and tokenized at the ingress. `chain`: the fingerprints of
+    its first prompt's block-hash chain (the KV manager's function and the request's cache salt),
+    which the fleet's router scores replicas by."""
+
+    prompts: tuple[list[int], ...]
+    params: SamplingParams
+    request_id: str
+    priority: int = 0
+    tenant: str = "default"
+    deadline: float | None = None
+    cache_salt: str | None = None
+    chain: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The replica's engine took the request; deltas follow."""
+
+    replica: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The replica's engine refused the request (nothing follows)."""
+
+    kind: str  # an ErrorKind value
+    message: str
+    param: str | None
+    retry_after: float | None
+    admission: bool  # an AdmissionError (a refusal before any work) rather than another error
+    replica: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request failed after it was admitted (nothing follows)."""
+
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """Passed to a replica method, it makes the fleet's router send the call to that replica
+    (by its Serve replica id): for reading each replica's metrics or state."""
+
+    replica_id: str

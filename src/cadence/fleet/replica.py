@@ -1,0 +1,131 @@
+"""The replica deployment: one `AsyncEngine` in a Ray Serve replica.
+
+`generate` streams a request's deltas back to the ingress: first an `Admitted` (or a `Refused`,
+the engine's own admission answer), then the engine's `StreamDelta`s, and a `Failed` if the
+request fails midway. When the ingress cancels the call (its client went away), Serve cancels
+the generator here and its `finally` aborts the request in the engine, freeing its blocks.
+
+Serve polls `record_routing_stats` (the fleet router's `ReplicaStats`) and `check_health`
+(which fails once the engine's loop is dead, so Serve replaces the replica); `metrics` is this
+engine's Prometheus exposition for the ingress to merge.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from cadence.config import EngineConfig
+from cadence.errors import AdmissionError, CadenceError, ErrorKind
+from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
+from cadence.routing import DIGEST_LIMIT, ReplicaStats, fingerprints
+
+log = logging.getLogger("cadence.fleet")
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What the ingress needs to validate requests before any replica sees them."""
+
+    model_name: str
+    max_model_len: int
+    max_request_tokens: int
+    vocab_size: int
+    block_size: int
+    hash_algo: str
+
+
+class CadenceReplica:
+    def __init__(self, engine_config: EngineConfig, tiny: bool = False) -> None:
+        from ray import serve
+
+        from cadence.engine.async_engine import AsyncEngine
+        from cadence.engine.builder import build_engine
+        from cadence.metrics.prometheus import PrometheusExporter
+
+        self.name = _replica_name(serve)
+        self.engine = AsyncEngine(build_engine(engine_config, tiny=tiny))
+        self.exporter = PrometheusExporter()
+        self.engine.stats_hooks.append(self.exporter.record_step)
+        self._digest: frozenset[int] = frozenset()
+        log.info("replica %s serving %s", self.name, self.engine.model_name)
+
+    def info(self) -> ReplicaInfo:
+        cache = self.engine.engine.config.cache
+        return ReplicaInfo(self.engine.model_name, self.engine.max_model_len, self.engine.max_request_tokens,
+                           self.engine.vocab_size, cache.block_size, cache.prefix_caching_hash_algo)
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[Any]:
+        try:
+            stream = await self.engine.submit(
+                call.prompts, call.params, request_id=call.request_id, priority=call.priority,
+                tenant=call.tenant, deadline=call.deadline, cache_salt=call.cache_salt,
+            )
+        except CadenceError as e:
+            yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)
+            return
+        try:
+            yield Admitted(self.name)
+            async for delta in stream:
+                yield delta
+        except CadenceError as e:
+            yield Failed(e.kind.value, str(e))
+        finally:
+            await stream.aclose()  # (a no-op once every choice finished; else the request is aborted)
+
+    # -- polled by Serve ------------------------------------------------------------------------------
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        st = self.engine.core.scheduler_stats
+        return ReplicaStats(st.num_running, st.num_waiting, st.num_free_blocks, self._read_digest()).to_dict()
+
+    def _read_digest(self) -> frozenset[int]:
+        # The engine thread changes the cache while this reads it: a read that meets a change is
+        # tried again, and the last digest kept if it keeps meeting them.
+        kv = self.engine.core.kv
+        for _ in range(3):
+            try:
+                self._digest = frozenset(fingerprints(kv.cached_hashes(DIGEST_LIMIT)))
+                break
+            except RuntimeError:
+                continue
+        return self._digest
+
+    def check_health(self) -> None:
+        if not self.engine.is_healthy:
+            raise RuntimeError(f"the engine loop is not running: {self.engine.dead_reason}")
+
+    def metrics(self, target: Target | None = None) -> str:
+        """This engine's Prometheus exposition (`target`: how the ingress addresses this replica)."""
+        self.exporter.record_scheduler(self.engine.core.scheduler_stats)
+        return self.exporter.render()[0].decode()
+
+    def load(self, target: Target | None = None) -> tuple[str, int, int]:
+        """(its name, requests admitted and not finished, requests running): for tests and operators."""
+        return self.name, self.engine.num_in_flight, self.engine.core.scheduler_stats.num_running
+
+    def node_id(self, target: Target | None = None) -> str:
+        """The Ray node this replica runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=5.0)
+
+
+def _replica_name(serve: Any) -> str:
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # outside Serve (a unit test building the class directly)
+        return "local"
+
+
+def refusal_error(r: Refused) -> CadenceError:
+    kind = ErrorKind(r.kind)
+    cls = AdmissionError if r.admission else CadenceError
+    return cls(kind, r.message, param=r.param, retry_after=r.retry_after)

@@ -1,0 +1,84 @@
+"""What the HTTP layer needs from an engine: `EngineClient`.
+
+`AsyncEngine` is the local one (an engine in this process). A fleet's client (cadence.fleet)
+implements the same interface over many remote engines, so the routes, validation, errors and
+streaming of `cadence serve` are the same code in both. The HTTP layer tokenizes and validates
+requests itself (with `tokenizer`, `max_model_len`, `max_request_tokens`, `vocab_size`) and then
+only submits, streams and aborts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+from cadence.engine.output_processor import StreamDelta
+from cadence.errors import CadenceError
+from cadence.request import SamplingParams
+
+
+class EngineStream(Protocol):
+    """One client request's deltas (every choice, merged); `aclose()` aborts what has not finished."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    def index_of(self, sub_id: str) -> int: ...
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]: ...
+
+    async def __anext__(self) -> StreamDelta: ...
+
+    async def aclose(self) -> None: ...
+
+
+class RetryAfter(Protocol):
+    def retry_after(self) -> float | None: ...
+
+
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int
+    max_request_tokens: int
+    vocab_size: int
+    tokenizer: Any
+    drain_rate: RetryAfter  # Retry-After for a refusal made before the engine (a tenant's cap)
+    stats_hooks: list[Callable[..., None]]  # called after each local engine step (none for a fleet)
+    engine: Any  # `.config` (an EngineConfig) where known: whether tenants' caches are isolated
+
+    @property
+    def is_healthy(self) -> bool: ...
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    @property
+    def is_draining(self) -> bool: ...
+
+    @property
+    def dead_reason(self) -> str | None: ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    async def submit(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        priority: int = 0,
+        tenant: str = "default",
+        deadline: float | None = None,
+        cache_salt: str | None = None,
+    ) -> EngineStream:
+        """Admit the request or raise its refusal (`CadenceError`, `AdmissionError` with Retry-After)."""
+        ...
+
+    def abort(self, request_id: str, error: CadenceError | None = None) -> None: ...
+
+    def begin_drain(self) -> None: ...
+
+    def abort_all(self, error: CadenceError) -> None: ...
+
+    def shutdown(self, timeout: float = 5.0) -> None: ...

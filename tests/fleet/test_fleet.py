@@ -1,0 +1,161 @@
+"""The fleet on a local Ray cluster: two tiny engines behind one endpoint (see conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from fleet_helpers import complete, metric
+
+from cadence.engine.async_engine import AsyncEngine
+from cadence.engine.builder import build_engine
+from cadence.server.app import create_app
+
+pytestmark = pytest.mark.slow
+
+FAMILY_TEXT = {
+    "a": "You are a meticulous assistant for a shipping company. Answer questions about parcels, customs "
+         "forms, tracking numbers and delivery windows, citing the relevant policy section each time. " * 3,
+    "b": "Here is the full text of a short story about a lighthouse keeper who collects shells, names "
+         "every gull on the island and writes letters to a sister overseas that she never sends. " * 3,
+}
+
+
+def test_greedy_outputs_equal_a_single_engines(fleet) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):", FAMILY_TEXT["a"] + "Where is parcel 7?"]
+    engine = AsyncEngine(build_engine(fleet.engine_config, tiny=True))
+    try:
+        with TestClient(create_app(engine, fleet.server_config)) as local:
+            expected = [complete(local, p, max_tokens=12).json()["choices"][0]["text"] for p in prompts]
+    finally:
+        engine.shutdown()
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        got = []
+        for p in prompts:
+            r = complete(c, p, max_tokens=12)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-cadence-replica"]
+            got.append(r.json()["choices"][0]["text"])
+        # Streaming too: the deltas concatenate to the same text.
+        with c.stream("POST", "/v1/completions", json={"prompt": prompts[0], "max_tokens": 12, "temperature": 0,
+                                                        "stream": True}) as r:
+            assert r.headers["x-cadence-replica"]
+            text = "".join(_sse_texts(r.iter_lines()))
+    assert got == expected and all(expected)
+    assert text == expected[0]
+
+
+def _sse_texts(lines) -> list[str]:
+    import json
+
+    out = []
+    for line in lines:
+        if line.startswith("data: {"):
+            out += [ch["text"] for ch in json.loads(line[6:])["choices"]]
+    return out
+
+
+def test_families_each_land_on_one_replica_and_hit_the_cache(fleet) -> None:
+    placed: dict[str, Counter[str]] = {f: Counter() for f in FAMILY_TEXT}
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        before = c.get("/metrics").text
+        for i in range(10):
+            for fam, text in FAMILY_TEXT.items():
+                r = complete(c, text + f" Question {i}: what happens next?")
+                assert r.status_code == 200, r.text
+                placed[fam][r.headers["x-cadence-replica"]] += 1
+        after = c.get("/metrics").text
+    for fam, where in placed.items():
+        assert where.most_common(1)[0][1] >= 9, (fam, placed)
+    assert {w.most_common(1)[0][0] for w in placed.values()} == set(fleet.replica_ids())  # one each
+    queries = metric(after, "cadence:prefix_cache_query_tokens_total") - metric(before, "cadence:prefix_cache_query_tokens_total")
+    hits = metric(after, "cadence:prefix_cache_hit_tokens_total") - metric(before, "cadence:prefix_cache_hit_tokens_total")
+    assert queries > 0 and hits / queries > 0.6, (hits, queries)
+
+
+def test_metrics_are_the_sum_of_the_replicas(fleet) -> None:
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        for i in range(4):
+            assert complete(c, f"count {i}").status_code == 200
+        merged = c.get("/metrics").text
+    per_replica = fleet.replica_call("metrics")
+    assert len(per_replica) == 2
+    for name in ("cadence:generation_tokens_total", "cadence:prompt_tokens_total",
+                 "cadence:time_to_first_token_seconds_count", "cadence:finished_requests_total"):
+        total = sum(metric(text, name) for text in per_replica.values())
+        assert total > 0 and metric(merged, name) == total, name
+    bucket = 'cadence:e2e_request_latency_seconds_bucket'
+    assert metric(merged, bucket, le="+Inf") == sum(metric(t, bucket, le="+Inf") for t in per_replica.values())
+    for rid in per_replica:  # gauges: one series per replica, and their sum
+        assert f'cadence:running_requests{{replica="{rid}"}}' in merged
+    assert "cadence:running_requests 0.0" in merged
+
+
+def test_client_disconnect_aborts_on_the_replica(fleet) -> None:
+    async def leave_mid_stream() -> None:
+        async with httpx.AsyncClient(base_url=fleet.url, timeout=60) as c:
+            body = {"prompt": "Tell me everything", "max_tokens": 900, "ignore_eos": True, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        break  # one token in: leave
+
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        before = c.get("/metrics").text
+    asyncio.run(leave_mid_stream())
+    loads = _wait(lambda: fleet.replica_call("load"), lambda v: all(n == 0 and run == 0 for _, n, run in v.values()))
+    assert all(n == 0 and run == 0 for _, n, run in loads.values()), loads
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        after = c.get("/metrics").text
+    aborted = metric(after, "cadence:finished_requests_total", reason="abort") - metric(
+        before, "cadence:finished_requests_total", reason="abort")
+    tokens = metric(after, "cadence:generation_tokens_total") - metric(before, "cadence:generation_tokens_total")
+    assert aborted == 1 and tokens < 900
+
+
+def _wait(read, done, timeout: float = 20.0):
+    import time
+
+    end = time.monotonic() + timeout
+    value = read()
+    while not done(value) and time.monotonic() < end:
+        time.sleep(0.1)
+        value = read()
+    return value
+
+
+def test_every_replica_full_gives_429_with_retry_after(fleet) -> None:
+    # A replica's engine queues at most 2 requests (max_queue_len) and runs 4; Serve lets 6 in at
+    # once and the ingress holds 2 more for them: of 20 long requests at once, the rest are refused
+    # (by an engine's admission or by Serve's backpressure), each with Retry-After, and none hangs.
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=fleet.url, timeout=120) as c:
+            body = {"prompt": "Flood", "max_tokens": 60, "ignore_eos": True}
+            return await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(20)])
+
+    answers = asyncio.run(flood())
+    codes = Counter(r.status_code for r in answers)
+    assert set(codes) == {200, 429} and codes[200] >= 2, codes
+    for r in answers:
+        if r.status_code == 429:
+            assert float(r.headers["retry-after"]) > 0
+            assert r.headers["content-type"] == "application/json", r.text
+            assert r.json()["error"]["type"]
+
+
+def test_tenants_priorities_and_deadlines_reach_the_replicas(fleet) -> None:
+    name = "cadence:finished_requests_total"
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        before = c.get("/metrics").text
+        r = c.post("/v1/completions", headers={"x-tenant": "alice"},
+                   json={"prompt": "tenant test", "max_tokens": 3, "priority": 2, "deadline": 60})
+        assert r.status_code == 200, r.text
+        late = c.post("/v1/completions", json={"prompt": "too late", "max_tokens": 3, "deadline": 1e-6})
+        after = c.get("/metrics").text
+    assert metric(after, name, tenant="alice") - metric(before, name, tenant="alice") == 1
+    assert late.status_code == 408, late.text
+    assert late.json()["error"]["code"] == "deadline_exceeded" or "deadline" in late.json()["error"]["message"]
