@@ -64,6 +64,8 @@ def add_engine_args(parser: argparse.ArgumentParser, shown_defaults: dict[str, A
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{OPTION_HELP[f.name]} (default: {default})"}
         if f.name in OPTION_CHOICES:
             kw["choices"] = OPTION_CHOICES[f.name]
+        if f.name == "served_model_name":  # vLLM's NAME [NAME ...]: the first answers, all are accepted
+            kw["nargs"] = "+"
         if f.name == "kv_cache_memory":
             kw["type"] = parse_size
         elif f.name == "tenant_weights":
@@ -92,7 +94,15 @@ def readable_default(name: str, value: Any) -> str:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     options = {f.name: getattr(args, f.name) for _, f in engine_option_fields() if getattr(args, f.name, None) is not None}
+    if isinstance(options.get("served_model_name"), list):  # --served-model-name A B: A answers; B in model_aliases
+        options["served_model_name"] = options["served_model_name"][0]
     return EngineConfig.from_options(**options)
+
+
+def model_aliases(args: argparse.Namespace) -> tuple[str, ...]:
+    """--served-model-name's names after the first: the API accepts them too."""
+    names = getattr(args, "served_model_name", None)
+    return tuple(names[1:]) if isinstance(names, list) else ()
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -119,6 +129,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="tenants with a metrics label of their own; the rest count as 'other' (default %(default)s)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity (default %(default)s)")
+    s.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log lines (default: as --log-level)")
+    s.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
+                   help="log one line per request admitted: id, tenant, prompt sizes, sampling parameters")
+    s.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help="do not log each request (the default; vLLM's older spelling)")
     s.add_argument("--tiny", action="store_true", help="a tiny random-weight model with the real tokenizer (testing)")
     _add_http_limits(p)
     _add_cors(p)
@@ -254,6 +271,7 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
         allow_request_chat_template=args.allow_request_chat_template, slo_ttft=args.slo_ttft,
         slo_itl=args.slo_itl, tenant_max_requests=args.tenant_max_requests, max_tenant_labels=args.max_tenant_labels, log_level=args.log_level,
+        uvicorn_log_level=args.uvicorn_log_level, log_requests=args.log_requests, model_aliases=model_aliases(args),
         **http_options(args),
     ).validate()
     return engine_cfg, server_cfg

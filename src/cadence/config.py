@@ -214,6 +214,9 @@ class ServerConfig:
     max_tenant_labels: int = 32  # Prometheus labels per tenant beyond this fold into "other"
     tenant_max_requests: int | None = None  # in-flight requests per tenant; beyond it 429 (None: no cap)
     log_level: str = "info"
+    uvicorn_log_level: str | None = None  # uvicorn's own log lines; None: as log_level
+    log_requests: bool = False  # one INFO line per request admitted (vLLM's --enable-log-requests)
+    model_aliases: tuple[str, ...] = ()  # more names the API answers to (--served-model-name A B ...)
     # The request head (request line and header fields), as read off the socket: over a limit, 414/431.
     max_header_count: int = 100
     max_header_bytes: int = 64 << 10  # request line and header fields together

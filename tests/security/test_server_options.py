@@ -55,3 +55,31 @@ def test_flags():
 def test_bad_values_are_refused_naming_the_field(change, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         dataclasses.replace(ServerConfig(), **change).validate()
+
+
+def test_vllm_server_flags_and_routes(cli_server_factory):
+    """--served-model-name with several names, --enable-log-requests, --uvicorn-log-level, and the
+    /version and /ping routes, as a vLLM user would use them (a real `cadence serve`)."""
+    import httpx
+
+    from cadence import __version__
+
+    server = cli_server_factory("--served-model-name", "first", "second", "--enable-log-requests",
+                                "--uvicorn-log-level", "warning", "--api-key", "k")
+    auth = {"Authorization": "Bearer k"}
+    models = httpx.get(server.url + "/v1/models", headers=auth, timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["first", "second"]
+    for name in ("first", "second"):
+        r = httpx.post(server.url + "/v1/completions", headers=auth, timeout=60,
+                       json={"model": name, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "first"  # the first name answers
+    r = httpx.post(server.url + "/v1/completions", headers=auth, timeout=30,
+                   json={"model": "third", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404 and "'first' or 'second'" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/version", headers=auth, timeout=30).json() == {"version": __version__}
+    assert httpx.get(server.url + "/version", timeout=30).status_code == 401  # guarded like every route
+    for method in ("GET", "POST"):  # a health probe: open, as /health is
+        assert httpx.request(method, server.url + "/ping", timeout=30).json() == {"status": "ok"}
+    log = server.log()
+    assert log.count("request cmpl-") == 2 and "prompt(s) of" in log  # one line per admitted request
+    assert "INFO:     127.0.0.1" not in log  # uvicorn's access lines are below --uvicorn-log-level

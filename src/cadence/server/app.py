@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 
+from cadence import __version__
 from cadence.config import EngineConfig, ServerConfig
 from cadence.engine.async_engine import AsyncEngine
 from cadence.errors import CadenceError, ErrorKind
@@ -59,7 +60,7 @@ from cadence.wording import counted
 
 log = logging.getLogger("cadence.server")
 
-OPEN_PATHS = frozenset({"/health"})  # liveness answers without a key: orchestrators probe it bare
+OPEN_PATHS = frozenset({"/health", "/ping"})  # liveness answers without a key: orchestrators probe it bare
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 429, 500, 503)
 }
@@ -236,7 +237,8 @@ def create_app(
     install_error_handlers(app)
     _add_routes(app, engine, serving, exporter, render_metrics)
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
-    json_paths = frozenset(r.path for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods)
+    # POST routes that read a JSON body (a health probe such as /ping takes none)
+    json_paths = frozenset(r.path for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods) - OPEN_PATHS
     # Added innermost first: StopGuard wraps CORS, which wraps the guard, so a preflight (which
     # carries no API key) and every error the guard answers get their CORS headers.
     app.add_middleware(GuardMiddleware, config=server_config, json_paths=json_paths)
@@ -289,23 +291,32 @@ def _add_routes(
 
     created = int(time.time())
 
-    def card() -> ModelCard:
-        return ModelCard(id=engine.model_name, created=created, max_model_len=engine.max_model_len)
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=created, max_model_len=engine.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(name) for name in serving.inputs.model_names])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def model(model_id: str) -> ModelCard:
         serving.inputs.check_model(model_id)
-        return card()
+        return card(model_id)
 
     @app.get("/health", responses=_ERRORS)
     async def health() -> Response:
         if engine.is_healthy:
             return JSONResponse({"status": "ok"})
         return error_response(ErrorKind.UNAVAILABLE, f"the engine loop is not running: {engine.dead_reason}")
+
+    @app.api_route("/ping", methods=["GET", "POST"], responses=_ERRORS)
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) health probe: /health under another name."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/ready")
     async def ready() -> Response:
@@ -433,7 +444,7 @@ def uvicorn_config(app: FastAPI, server_config: ServerConfig) -> uvicorn.Config:
         http=protocol,
         ws="none",  # no WebSocket routes: an upgrade request is served as plain HTTP
         timeout_keep_alive=server_config.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
-        log_level=server_config.log_level,
+        log_level=server_config.uvicorn_log_level or server_config.log_level,
         timeout_graceful_shutdown=5,
         lifespan="off",
     )

@@ -57,11 +57,17 @@ class InputBuilder:
             getattr(cache_cfg, "tenant_isolation", False)
         )
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the model answers to: its served name first, then --served-model-name's others."""
+        return (self.engine.model_name, *(a for a in self.config.model_aliases if a != self.engine.model_name))
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.engine.model_name:
+        if name is not None and name not in self.model_names:
+            served = " or ".join(repr(n) for n in self.model_names)
             raise APIError(
                 HTTPKind.MODEL_NOT_FOUND,
-                f"the model {name!r} does not exist; this server serves {self.engine.model_name!r}",
+                f"the model {name!r} does not exist; this server serves {served}",
                 param="model",
             )
 
@@ -162,8 +168,12 @@ class InputBuilder:
     ) -> Job:
         params = self._params(body, prompts, max_tokens, logprobs, prompt_param)
         tenant, salt = self._tenant(raw, body.user)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        if self.config.log_requests:
+            log.info("request %s: tenant %s, %d prompt(s) of %s tokens, priority %d, %s", request_id, tenant,
+                     len(prompts), ",".join(str(len(p)) for p in prompts), body.priority, params)
         return Job(
-            f"{prefix}-{uuid.uuid4().hex}",
+            request_id,
             prompts,
             params,
             tenant,
