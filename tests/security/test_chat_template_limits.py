@@ -295,7 +295,10 @@ def health_latencies_during(live: Live, route: str, body: dict[str, Any]) -> tup
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
-def test_the_event_loop_answers_while_a_megabyte_is_tokenized(live: Live, route: str) -> None:
+def test_the_event_loop_answers_while_a_megabyte_is_tokenized(live: Live, route: str, monkeypatch) -> None:
+    # A megabyte is refused by its length alone, untokenized, at this context (see below); with the
+    # bound lifted, the tokenization itself must not hold the event loop.
+    monkeypatch.setattr(live.engine.tokenizer, "max_token_chars", 10**9)
     text = "The quick brown fox jumps over the lazy dog. " * 23_000  # ~1 MB: ~250k tokens
     body = {"messages": [{"role": "user", "content": text}]} if route.endswith("chat/completions") else {"prompt": text}
     r, took, during = health_latencies_during(live, route, body)
@@ -311,3 +314,29 @@ def test_a_conversation_over_the_character_cap_is_the_clients_400(base: Tokenize
     tok = with_template(base, base.chat_template, RenderLimits(max_chars=2048))
     with pytest.raises(ValueError, match=r"^messages: the conversation has 3000 characters"):
         tok.render_chat([{"role": "user", "content": "x" * 3000}])
+
+
+def test_a_template_that_amplifies_a_tiny_body_is_refused_untokenized(live: Live) -> None:
+    """A 160-byte request whose template writes 4 M characters: at least that many tokens over the
+    context, refused by length before it is tokenized (tokenizing it took seconds and ~600 MiB)."""
+    before = _rss_mib()
+    t0 = time.monotonic()
+    r = chat(live, {"messages": CHAT, "chat_template": "{{ ('a ' * 1999999) }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert "characters are at least" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 10 and _rss_mib() - before < 100
+    big = httpx.post(live.url + "/v1/completions", json={"prompt": "a " * 500_000, "max_tokens": 1}, timeout=60)
+    assert big.status_code == 400 and "characters are at least" in big.json()["error"]["message"]
+
+
+def test_request_templates_waiting_for_a_worker_do_not_hold_up_other_chats(live: Live) -> None:
+    """Twelve runaway request templates queue for the two render workers; a plain chat sent meanwhile
+    is answered at once (the waiting renders held the threads every chat renders in)."""
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        hostile = [pool.submit(chat, live, {"messages": CHAT, "chat_template": NESTED_LOOPS}) for _ in range(12)]
+        time.sleep(0.5)  # the renders are queued
+        t0 = time.monotonic()
+        assert chat(live, {"messages": CHAT}).status_code == 200
+        waited = time.monotonic() - t0
+        assert all(f.result().status_code == 400 for f in hostile)
+    assert waited < 4.0, f"a plain chat waited {waited:.1f} s behind request templates"

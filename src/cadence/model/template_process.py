@@ -115,7 +115,10 @@ class TemplateProcesses:
                 raise ChatTemplateLimitError(
                     f"made its render process fail (more than {self._memory_limit >> 20} MiB of memory?)", None,
                 ) from None
-            self._give_back(worker)
+            if status == "limit":  # it may have grown to its cap: a fresh worker for the next render
+                worker.kill()
+            else:
+                self._give_back(worker)
         if status == "ok":
             return value
         if status == "limit":

@@ -11,6 +11,7 @@ text as the token it names: `encode(text, split_special_tokens=False)`. The stre
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import logging
 import re
@@ -268,6 +269,20 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its longest spelling: a byte-level token's
+        string has a character per byte). A text of n characters is at least n / this many tokens,
+        which refuses a text far over a context without tokenizing it."""
+        return max(1, max(len(t) for t in self._tok.get_vocab(with_added_tokens=True)))
+
+    def check_fits(self, text: str, max_tokens: int, param: str) -> None:
+        """ValueError naming `param` when `text` cannot be `max_tokens` tokens or fewer."""
+        least = -(-len(text) // self.max_token_chars)
+        if least > max_tokens:
+            raise ValueError(f"{param}: {len(text)} characters are at least {least} tokens, more than this "
+                             f"model's context of {max_tokens} tokens (max_model_len)")
+
     def encode(self, text: str, add_special_tokens: bool = False, *, split_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds what the model adds (e.g. BOS).
 
@@ -309,10 +324,14 @@ class Tokenizer:
                            self.template_limits)
 
     def apply_chat_template(
-        self, messages: Any, add_generation_prompt: bool = True, chat_template: str | None = None
+        self, messages: Any, add_generation_prompt: bool = True, chat_template: str | None = None,
+        max_tokens: int | None = None,
     ) -> list[int]:
-        """Token ids of the rendered chat: template markers as control tokens, message contents as plain text."""
+        """Token ids of the rendered chat: template markers as control tokens, message contents as plain
+        text. With `max_tokens`, a rendering that cannot fit in as many tokens is refused untokenized."""
         chat = self.render_chat(messages, add_generation_prompt, chat_template)
+        if max_tokens is not None:
+            self.check_fits(chat.text, max_tokens, "chat_template" if chat_template is not None else "messages")
         if self._special_re is not None:
             self._refuse_markers_outside_content(messages)
             if any(self._special_re.search(c) for c in chat.unlocated):

@@ -11,6 +11,7 @@ import functools
 import logging
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -18,6 +19,7 @@ from fastapi import Request
 from cadence.config import ServerConfig
 from cadence.errors import CadenceError, ErrorKind
 from cadence.model.template_limits import ChatTemplateLimitError
+from cadence.model.template_process import WORKERS
 from cadence.request import SamplingParams
 from cadence.server.engine_client import EngineClient
 from cadence.server.errors import APIError, HTTPKind, param_of
@@ -52,6 +54,9 @@ class InputBuilder:
     def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
+        # Requests' own chat templates wait for a render process here, not in the loop's default
+        # thread pool, where they would hold the threads every other chat renders in.
+        self._template_threads = ThreadPoolExecutor(WORKERS, thread_name_prefix="cadence-request-template")
         cache_cfg = getattr(getattr(engine.engine, "config", None), "cache", None)
         self.isolate_tenants = bool(config.api_key_tenants) or bool(
             getattr(cache_cfg, "tenant_isolation", False)
@@ -82,6 +87,10 @@ class InputBuilder:
         """A raw prompt's ids: special-token text is the token it names unless `split_special_tokens`."""
         if not isinstance(prompt, str):
             return self.check_ids(prompt, param)
+        try:
+            self.engine.tokenizer.check_fits(prompt, self.engine.max_model_len, param)
+        except ValueError as e:
+            raise APIError(ErrorKind.INVALID_REQUEST, str(e), param=param) from None
         encode = functools.partial(self.engine.tokenizer.encode, split_special_tokens=split_special_tokens)
         ids = (
             await asyncio.to_thread(encode, prompt)
@@ -117,21 +126,20 @@ class InputBuilder:
                 "(its operator can allow it with --allow-request-chat-template)",
                 param="chat_template",
             )
+        render = functools.partial(self.engine.tokenizer.apply_chat_template, messages,
+                                   add_generation_prompt=add_generation_prompt, chat_template=template,
+                                   max_tokens=self.engine.max_model_len)
         try:
-            return list(
-                await asyncio.to_thread(
-                    self.engine.tokenizer.apply_chat_template,
-                    messages,
-                    add_generation_prompt=add_generation_prompt,
-                    chat_template=template,
-                )
-            )
+            if template is None:
+                return list(await asyncio.to_thread(render))
+            return list(await asyncio.get_running_loop().run_in_executor(self._template_threads, render))
         except ChatTemplateLimitError as e:
             raise self._limit_error(e, template) from None
         except ValueError as e:
-            # The tokenizer speaks "field: why" (messages[0].content: ..., chat_template: ...).
+            # The tokenizer speaks "field: why" (messages[0].content: ..., chat_template: ...); what
+            # names no field came from the template: the request's own, or the model's.
             message = str(e)
-            param = (param_of(message) or "messages").split("[")[0]
+            param = (param_of(message) or ("chat_template" if template is not None else "messages")).split("[")[0]
             raise APIError(ErrorKind.INVALID_REQUEST, message, param=param) from None
         except Exception as e:  # a template (from the request) that does not render
             if template is None:
