@@ -199,7 +199,7 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fleet options (Ray Serve; see docs/fleet.md)")
     f.add_argument("--replicas", type=int, default=None,
                    help="serve N engines behind one endpoint on Ray Serve (default: one engine, no Ray)")
-    f.add_argument("--router", choices=ROUTERS, default="prefix-affinity", help="how requests are placed (default %(default)s)")
+    f.add_argument("--router", choices=ROUTERS, default=None, help="how requests are placed (default prefix-affinity)")
     f.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (e.g. HEAD:6379 after `ray start --head`) instead of starting one")
     f.add_argument("--replica-threads", type=int, default=None,
@@ -228,10 +228,10 @@ def fleet_options(args: argparse.Namespace, engine_cfg: EngineConfig) -> tuple[E
     replicas = 1 if args.replicas is None else args.replicas  # (--ray-address alone: one replica)
     if replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {replicas}")
+    if args.replica_threads is not None and args.replica_threads < 1:
+        raise ValueError(f"--replica-threads: must be >= 1, got {args.replica_threads}")
     threads = args.replica_threads or engine_cfg.model.num_threads or max(1, (os.cpu_count() or 1) // replicas)
-    if threads < 1:
-        raise ValueError(f"--replica-threads: must be >= 1, got {threads}")
-    fleet = FleetOptions(replicas=replicas, router=args.router, replica_cpus=float(threads),
+    fleet = FleetOptions(replicas=replicas, router=args.router or "prefix-affinity", replica_cpus=float(threads),
                          max_queued_requests=args.max_queued_requests, tiny=args.tiny).validate()
     return engine_cfg.replace(num_threads=threads), fleet
 
@@ -249,6 +249,9 @@ def _serve(args: argparse.Namespace) -> int:
     engine_cfg, server_cfg = serve_configs(args)
     if args.replicas is not None or args.ray_address is not None:
         return _serve_fleet(args, engine_cfg, server_cfg)
+    for flag in ("router", "replica_threads"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')}: a fleet option; give --replicas N (or --ray-address) too")
     return run_server(engine_cfg, server_cfg, tiny=args.tiny)
 
 

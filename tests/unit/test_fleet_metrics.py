@@ -47,3 +47,17 @@ def test_the_same_names_as_a_single_server() -> None:
     fleet = {fam.name for fam in text_string_to_metric_families(
         merge_expositions(PrometheusExporter().render()[0].decode(), {"r": _replica(1, 1, [0.1], 1)}))}
     assert fleet == single
+
+
+def test_a_replica_gone_keeps_its_counters_not_its_gauges() -> None:
+    """A replica that died (or did not answer the scrape) counts with its last exposition: the
+    fleet's counters never go down (Prometheus would read a reset); its gauges are not shown."""
+    ingress = PrometheusExporter().render()[0].decode()
+    r1, r2 = _replica(10, 4, [0.03], running=2), _replica(5, 6, [0.03], running=3)
+    both = _samples(merge_expositions(ingress, {"r1": r1, "r2": r2}))
+    after = _samples(merge_expositions(ingress, {"r2": r2}, retired={"r1": r1}))
+    for key, value in both.items():
+        if key[0].endswith(("_total", "_bucket", "_count", "_sum")):
+            assert after[key] == value, key
+    assert after[("cadence:running_requests", ())] == 3
+    assert ("cadence:running_requests", (("replica", "r1"),)) not in after

@@ -156,6 +156,7 @@ class FleetClient:
 
     def __init__(self, handle: Any, info: ReplicaInfo, tokenizer: Any, engine_config: EngineConfig) -> None:
         self._handle = handle
+        self._last_metrics: dict[str, str] = {}  # each replica's last exposition, by replica id
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
         self.max_request_tokens = info.max_request_tokens
@@ -269,9 +270,13 @@ class FleetClient:
         for rid in replica_ids():
             try:
                 replicas[rid] = await asyncio.wait_for(self._handle.metrics.remote(Target(rid)), METRICS_TIMEOUT_S)
-            except Exception as e:  # a replica restarting: the fleet's metrics go on without it
+            except Exception as e:  # a replica restarting: its last counters stand in for it (below)
                 log.warning("replica %s: no metrics (%s)", rid, type(e).__name__)
-        return merge_expositions(exporter.render()[0].decode(), replicas).encode()
+        # A replica that died (or did not answer) keeps its last counters in the sums: a counter
+        # that went down would read as a reset to Prometheus, and rate() would be wrong.
+        self._last_metrics.update(replicas)
+        retired = {rid: text for rid, text in self._last_metrics.items() if rid not in replicas}
+        return merge_expositions(exporter.render()[0].decode(), replicas, retired).encode()
 
     async def replica_loads(self) -> dict[str, tuple[int, int]]:
         """Each replica's (requests in flight, requests running), by name."""

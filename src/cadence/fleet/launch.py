@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,19 @@ class RayOptions:
     num_cpus: int | None = None  # a local Ray's CPUs (None: Ray's count)
 
 
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A clear error at once when nothing answers at a cluster's address (Ray itself retries for
+    minutes, deaf to signals, and then starts a local instance)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--ray-address: expected HOST:PORT (e.g. the head's 10.0.0.1:6379), got {address!r}")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ValueError(f"--ray-address: nothing answers at {address} ({e.strerror or e}); start the cluster "
+                         f"with `ray start --head` there, or leave the flag out for a local Ray") from None
+
+
 def start_ray(opts: RayOptions) -> None:
     import ray
 
@@ -36,6 +50,8 @@ def start_ray(opts: RayOptions) -> None:
     if ray.is_initialized():
         return
     if opts.address:
+        if opts.address != "auto":
+            check_reachable(opts.address)
         ray.init(address=opts.address, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(num_cpus=opts.num_cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
@@ -61,6 +77,8 @@ def stop_fleet() -> None:
     import ray
     from ray import serve
 
+    if not ray.is_initialized():  # (serve.shutdown would start a Ray only to find nothing to stop)
+        return
     try:
         serve.shutdown()
     finally:
@@ -89,6 +107,8 @@ def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: A
     signals: list[int] = []
 
     def on_signal(sig: int, _frame: Any) -> None:
+        if stop.is_set():  # a second signal: stop now, without waiting for the drain
+            raise SystemExit(130 if sig == signal.SIGINT else 0)
         signals.append(sig)
         stop.set()
 
@@ -96,8 +116,7 @@ def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: A
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
 
-    catch_signals()
-    try:  # (again once Ray is up: ray.init installs its own handlers)
+    try:  # signals keep their defaults until Ray is up (ray.init would replace these handlers anyway)
         start_fleet(engine_config, server_config, fleet, ray_opts, after_ray=catch_signals)
     except BaseException:
         stop_fleet()

@@ -304,12 +304,16 @@ class _Family:
     samples: dict[tuple[str, Labels], float] = field(default_factory=dict)
 
 
-def merge_expositions(local: str, replicas: Mapping[str, str]) -> str:
-    """One exposition from the ingress's (`local`) and each replica's, by replica name."""
+def merge_expositions(local: str, replicas: Mapping[str, str], retired: Mapping[str, str] | None = None) -> str:
+    """One exposition from the ingress's (`local`) and each replica's, by replica name. `retired`:
+    the last expositions of replicas gone (or not answering): their counters and buckets still
+    count, so the fleet's counters never go down; their gauges are not shown."""
     families: dict[str, _Family] = {}
-    for source, text in [("", local), *replicas.items()]:
+    sources = [("", local, False), *((k, v, True) for k, v in replicas.items()),
+               *((k, v, False) for k, v in (retired or {}).items())]
+    for source, text, live in sources:
         for fam in text_string_to_metric_families(text):
-            if fam.type == "gauge" and not source:
+            if fam.type == "gauge" and not live:
                 continue
             merged = families.setdefault(fam.name, _Family(fam.type, fam.documentation))
             for s in fam.samples:

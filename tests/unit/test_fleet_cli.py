@@ -1,0 +1,37 @@
+"""`cadence serve`'s fleet flags refuse what cannot work, at once and by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cadence.cli import main
+from cadence.fleet.launch import check_reachable
+
+
+def test_an_unreachable_ray_address_is_a_clear_error_at_once() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="nothing answers at 127.0.0.1:1"):
+        check_reachable("127.0.0.1:1")
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        check_reachable("no-port-here")
+    # Through the command: exit 2 with the message, no local Ray started, within seconds (it retried
+    # for minutes, deaf to SIGTERM, then started a local Ray with its dashboard).
+    proc = subprocess.run([sys.executable, "-m", "cadence.cli", "serve", "--tiny", "--replicas", "2",
+                           "--ray-address", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--ray-address: nothing answers at 127.0.0.1:1" in proc.stderr, proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--router", "least-loaded"], "--router: a fleet option"),
+    (["--replica-threads", "2"], "--replica-threads: a fleet option"),
+    (["--replicas", "2", "--replica-threads", "0"], "--replica-threads: must be >= 1"),
+])
+def test_fleet_flags_without_a_fleet_or_out_of_range_are_refused(flags, says, capsys) -> None:
+    assert main(["serve", "--tiny", *flags]) == 2
+    assert says in capsys.readouterr().err
