@@ -215,7 +215,7 @@ def install_error_handlers(app: FastAPI) -> None:
     # ClientDisconnect by name: under the catch-all `Exception` it would reach Starlette's outermost
     # middleware, which answers and then re-raises, and the server would log a traceback for a
     # client that merely left.
-    for exc_type in (APIError, CadenceError, ValidationError, RequestValidationError, ValueError, ClientDisconnect,
-                     Exception):
+    for exc_type in (CadenceError, ValidationError, RequestValidationError, ValueError, ClientDisconnect,
+                     Exception):  # (CadenceError covers APIError, its subclass)
         app.add_exception_handler(exc_type, _handle)
     app.add_exception_handler(StarletteHTTPException, _handle_http)

@@ -193,8 +193,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = True
         self._cancel_head_timer()
         self._unset_keepalive_if_required()
-        client = f"{self.client[0]}:{self.client[1]} - " if self.client else ""
-        log.info("%srefused: %s", client, refusal.message)
+        self._log_refusal(refusal.message)
         if self.transport.is_closing():
             return
         if self.cycle is not None and not self.cycle.response_complete:
@@ -243,9 +242,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or self._reading_head or self._refused:
             return
         self._refused = True
-        client = f"{self.client[0]}:{self.client[1]} - " if self.client else ""
-        log.info("%srefused: the request body did not arrive within %g s", client, self.limits.body_timeout)
+        self._log_refusal(f"the request body did not arrive within {self.limits.body_timeout:g} s")
         self.transport.close()
+
+    def _log_refusal(self, message: str) -> None:
+        client = f"{self.client[0]}:{self.client[1]} - " if self.client else ""
+        log.info("%srefused: %s", client, message)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None

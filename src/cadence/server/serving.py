@@ -25,7 +25,7 @@ from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.metrics.prometheus import PrometheusExporter
 from cadence.server.engine_client import EngineClient
 from cadence.server.engine_client import EngineStream as RequestStream
-from cadence.server.errors import APIError, error_payload
+from cadence.server.errors import error_payload
 from cadence.server.formats import (
     DONE_EVENT,
     ChatFormatter,
@@ -140,7 +140,7 @@ class OpenAIServing:
         parameter, a body that does not parse."""
         try:
             yield
-        except (APIError, CadenceError) as e:
+        except CadenceError as e:  # APIError too
             if e.kind is ErrorKind.INVALID_REQUEST:
                 self._count_refusal(ErrorKind.INVALID_REQUEST)
             raise
