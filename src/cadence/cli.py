@@ -377,7 +377,7 @@ def _run_rows(llm: Any, rows: list[_Row], split_special_tokens: bool) -> list[di
             if row.messages is not None:
                 toks = llm.encode_chat(row.messages)
             else:
-                toks = (llm.tokenizer.encode(row.prompt, split_special_tokens=split_special_tokens)
+                toks = (llm.tokenizer.encode(row.prompt, True, split_special_tokens=split_special_tokens)
                         if isinstance(row.prompt, str) else row.prompt)
             ready[k] = llm.check_prompt(toks, row.params)
         except (ValueError, TypeError) as e:

@@ -48,19 +48,21 @@ class LLM:
         priority: Sequence[int] | None = None,
         tenant: Sequence[str] | None = None,
         split_special_tokens: bool = False,
+        add_special_tokens: bool = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in the prompts' order.
 
         A text prompt is tokenized as vLLM and Hugging Face tokenize it: special-token text such as
         `<|im_start|>` becomes the token it names (a prompt already rendered through the chat
         template runs as `chat` would run it); `split_special_tokens=True` reads it as ordinary
-        characters instead.
+        characters instead. As in vLLM, a text prompt gets what the model's tokenizer adds around a
+        text (a BOS for Llama models) unless `add_special_tokens=False`; token ids are taken as given.
 
         Every prompt and parameter is checked before any is queued: a ValueError or TypeError names
         the one at fault (`prompts[3]: ...`) and the engine is left as it was."""
         items = _as_prompt_list(prompts)
-        token_lists = [self.tokenizer.encode(p, split_special_tokens=split_special_tokens) if isinstance(p, str) else p
-                       for p in items]
+        token_lists = [self.tokenizer.encode(p, add_special_tokens, split_special_tokens=split_special_tokens)
+                       if isinstance(p, str) else p for p in items]
         texts = [p if isinstance(p, str) else None for p in items]
         return self._run(token_lists, texts, sampling_params, use_tqdm, priority, tenant)
 

@@ -293,6 +293,22 @@ class Tokenizer:
             raise ValueError(f"text: must be a string, not {type(text).__name__}")
         return _encode_ids(self._plain if split_special_tokens else self._tok, text, add_special_tokens)
 
+    @functools.cached_property
+    def _special_affixes(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer's post-processor puts before and after a text (a Llama BOS: [bos], [])."""
+        probe = "a"
+        bare = _encode_ids(self._tok, probe, add_special_tokens=False)
+        full = _encode_ids(self._tok, probe, add_special_tokens=True)
+        at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), None)
+        if at is None:  # a post-processor that rewrites the text's own ids: add nothing rather than guess
+            return [], []
+        return full[:at], full[at + len(bare) :]
+
+    def add_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        """`ids` with what `encode(..., add_special_tokens=True)` adds around a text (e.g. a BOS)."""
+        before, after = self._special_affixes
+        return [*before, *ids, *after]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary decode to nothing."""
         ids = list(ids)

@@ -83,15 +83,18 @@ class InputBuilder:
         *,
         allow_empty: bool = False,
         split_special_tokens: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """A raw prompt's ids: special-token text is the token it names unless `split_special_tokens`."""
+        """A raw prompt's ids: special-token text is the token it names unless `split_special_tokens`;
+        `add_special_tokens` adds what the model's tokenizer adds (a BOS for Llama models)."""
         if not isinstance(prompt, str):
             return self.check_ids(prompt, param)
         try:
             self.engine.tokenizer.check_fits(prompt, self.engine.max_model_len, param)
         except ValueError as e:
             raise APIError(ErrorKind.INVALID_REQUEST, str(e), param=param) from None
-        encode = functools.partial(self.engine.tokenizer.encode, split_special_tokens=split_special_tokens)
+        encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=add_special_tokens,
+                                   split_special_tokens=split_special_tokens)
         ids = (
             await asyncio.to_thread(encode, prompt)
             if len(prompt) > _ENCODE_IN_THREAD_CHARS
@@ -115,10 +118,20 @@ class InputBuilder:
         return list(ids)
 
     async def chat_ids(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool, template: str | None
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool,
+        template: str | None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The chat's token ids. Rendering and tokenizing run in a worker thread: a template's work is
         bounded by the model's chat-template limits, not by the event loop's patience."""
+        ids = await self._render_chat(messages, add_generation_prompt, template)
+        return self.engine.tokenizer.add_special_tokens(ids) if add_special_tokens else ids
+
+    async def _render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, template: str | None
+    ) -> list[int]:
         if template is not None and not self.config.allow_request_chat_template:
             raise APIError(
                 ErrorKind.INVALID_REQUEST,

@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic v2).
 
 Requests are strict: a known field of the wrong type is refused (no "1" for 1, no `true` for 1),
-numbers must be finite, every size has a cap; unknown fields are ignored, as OpenAI does. Bounds
+numbers must be finite, every size has a cap; unknown fields are ignored, as OpenAI does, but a
+field that vLLM defines and cadence does not implement is refused when it asks for anything but its
+default (a vLLM client should not get a silently different answer: `UNSUPPORTED_VLLM_FIELDS`). Bounds
 mirror `SamplingParams` so that what passes here also passes there; checks that need the model
 (vocabulary, context length) happen in inputs.py.
 """
@@ -34,12 +36,54 @@ MAX_DEADLINE_S = 86400.0
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = (1 << 31) - 1  # larger ids cannot be in any vocabulary; the vocab check comes later
 
+# vLLM's request fields that cadence does not implement, each with the values that ask for nothing
+# (its default, and what a client that sends every field sends). Any other value is a 400 naming it.
+_NOTHING: tuple[Any, ...] = (None,)
+UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "prompt_logprobs": _NOTHING,
+    "truncate_prompt_tokens": _NOTHING,
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "guided_json": _NOTHING,
+    "guided_regex": _NOTHING,
+    "guided_choice": _NOTHING,
+    "guided_grammar": _NOTHING,
+    "guided_decoding_backend": _NOTHING,
+    "guided_whitespace_pattern": _NOTHING,
+    "structured_outputs": _NOTHING,
+    "cache_salt": _NOTHING,
+    "kv_transfer_params": _NOTHING,
+    "vllm_xargs": (None, {}),
+    "prompt_embeds": _NOTHING,
+    "mm_processor_kwargs": (None, {}),
+    "chat_template_kwargs": (None, {}),
+    "documents": _NOTHING,
+    "continue_final_message": (None, False),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": _NOTHING,
+}
+
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN)]
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def refuse_unsupported_vllm_fields(data: Any) -> Any:
+    """ValueError naming the first vLLM field asked for that cadence does not implement."""
+    if isinstance(data, dict):
+        for name, nothing in UNSUPPORTED_VLLM_FIELDS.items():
+            if name in data and not any(type(data[name]) is type(v) and data[name] == v for v in nothing):
+                raise ValueError(f"{name}: not supported by this server (a vLLM option cadence does not "
+                                 f"implement); leave it out")
+    return data
 
 
 class StreamOptions(StrictModel):
@@ -78,6 +122,8 @@ class SamplingFields(StrictModel):
     # policy; deadline is seconds from arrival after which the request is dropped if not done.
     priority: int = Field(default=0, ge=-(1 << 31), lt=1 << 31)
     deadline: float | None = Field(default=None, gt=0.0, le=MAX_DEADLINE_S)
+
+    _vllm_fields = model_validator(mode="before")(refuse_unsupported_vllm_fields)
 
     @field_validator("stream_options")
     @classmethod
@@ -137,6 +183,8 @@ class CompletionRequest(SamplingFields):
     # False (as vLLM reads a prompt): special-token text such as "<|im_start|>" is the token it
     # names. True (transformers' name): ordinary characters.
     split_special_tokens: bool = False
+    # As vLLM: a raw prompt gets what the model's tokenizer adds (a BOS for Llama models).
+    add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
@@ -211,6 +259,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    # As vLLM: off, the chat template writes the BOS itself; on, the tokenizer's own are added too.
+    add_special_tokens: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -239,6 +289,8 @@ class TokenizeRequest(StrictModel):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     split_special_tokens: bool = False  # for `prompt`, as on /v1/completions
+    # As vLLM: by default true for a `prompt` (as /v1/completions), false for `messages` (as chat).
+    add_special_tokens: bool | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

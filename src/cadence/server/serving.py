@@ -83,7 +83,8 @@ class OpenAIServing:
         self.inputs.check_model(body.model)
         with self.counting_refusals():
             prompts = [
-                await self.inputs.prompt_ids(p, "prompt", split_special_tokens=body.split_special_tokens)
+                await self.inputs.prompt_ids(p, "prompt", split_special_tokens=body.split_special_tokens,
+                                             add_special_tokens=body.add_special_tokens)
                 for p in body.prompts()
             ]
             job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt")
@@ -100,7 +101,8 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.inputs.check_model(body.model)
         with self.counting_refusals():
-            ids = await self.inputs.chat_ids(body.message_dicts(), body.add_generation_prompt, body.chat_template)
+            ids = await self.inputs.chat_ids(body.message_dicts(), body.add_generation_prompt, body.chat_template,
+                                             body.add_special_tokens)
             job = self.inputs.job(
                 "chatcmpl", body, raw, [ids], body.requested_max_tokens(), body.num_logprobs(), "messages"
             )
@@ -116,10 +118,12 @@ class OpenAIServing:
                 [{"role": m.role, "content": m.text()} for m in body.messages],
                 body.add_generation_prompt,
                 None,
+                bool(body.add_special_tokens),
             )
         else:
             ids = await self.inputs.prompt_ids(
-                body.prompt or "", "prompt", allow_empty=True, split_special_tokens=body.split_special_tokens
+                body.prompt or "", "prompt", allow_empty=True, split_special_tokens=body.split_special_tokens,
+                add_special_tokens=body.add_special_tokens is not False,
             )
         out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
         if body.return_token_strs:
