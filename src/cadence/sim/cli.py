@@ -174,7 +174,10 @@ def run_sim(args: argparse.Namespace) -> int:
     meta = {"label": args.label, "simulated": True, "model": model.metadata.get("model"),
             "workload": workload.name, "arrival": cfg.arrival, "rate": cfg.rate, "seed": args.seed,
             "replicas": opts.replicas, "router": opts.router, "profile": _profile_line(model),
-            "notes": [*workload.notes, _sim_note(res, model)]}
+            "notes": [*workload.notes, _sim_note(res, model)],
+            "replica_stats": [{"index": r.index, "requests": r.requests, "steps": r.steps, "busy_s": r.busy_s,
+                               "preemptions": r.preemptions, "prefix_cache_query_tokens": r.prefix_cache_queries,
+                               "prefix_cache_hit_tokens": r.prefix_cache_hits} for r in res.replicas]}
     summary = report.summarize(res.records, cfg.slos, meta)
     print(report.format_table(summary))
     print(_replica_table(res))

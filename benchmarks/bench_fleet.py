@@ -1,0 +1,263 @@
+"""A real fleet on this machine: the three routers side by side, the simulator beside each, and
+the cost of the Ray ingress.
+
+    .venv/bin/python benchmarks/bench_fleet.py routers [--seeds 0,1,2] [--rate 1.5] [--out results/fleet]
+    .venv/bin/python benchmarks/bench_fleet.py overhead [--rounds 3] [--out results/fleet_overhead]
+
+`routers`: a workload of prompt families (each family's requests open with the same long prefix,
+then a text of their own; families in random order, Poisson arrivals) is sent by `cadence bench`
+to four servers in turn, each started fresh for each seed, in an order that rotates every seed:
+  prefix-affinity, least-loaded, round-robin  `cadence serve --replicas 2 --replica-threads 1`
+  single                                     `cadence serve --num-threads 1`, the fleet's total KV
+For each run: the prefix-cache hit rate (prompt tokens found in the cache over those looked up,
+from the server's /metrics before and after), TTFT p50/p95, ITL p50/p90, goodput under the SLOs.
+`cadence sim` runs the same workload (same seed: same sizes and arrival times) with the same
+router code and engine options, and the table gives sim/real for TTFT and ITL p50/p90.
+
+`overhead`: one replica behind the Ray ingress (`--replicas 1 --replica-threads 2`) against plain
+`cadence serve` (2 threads), the built-in chat workload at 8 concurrent streams, alternating, each
+round on fresh servers; output tokens/s of each and their ratio per round.
+
+Servers, client and this script share the machine's cores: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from cadence.bench.launch import served
+from cadence.workload import Workload, WorkloadRequest, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+CADENCE = [sys.executable, "-m", "cadence.cli"]
+ROUTERS = ("prefix-affinity", "least-loaded", "round-robin")
+BLOCK = 16
+
+
+def families_workload(families: int, per_family: int, prefix_tokens: int, suffix_tokens: int,
+                      output_tokens: int, seed: int) -> Workload:
+    """`families` groups of `per_family` requests; a family's requests share `prefix_tokens` of prompt
+    (block ids unique to the family and the seed, so no run finds another's text), in random order."""
+    rng = random.Random(seed)
+    blocks = prefix_tokens // BLOCK
+    reqs = [WorkloadRequest(prompt_tokens=prefix_tokens + suffix_tokens, output_tokens=output_tokens,
+                            prefix_group=tuple(range((seed * 1000 + f) * blocks, (seed * 1000 + f + 1) * blocks)))
+            for f in range(families) for _ in range(per_family)]
+    rng.shuffle(reqs)
+    notes = (f"{families} families x {per_family} requests, {prefix_tokens}-token shared prefix + "
+             f"{suffix_tokens} own tokens, {output_tokens} output tokens, seed {seed}",)
+    return Workload("families", tuple(reqs), prefix_block_tokens=BLOCK, notes=notes)
+
+
+def _run(cmd: list[str]) -> None:
+    print("$ " + " ".join(cmd[2:] if cmd[:2] == CADENCE[:2] else cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_port_free(port: int, timeout: float = 120.0) -> None:
+    """A fleet's HTTP proxy is a Ray process of its own, which can outlive `cadence serve` by a few
+    seconds: the next server must not mistake it for itself."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"port {port} still answers {timeout:.0f} s after its server stopped")
+
+
+def _summary(path: Path) -> dict:
+    return json.loads((path / "summary.json").read_text())
+
+
+def _cache_counters(port: int) -> tuple[float, float]:
+    """(looked-up, found) prompt tokens of the server's prefix cache, summed over the fleet."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    got = {"cadence:prefix_cache_query_tokens_total": 0.0, "cadence:prefix_cache_hit_tokens_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in got and "replica=" not in line:
+            got[name] += float(line.rsplit(" ", 1)[1])
+    return got["cadence:prefix_cache_query_tokens_total"], got["cadence:prefix_cache_hit_tokens_total"]
+
+
+def engine_flags(args: argparse.Namespace, single: bool) -> list[str]:
+    blocks = args.kv_blocks * (2 if single else 1)
+    return ["--num-kv-blocks", str(blocks), "--max-num-seqs", str(args.max_num_seqs)]
+
+
+def serve_cmd(name: str, args: argparse.Namespace) -> list[str]:
+    if name == "single":
+        return [*CADENCE, "serve", "--num-threads", "1", *engine_flags(args, True)]
+    return [*CADENCE, "serve", "--replicas", "2", "--replica-threads", "1", "--router", name,
+            *engine_flags(args, False)]
+
+
+def sim_cmd(name: str, args: argparse.Namespace, load: list[str], out: Path) -> list[str]:
+    fleet = (["--replicas", "1"] if name == "single" else ["--replicas", "2", "--router", name])
+    return [*CADENCE, "sim", *load, *fleet, *engine_flags(args, name == "single"), "--num-threads", "1",
+            "--profile", args.profile, "--out", str(out)]
+
+
+def one_run(name: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
+    wl = out / f"workload_s{seed}.jsonl"
+    write_jsonl(families_workload(args.families, args.per_family, args.prefix_tokens, args.suffix_tokens,
+                                  args.output_tokens, seed), wl)
+    load = ["--requests-file", str(wl), "--arrival", "poisson", "--rate", str(args.rate), "--seed", str(seed),
+            *(x for s in args.slo for x in ("--slo", s))]
+    real, sim = out / f"{name}_s{seed}", out / f"{name}_s{seed}_sim"
+    with served([*serve_cmd(name, args), "--port", str(args.port)], f"http://127.0.0.1:{args.port}/health",
+                out / f"{name}_s{seed}.log", cwd=ROOT, timeout=300):
+        q0, h0 = _cache_counters(args.port)
+        _run([*CADENCE, "bench", *load, "--base-url", f"http://127.0.0.1:{args.port}", "--no-progress",
+              "--label", f"{name} seed {seed}", "--out", str(real)])
+        q1, h1 = _cache_counters(args.port)
+    wait_port_free(args.port)
+    _run(sim_cmd(name, args, load, sim))
+    return {"router": name, "seed": seed, "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
+            "real": _summary(real)["overall"], "sim": _summary(sim)["overall"],
+            "sim_hit_rate": _sim_hit_rate(sim)}
+
+
+def _sim_hit_rate(path: Path) -> float | None:
+    reps = _summary(path)["meta"]["replica_stats"]
+    q = sum(r["prefix_cache_query_tokens"] for r in reps)
+    return sum(r["prefix_cache_hit_tokens"] for r in reps) / q if q else None
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 1000:.0f}"
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0%}"
+
+
+def routers_table(rows: list[dict]) -> str:
+    lines = ["| server | seed | hit rate (sim) | TTFT p50 / p95 (ms) | ITL p50 / p90 (ms) | goodput | "
+             "sim/real TTFT p50, p90 | sim/real ITL p50, p90 |", "|---|---:|---|---|---|---:|---|---|"]
+    for r in rows:
+        real, sim = r["real"], r["sim"]
+
+        def ratio(m: str, q: str, real: dict = real, sim: dict = sim) -> str:
+            a, b = real[m][q], sim[m][q]
+            return f"{b / a:.2f}" if a and b is not None else "n/a"
+
+        good = real.get("goodput_fraction")
+        lines.append(
+            f"| {r['router']} | {r['seed']} | {_pct(r['hit_rate'])} ({_pct(r['sim_hit_rate'])}) | "
+            f"{_ms(real['ttft']['p50'])} / {_ms(real['ttft']['p95'])} | {_ms(real['itl']['p50'])} / "
+            f"{_ms(real['itl']['p90'])} | {_pct(good)} | {ratio('ttft', 'p50')}, {ratio('ttft', 'p90')} | "
+            f"{ratio('itl', 'p50')}, {ratio('itl', 'p90')} |")
+    return "\n".join(lines)
+
+
+def routers_summary(rows: list[dict]) -> str:
+    """Per server: medians over seeds, and the spread (min-max) of the hit rate and TTFT p95."""
+    lines = ["| server | hit rate, median (min-max) | TTFT p50 (ms) | TTFT p95 (ms), median (min-max) | goodput |",
+             "|---|---|---:|---|---:|"]
+    for name in [*ROUTERS, "single"]:
+        rs = [r for r in rows if r["router"] == name]
+        if not rs:
+            continue
+        hits = [r["hit_rate"] or 0.0 for r in rs]
+        p95 = [r["real"]["ttft"]["p95"] for r in rs]
+        p50 = [r["real"]["ttft"]["p50"] for r in rs]
+        good = [r["real"].get("goodput_fraction") or 0.0 for r in rs]
+        lines.append(f"| {name} | {statistics.median(hits):.0%} ({min(hits):.0%}-{max(hits):.0%}) | "
+                     f"{_ms(statistics.median(p50))} | {_ms(statistics.median(p95))} ({_ms(min(p95))}-"
+                     f"{_ms(max(p95))}) | {statistics.median(good):.0%} |")
+    cells = [(r["sim"][m][q] / r["real"][m][q]) for r in rows for m in ("ttft", "itl") for q in ("p50", "p90")
+             if r["real"][m][q] and r["sim"][m][q] is not None]
+    within = sum(1 for c in cells if abs(c - 1) <= 0.15)
+    lines.append("")
+    lines.append(f"simulator: {within} of {len(cells)} TTFT/ITL p50/p90 cells within 15% of the real run; "
+                 f"sim/real median {statistics.median(cells):.2f}, range {min(cells):.2f}-{max(cells):.2f}"
+                 if cells else "simulator: no cells")
+    return "\n".join(lines)
+
+
+def routers(args: argparse.Namespace, out: Path) -> None:
+    names = args.servers.split(",")
+    rows = []
+    for k, seed in enumerate(int(s) for s in args.seeds.split(",")):
+        order = names[k % len(names):] + names[: k % len(names)]  # each server takes each turn in time
+        for name in order:
+            rows.append(one_run(name, seed, args, out))
+            print(routers_table(rows[-1:]), flush=True)
+    text = (f"{args.families} families x {args.per_family} requests ({args.prefix_tokens} shared + "
+            f"{args.suffix_tokens} own prompt tokens, {args.output_tokens} output), Poisson {args.rate} req/s, "
+            f"{args.kv_blocks} KV blocks a replica, profile {args.profile}, load average "
+            f"{os.getloadavg()[0]:.2f} at the end\n\n{routers_table(rows)}\n\n{routers_summary(rows)}")
+    (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+
+
+def overhead(args: argparse.Namespace, out: Path) -> None:
+    servers = {"plain": [*CADENCE, "serve", "--num-threads", "2"],
+               "fleet-1": [*CADENCE, "serve", "--replicas", "1", "--replica-threads", "2"]}
+    tps: dict[str, list[float]] = {k: [] for k in servers}
+    for rnd in range(args.rounds):
+        order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
+        for name in order:
+            d = out / f"{name}_r{rnd}"
+            with served([*servers[name], "--port", str(args.port)], f"http://127.0.0.1:{args.port}/health",
+                        out / f"{name}_r{rnd}.log", cwd=ROOT, timeout=300):
+                _run([*CADENCE, "bench", "--base-url", f"http://127.0.0.1:{args.port}", "--endpoint", "chat",
+                      "--workload", "chat", "--concurrency", "8", "--num-requests", str(args.num_requests),
+                      "--seed", str(rnd), "--no-progress", "--out", str(d)])
+            wait_port_free(args.port)
+            tps[name].append(_summary(d)["overall"]["output_token_throughput"])
+        print(f"round {rnd}: plain {tps['plain'][-1]:.1f} tok/s, fleet of 1 {tps['fleet-1'][-1]:.1f} tok/s, "
+              f"ratio {tps['fleet-1'][-1] / tps['plain'][-1]:.2f}", flush=True)
+    ratios = [f / p for f, p in zip(tps["fleet-1"], tps["plain"], strict=True)]
+    text = (f"8 streams, chat workload, {args.num_requests} requests a run, {args.rounds} alternating rounds\n"
+            f"plain cadence serve: {statistics.median(tps['plain']):.1f} tok/s (median), fleet of one replica: "
+            f"{statistics.median(tps['fleet-1']):.1f} tok/s; ratio per round "
+            f"{', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["routers", "overhead"])
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--servers", default=",".join([*ROUTERS, "single"]), help="routers: which servers, in turn")
+    p.add_argument("--families", type=int, default=12)
+    p.add_argument("--per-family", type=int, default=8)
+    p.add_argument("--prefix-tokens", type=int, default=512)
+    p.add_argument("--suffix-tokens", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals, requests/s")
+    p.add_argument("--kv-blocks", type=int, default=200, help="KV blocks a replica (the single server: twice)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--slo", action="append", default=None, help="KEY=SECONDS for goodput (default ttft=2, itl=0.2)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--port", type=int, default=8019)
+    p.add_argument("--profile", default=str(ROOT / "src/cadence/sim/profiles/default.json"))
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    args.slo = args.slo or ["ttft=2", "itl=0.2"]
+    out = Path(args.out or ROOT / f"results/fleet_{args.mode}")
+    out.mkdir(parents=True, exist_ok=True)
+    wait_port_free(args.port)
+    routers(args, out) if args.mode == "routers" else overhead(args, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
