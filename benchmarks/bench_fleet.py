@@ -14,6 +14,8 @@ from the server's /metrics before and after), TTFT p50/p95, ITL p50/p90, goodput
 `cadence sim` runs the same workload (same seed: same sizes and arrival times) with the same
 router code and engine options, and the table gives sim/real for TTFT and ITL p50/p90.
 
+`--sim-only` simulates again against the real runs already under --out (with another --profile).
+
 `overhead`: one replica behind the Ray ingress (`--replicas 1 --replica-threads 2`) against plain
 `cadence serve` (2 threads), the built-in chat workload at 8 concurrent streams, alternating, each
 round on fresh servers; output tokens/s of each and their ratio per round.
@@ -117,6 +119,14 @@ def one_run(name: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     load = ["--requests-file", str(wl), "--arrival", "poisson", "--rate", str(args.rate), "--seed", str(seed),
             *(x for s in args.slo for x in ("--slo", s))]
     real, sim = out / f"{name}_s{seed}", out / f"{name}_s{seed}_sim"
+    if not args.sim_only:
+        serve_and_bench(name, seed, args, load, real, out)
+    _run(sim_cmd(name, args, load, sim))
+    return {"router": name, "seed": seed, "hit_rate": json.loads((real / "hit.json").read_text())["hit_rate"],
+            "real": _summary(real)["overall"], "sim": _summary(sim)["overall"], "sim_hit_rate": _sim_hit_rate(sim)}
+
+
+def serve_and_bench(name: str, seed: int, args: argparse.Namespace, load: list[str], real: Path, out: Path) -> None:
     with served([*serve_cmd(name, args), "--port", str(args.port)], f"http://127.0.0.1:{args.port}/health",
                 out / f"{name}_s{seed}.log", cwd=ROOT, timeout=300):
         q0, h0 = _cache_counters(args.port)
@@ -124,10 +134,7 @@ def one_run(name: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
               "--label", f"{name} seed {seed}", "--out", str(real)])
         q1, h1 = _cache_counters(args.port)
     wait_port_free(args.port)
-    _run(sim_cmd(name, args, load, sim))
-    return {"router": name, "seed": seed, "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
-            "real": _summary(real)["overall"], "sim": _summary(sim)["overall"],
-            "sim_hit_rate": _sim_hit_rate(sim)}
+    (real / "hit.json").write_text(json.dumps({"hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else None}))
 
 
 def _sim_hit_rate(path: Path) -> float | None:
@@ -248,6 +255,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--port", type=int, default=8019)
+    p.add_argument("--sim-only", action="store_true",
+                   help="routers: keep the real runs already under --out, simulate again (another --profile)")
     p.add_argument("--profile", default=str(ROOT / "src/cadence/sim/profiles/default.json"))
     p.add_argument("--out", default=None)
     args = p.parse_args()
