@@ -237,6 +237,8 @@ class PrometheusExporter:
             ("reason",),
             registry=r,
         )
+        for reason in ("queue_full", "export_failed"):  # at 0 from the start, so rate() and alerts see them
+            self.trace_spans_dropped.labels(reason)
 
     def watch_engine(self, is_healthy: Callable[[], bool]) -> None:
         """Read the engine's health at each scrape (a stall is seen by no step, so no step reports it)."""
