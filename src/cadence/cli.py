@@ -300,6 +300,10 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         otlp_traces_endpoint=args.otlp_traces_endpoint, otlp_traces_sample_ratio=args.otlp_traces_sample_ratio,
         metrics_compat=tuple(dict.fromkeys(args.metrics_compat)), **http_options(args),
     ).validate()
+    if server_cfg.otlp_traces_endpoint is not None:  # a bad OTLP protocol is refused before the model loads
+        from cadence.server.tracing import traces_protocol
+
+        traces_protocol(server_cfg.otlp_traces_endpoint)
     return engine_cfg, server_cfg
 
 

@@ -269,7 +269,7 @@ def make_tracer(server_config: ServerConfig, exporter: PrometheusExporter) -> Re
     tracer = RequestTracer.create(
         server_config.otlp_traces_endpoint, server_config.otlp_traces_sample_ratio, exporter.record_spans_dropped
     )
-    log.info("tracing requests to %s over OTLP %s", server_config.otlp_traces_endpoint, traces_protocol())
+    log.info("tracing requests to %s over OTLP %s", server_config.otlp_traces_endpoint, traces_protocol(server_config.otlp_traces_endpoint))
     return tracer
 
 

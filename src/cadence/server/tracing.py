@@ -79,11 +79,15 @@ class SpanAttributes:
 # -- export ------------------------------------------------------------------------------------------
 
 
-def traces_protocol() -> str:
-    """The OTLP protocol named by OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (http/protobuf when unset)."""
-    value = os.environ.get(PROTOCOL_ENV, "").strip().lower() or "http/protobuf"
+def traces_protocol(endpoint: str) -> str:
+    """The OTLP protocol named by OTEL_EXPORTER_OTLP_TRACES_PROTOCOL; when unset, grpc for a grpc://
+    endpoint (as vLLM's examples write it) and http/protobuf, the OpenTelemetry default, otherwise."""
+    grpc_url = urlparse(endpoint).scheme == "grpc"
+    value = os.environ.get(PROTOCOL_ENV, "").strip().lower() or ("grpc" if grpc_url else "http/protobuf")
     if value not in PROTOCOLS:
         raise ValueError(f"{PROTOCOL_ENV}: must be one of {', '.join(PROTOCOLS)}, got {value!r}")
+    if grpc_url and value != "grpc":
+        raise ValueError(f"--otlp-traces-endpoint: {endpoint!r} is a gRPC URL but {PROTOCOL_ENV} is {value}")
     return value
 
 
@@ -228,7 +232,7 @@ class RequestTracer:
     def create(cls, endpoint: str, sample_ratio: float | None, on_drop: DropCounter) -> RequestTracer:
         sampler = None if sample_ratio is None else ParentBased(TraceIdRatioBased(sample_ratio))
         provider = TracerProvider(sampler=sampler, resource=_resource())  # sampler None: OTEL_TRACES_SAMPLER
-        provider.add_span_processor(BoundedExport(make_exporter(endpoint, traces_protocol()), on_drop))
+        provider.add_span_processor(BoundedExport(make_exporter(endpoint, traces_protocol(endpoint)), on_drop))
         return cls(provider)
 
     def begin(self, headers: Mapping[str, str]) -> RequestTrace:
