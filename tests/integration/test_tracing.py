@@ -11,11 +11,11 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from conftest import LiveServer, start_server
 from otlp_receiver import HttpReceiver, SilentListener
 
 NO_EOS = {"ignore_eos": True}
@@ -33,16 +33,15 @@ def receiver() -> Iterator[HttpReceiver]:
 
 
 @pytest.fixture(scope="module")
-def traced(receiver: HttpReceiver) -> Iterator[LiveServer]:
+def traced(receiver: HttpReceiver, server_factory: Any) -> Iterator[Any]:
     mp = pytest.MonkeyPatch()
     mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
     mp.setenv("OTEL_SERVICE_NAME", "cadence-test")
     try:
-        live = start_server(otlp_traces_endpoint=receiver.url)
+        live = server_factory(otlp_traces_endpoint=receiver.url)
     finally:
         mp.undo()
     yield live
-    live.stop()
     live.app.state.tracer.shutdown()
 
 
@@ -113,27 +112,24 @@ def test_a_request_ended_by_its_deadline_is_a_span_with_an_error_status(traced, 
     assert bad[0].attributes["gen_ai.request.max_tokens"] == 50
 
 
-def test_sample_ratio_zero_exports_nothing(receiver):
-    live = start_server(otlp_traces_endpoint=receiver.url, otlp_traces_sample_ratio=0.0)
-    try:
-        r = httpx.post(live.url + "/v1/completions", json={"prompt": "q", "max_tokens": 1})
-        assert r.status_code == 200
-        live.app.state.tracer.shutdown(timeout=10)  # everything queued is sent by now
-    finally:
-        live.stop()
+def test_sample_ratio_zero_exports_nothing(receiver, server_factory):
+    live = server_factory(otlp_traces_endpoint=receiver.url, otlp_traces_sample_ratio=0.0)
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "q", "max_tokens": 1})
+    assert r.status_code == 200
+    live.app.state.tracer.shutdown(timeout=10)  # everything queued is sent by now
     assert not [s for s in receiver.sink.spans if s.attributes["gen_ai.request.id"] == r.json()["id"]]
 
 
 # -- a collector that is down or hangs -----------------------------------------------------------
 
 
-def test_a_hanging_collector_costs_spans_never_serving_time(monkeypatch):
+def test_a_hanging_collector_costs_spans_never_serving_time(monkeypatch, server_factory):
     """The export worker is stuck on the first span; the next waits; the rest are dropped and counted."""
     hang = SilentListener()
     for k, v in {"OTEL_BSP_SCHEDULE_DELAY": "10", "OTEL_BSP_MAX_QUEUE_SIZE": "1",
                  "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "1", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "30"}.items():
         monkeypatch.setenv(k, v)
-    live = start_server(otlp_traces_endpoint=hang.url)
+    live = server_factory(otlp_traces_endpoint=hang.url)
     try:
         for i in range(5):
             t0 = time.monotonic()
@@ -142,25 +138,23 @@ def test_a_hanging_collector_costs_spans_never_serving_time(monkeypatch):
             assert time.monotonic() - t0 < 5.0, "a request waited on the collector"
         assert _dropped(live.url).get("queue_full", 0) >= 3
     finally:
-        live.stop()
         t0 = time.monotonic()
         live.app.state.tracer.shutdown(timeout=1.0)
         assert time.monotonic() - t0 < 2.0
         hang.stop()
 
 
-def test_a_refused_connection_counts_failed_exports(monkeypatch):
+def test_a_refused_connection_counts_failed_exports(monkeypatch, server_factory):
     refused = SilentListener()
     url = refused.url
     refused.stop()  # nothing listens on that port any more
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
-    live = start_server(otlp_traces_endpoint=url)
+    live = server_factory(otlp_traces_endpoint=url)
     try:
         r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
         assert r.status_code == 200
         live.app.state.tracer.provider.force_flush()  # the export, its retries and its failure, now
         assert _dropped(live.url).get("export_failed", 0) >= 1
     finally:
-        live.stop()
         live.app.state.tracer.shutdown(timeout=1.0)
