@@ -249,9 +249,11 @@ class OpenAIServing:
             counts = usage.as_dict()
             p = job.params
             self.tracer.end(trace, SpanFacts(
-                job.request_id, self.engine.model_name, p.max_tokens, p.temperature, p.top_p, p.n,
-                len(job.prompts) * p.n, job.tenant, job.priority, job.deadline, counts["prompt_tokens"],
-                counts["completion_tokens"], counts["prompt_tokens_details"]["cached_tokens"],
+                request_id=job.request_id, model=self.engine.model_name, max_tokens=p.max_tokens,
+                temperature=p.temperature, top_p=p.top_p, n=p.n, num_sequences=len(job.prompts) * p.n,
+                tenant=job.tenant, priority=job.priority, deadline=job.deadline,
+                prompt_tokens=counts["prompt_tokens"], completion_tokens=counts["completion_tokens"],
+                cached_tokens=counts["prompt_tokens_details"]["cached_tokens"],
             ))
         except Exception:  # a trace must never cost a response
             log.exception("tracing request %s failed", job.request_id)
