@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from cadence import chat_client
-from cadence.config import OPTION_CHOICES, OPTION_HELP, EngineConfig, ServerConfig, engine_option_fields
+from cadence.config import (
+    METRICS_COMPAT,
+    OPTION_CHOICES,
+    OPTION_HELP,
+    EngineConfig,
+    ServerConfig,
+    engine_option_fields,
+)
 from cadence.config import parse_size as config_parse_size
 from cadence.request import SamplingParams
 from cadence.wording import counted
@@ -139,8 +146,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--tiny", action="store_true", help="a tiny random-weight model with the real tokenizer (testing)")
     _add_http_limits(p)
     _add_cors(p)
+    _add_observability(p)
     _add_fleet_args(p)
     p.set_defaults(func=_serve)
+
+
+def _add_observability(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("observability (see docs/observability.md)")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send one OpenTelemetry span per request to this OTLP collector, e.g. "
+                        "http://localhost:4318 (protocol: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, http/protobuf "
+                        "or grpc; default: tracing off)")
+    g.add_argument("--otlp-traces-sample-ratio", type=float, default=None, metavar="RATIO",
+                   help="fraction of new traces kept, in [0, 1]; a caller's sampled traceparent is followed "
+                        "(default: OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, else every trace)")
+    g.add_argument("--metrics-compat", action="append", default=[], choices=METRICS_COMPAT,
+                   help="also export vLLM's metric names (vllm:num_requests_running, ...) on /metrics, for "
+                        "vLLM's dashboards and alerts (default: cadence's names only)")
 
 
 def _add_http_limits(p: argparse.ArgumentParser) -> None:
@@ -275,8 +297,13 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         allow_request_chat_template=args.allow_request_chat_template, slo_ttft=args.slo_ttft,
         slo_itl=args.slo_itl, tenant_max_requests=args.tenant_max_requests, max_tenant_labels=args.max_tenant_labels, log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level, log_requests=args.log_requests, model_aliases=model_aliases(args),
-        **http_options(args),
+        otlp_traces_endpoint=args.otlp_traces_endpoint, otlp_traces_sample_ratio=args.otlp_traces_sample_ratio,
+        metrics_compat=tuple(dict.fromkeys(args.metrics_compat)), **http_options(args),
     ).validate()
+    if server_cfg.otlp_traces_endpoint is not None:  # a bad OTLP protocol is refused before the model loads
+        from cadence.server.tracing import traces_protocol
+
+        traces_protocol(server_cfg.otlp_traces_endpoint)
     return engine_cfg, server_cfg
 
 

@@ -12,6 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
+from urllib.parse import urlparse
 
 from cadence.kv.hashing import HASH_ALGOS
 from cadence.request import is_finite, is_int
@@ -20,6 +21,7 @@ SCHEDULERS = ("continuous", "static")
 POLICIES = ("fcfs", "priority", "fair", "deadline")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+METRICS_COMPAT = ("vllm",)  # --metrics-compat: other servers' metric names served beside cadence's
 GiB = 1 << 30
 
 
@@ -229,6 +231,10 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("GET", "POST")
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # Observability (docs/observability.md): OTLP traces, off unless an endpoint is given.
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_sample_ratio: float | None = None  # None: OTEL_TRACES_SAMPLER / _ARG (default: every trace)
+    metrics_compat: tuple[str, ...] = ()  # "vllm": vllm:-named series beside cadence's
 
     def validate(self) -> ServerConfig:
         _require(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
@@ -236,7 +242,18 @@ class ServerConfig:
         _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
         _require(self.tenant_max_requests is None or self.tenant_max_requests >= 1, "tenant_max_requests", "must be >= 1")
         self._validate_http()
+        self._validate_observability()
         return self
+
+    def _validate_observability(self) -> None:
+        ep = self.otlp_traces_endpoint
+        _require(ep is None or (isinstance(ep, str) and "://" in ep and urlparse(ep).hostname is not None),
+                 "otlp_traces_endpoint", f"must be a URL such as http://localhost:4318, got {ep!r}")
+        ratio = self.otlp_traces_sample_ratio
+        _require(ratio is None or (is_finite(ratio) and 0.0 <= ratio <= 1.0), "otlp_traces_sample_ratio",
+                 f"must be a number in [0, 1], got {ratio!r}")
+        _require(all(c in METRICS_COMPAT for c in self.metrics_compat), "metrics_compat",
+                 f"must be among {', '.join(METRICS_COMPAT)}, got {', '.join(self.metrics_compat)}")
 
     def _validate_http(self) -> None:
         _require(is_int(self.max_header_count) and self.max_header_count >= 1, "max_header_count", "must be an integer >= 1")

@@ -125,7 +125,7 @@ def test_every_metric_is_documented_and_named_by_convention():
     assert len(names) >= 16
     for name in names:
         # A unit suffix on every name but the one state without a unit (1 or 0).
-        assert re.fullmatch(r"cadence:[a-z0-9_]+_(seconds|ratio|requests|tokens)|cadence:engine_healthy", name), name
+        assert re.fullmatch(r"cadence:[a-z0-9_]+_(seconds|ratio|requests|tokens|spans)|cadence:engine_healthy", name), name
         assert f"`{name}" in doc, f"{name} is missing from docs/metrics.md"
 
 

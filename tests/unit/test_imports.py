@@ -5,7 +5,8 @@
 - engine/core imports no torch and no asyncio, not even through the cadence modules it imports;
 - model/ and executor/ never import asyncio or the server;
 - only server/ imports FastAPI and pydantic;
-- only metrics/prometheus.py imports prometheus_client;
+- only metrics/prometheus.py and metrics/vllm_compat.py import prometheus_client;
+- only server/tracing.py imports OpenTelemetry;
 - only fleet/ imports Ray, and the server knows nothing of the fleet (nor of Ray).
 """
 
@@ -109,8 +110,10 @@ def test_web_and_exporter_libraries_stay_in_their_modules(module: str) -> None:
     tops = {top(i) for i in imports_of(module)}
     if not within(module, ("cadence.server",)):
         assert not tops & {"fastapi", "pydantic"}, f"{module} imports FastAPI/pydantic outside server/"
-    if module != "cadence.metrics.prometheus":
+    if module not in ("cadence.metrics.prometheus", "cadence.metrics.vllm_compat"):
         assert "prometheus_client" not in tops, f"{module} imports prometheus_client"
+    if module != "cadence.server.tracing":  # the OpenTelemetry SDK is loaded only when tracing is on
+        assert "opentelemetry" not in tops, f"{module} imports OpenTelemetry"
 
 
 @pytest.mark.parametrize("module", list(MODULES))

@@ -140,4 +140,4 @@ def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, option
         backpressure_config={"status_code": 429, "retry_after_s": 1.0},
         graceful_shutdown_timeout_s=server_config.shutdown_timeout,
     )
-    return ingress.bind(replica.bind(engine_config, options.tiny), engine_config, server_config)
+    return ingress.bind(replica.bind(engine_config, options.tiny, server_config.metrics_compat), engine_config, server_config)

@@ -38,7 +38,7 @@ class ReplicaInfo:
 
 
 class CadenceReplica:
-    def __init__(self, engine_config: EngineConfig, tiny: bool = False) -> None:
+    def __init__(self, engine_config: EngineConfig, tiny: bool = False, metrics_compat: tuple[str, ...] = ()) -> None:
         from ray import serve
 
         from cadence.engine.async_engine import AsyncEngine
@@ -47,7 +47,8 @@ class CadenceReplica:
 
         self.name = _replica_name(serve)
         self.engine = AsyncEngine(build_engine(engine_config, tiny=tiny))
-        self.exporter = PrometheusExporter()
+        self.exporter = PrometheusExporter(
+            vllm_model_name=self.engine.model_name if "vllm" in metrics_compat else None)
         self.engine.stats_hooks.append(self.exporter.record_step)
         self._digest: frozenset[int] = frozenset()
         log.info("replica %s serving %s", self.name, self.engine.model_name)

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from cadence.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from cadence.metrics.vllm_compat import VllmMetrics
 
 # The `_created` series (a timestamp per counter) double the output and no dashboard reads them.
 disable_created_metrics()
@@ -147,12 +148,15 @@ class PrometheusExporter:
         slo_itl: float | None = None,
         max_tenant_labels: int = 32,
         registry: CollectorRegistry | None = None,
+        vllm_model_name: str | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.slo_ttft = slo_ttft
         self.slo_itl = slo_itl
         self.tenant = TenantLabels(max_tenant_labels)
         self._define()
+        # --metrics-compat vllm: the same measurements again under vLLM's names (None: off).
+        self.vllm = VllmMetrics(self.registry, vllm_model_name) if vllm_model_name is not None else None
 
     def _define(self) -> None:
         r = self.registry
@@ -227,6 +231,14 @@ class PrometheusExporter:
             registry=r,
         )
         self.engine_healthy.set(1)
+        self.trace_spans_dropped = Counter(
+            "cadence:dropped_trace_spans",
+            "Trace spans lost: the export queue was full, or the OTLP export failed.",
+            ("reason",),
+            registry=r,
+        )
+        for reason in ("queue_full", "export_failed"):  # at 0 from the start, so rate() and alerts see them
+            self.trace_spans_dropped.labels(reason)
 
     def watch_engine(self, is_healthy: Callable[[], bool]) -> None:
         """Read the engine's health at each scrape (a stall is seen by no step, so no step reports it)."""
@@ -249,6 +261,8 @@ class PrometheusExporter:
             self.ttft.labels(self.tenant(tenant)).observe(seconds)
         for tenant, seconds in it.token_latencies:
             self.itl.labels(self.tenant(tenant)).observe(seconds)
+        if self.vllm is not None:
+            self.vllm.record_step(it)
         for f in it.finished:
             self.record_finished(f)
         # it.rejections is not read: the HTTP side counts every refusal as it answers it (module doc).
@@ -258,6 +272,8 @@ class PrometheusExporter:
         self.waiting.set(st.num_waiting)
         self.kv_usage.set(st.kv_usage)
         self.live_tokens.set(st.num_live_tokens)
+        if self.vllm is not None:
+            self.vllm.record_scheduler(st)
 
     def record_finished(self, f: FinishedRequestStats) -> None:
         tenant = self.tenant(f.tenant)
@@ -269,11 +285,17 @@ class PrometheusExporter:
             self.queue_time.labels(tenant).observe(m.queue_time)
         if meets_slo(f, self.slo_ttft, self.slo_itl):
             self.goodput.labels(tenant).inc()
+        if self.vllm is not None:
+            self.vllm.record_finished(f)
 
     def record_rejection(self, reason: str, count: int = 1) -> None:
         """A refused generation request, as the server answers it: its own refusals (invalid input,
         tenant quota, draining) and the engine's (queue full, too long for the KV cache, deadline)."""
         _inc(self.rejected.labels(reason), count)
+
+    def record_spans_dropped(self, reason: str, count: int) -> None:
+        """Trace spans lost (`reason`: queue_full, export_failed); called from any thread."""
+        _inc(self.trace_spans_dropped.labels(reason), count)
 
     # -- reading ------------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -57,6 +57,9 @@ from cadence.server.protocol import (
 from cadence.server.serving import OpenAIServing
 from cadence.server.stopping import STOPPED_MESSAGE, StopGuard
 from cadence.wording import counted
+
+if TYPE_CHECKING:
+    from cadence.server.tracing import RequestTracer
 
 log = logging.getLogger("cadence.server")
 
@@ -228,12 +231,15 @@ def create_app(
         slo_ttft=server_config.slo_ttft,
         slo_itl=server_config.slo_itl,
         max_tenant_labels=server_config.max_tenant_labels,
+        vllm_model_name=engine.model_name if "vllm" in server_config.metrics_compat else None,
     )
     engine.stats_hooks.append(exporter.record_step)
     exporter.watch_engine(lambda: engine.is_healthy)
-    serving = OpenAIServing(engine, server_config, exporter)
+    tracer = make_tracer(server_config, exporter)
+    serving = OpenAIServing(engine, server_config, exporter, tracer)
     app = FastAPI(title="cadence", version="0.1.0", description="An OpenAI-compatible LLM server.")
     app.state.engine, app.state.serving, app.state.exporter = engine, serving, exporter
+    app.state.tracer = tracer
     install_error_handlers(app)
     _add_routes(app, engine, serving, exporter, render_metrics)
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
@@ -252,6 +258,19 @@ def create_app(
         )
     app.add_middleware(StopGuard)
     return app
+
+
+def make_tracer(server_config: ServerConfig, exporter: PrometheusExporter) -> RequestTracer | None:
+    """The request tracer of --otlp-traces-endpoint (None: tracing off; the SDK is not even loaded)."""
+    if server_config.otlp_traces_endpoint is None:
+        return None
+    from cadence.server.tracing import RequestTracer, traces_protocol
+
+    tracer = RequestTracer.create(
+        server_config.otlp_traces_endpoint, server_config.otlp_traces_sample_ratio, exporter.record_spans_dropped
+    )
+    log.info("tracing requests to %s over OTLP %s", server_config.otlp_traces_endpoint, traces_protocol(server_config.otlp_traces_endpoint))
+    return tracer
 
 
 def _add_routes(
@@ -464,4 +483,6 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, *, tiny
         server.run()
     finally:
         engine.shutdown(timeout=5.0)
+        if app.state.tracer is not None:
+            app.state.tracer.shutdown()
     return 0

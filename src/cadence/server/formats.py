@@ -59,15 +59,19 @@ class UsageTracker:
     cached_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
     queue_time: float | None = None  # longest wait in the engine's queue among the choices (seconds)
+    finals: dict[int, StreamDelta] = field(default_factory=dict)  # choice -> its last delta (metrics)
 
     def add(self, index: int, delta: StreamDelta) -> None:
         p = index // self.n
         self.prompt_tokens[p] = max(self.prompt_tokens.get(p, 0), delta.num_prompt_tokens)
         self.cached_tokens[p] = max(self.cached_tokens.get(p, 0), delta.num_cached_tokens)
         self.completion_tokens += len(delta.token_ids)
-        q = delta.metrics.queue_time if delta.metrics is not None else None
-        if q is not None:
-            self.queue_time = max(self.queue_time or 0.0, q)
+        m = delta.metrics
+        if m is not None:  # a choice's last delta
+            self.finals[index] = delta
+            q = m.queue_time
+            if q is not None:
+                self.queue_time = max(self.queue_time or 0.0, q)
 
     def as_dict(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens.values())

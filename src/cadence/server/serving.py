@@ -14,7 +14,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,6 +44,9 @@ from cadence.server.protocol import (
 )
 from cadence.wording import counted
 
+if TYPE_CHECKING:  # the OpenTelemetry SDK is loaded only when tracing is on
+    from cadence.server.tracing import RequestTrace, RequestTracer
+
 log = logging.getLogger("cadence.server")
 
 
@@ -67,11 +70,16 @@ class DisconnectWatcher:
 
 class OpenAIServing:
     def __init__(
-        self, engine: EngineClient, config: ServerConfig, exporter: PrometheusExporter | None = None
+        self,
+        engine: EngineClient,
+        config: ServerConfig,
+        exporter: PrometheusExporter | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
         self.exporter = exporter
+        self.tracer = tracer  # None: tracing off, and no tracing work at all
         self.tokens = TokenStrings(engine.tokenizer)
         self.active = 0  # generation requests whose response is not finished (drain waits for them)
         self.tenant_in_flight: Counter[str] = Counter()
@@ -80,6 +88,7 @@ class OpenAIServing:
     # -- routes -------------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        received_ns = time.time_ns()
         self.inputs.check_model(body.model)
         with self.counting_refusals():
             prompts = [
@@ -96,9 +105,10 @@ class OpenAIServing:
             self.tokens,
             body.logprobs is not None,
         )
-        return await self._run(job, fmt, raw)
+        return await self._run(job, fmt, raw, received_ns)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        received_ns = time.time_ns()
         self.inputs.check_model(body.model)
         with self.counting_refusals():
             ids = await self.inputs.chat_ids(body.message_dicts(), body.add_generation_prompt, body.chat_template,
@@ -109,7 +119,7 @@ class OpenAIServing:
         fmt = ChatFormatter(
             job.request_id, self.engine.model_name, int(time.time()), body.n, self.tokens, body.logprobs
         )
-        return await self._run(job, fmt, raw)
+        return await self._run(job, fmt, raw, received_ns)
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.inputs.check_model(body.model)
@@ -176,11 +186,19 @@ class OpenAIServing:
         if self.tenant_in_flight[job.tenant] <= 0:
             del self.tenant_in_flight[job.tenant]
 
-    async def _run(self, job: Job, fmt: Formatter, raw: Request) -> Response:
-        self._acquire(job)
+    async def _run(self, job: Job, fmt: Formatter, raw: Request, received_ns: int) -> Response:
+        trace = self._begin_trace(raw, received_ns)
+        usage = UsageTracker(job.params.n)
+        try:
+            self._acquire(job)
+        except BaseException as e:
+            self._end_trace(job, trace, usage, e)
+            raise
         handed_over = False
         watcher = DisconnectWatcher(raw, lambda: self.engine.abort(job.request_id))
         try:
+            if trace is not None:
+                trace.submit_ns = time.time_ns()
             stream = await self._submit(job)
             try:
                 first = await self._first(stream)
@@ -192,21 +210,57 @@ class OpenAIServing:
             if job.stream:
                 watcher.stop()  # from here on Starlette notices the disconnect and cancels the stream
                 handed_over = True
-                done = self._finisher(job, stream)
+                done = self._finisher(job, stream, usage, trace)
                 return EngineStreamingResponse(
-                    self._sse(job, fmt, first, stream, done),
+                    self._sse(job, fmt, first, stream, done, usage, trace),
                     done,
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             try:
-                return JSONResponse(await self._collect(job, fmt, first, stream))
+                return JSONResponse(await self._collect(fmt, first, stream, usage))
             finally:
                 await stream.aclose()
+        except BaseException as e:
+            if trace is not None:
+                trace.error = e
+            raise
         finally:
             watcher.stop()
             if not handed_over:
                 self._release(job)
+                self._end_trace(job, trace, usage)
+
+    # -- tracing (nothing runs here while tracing is off) -------------------------------------------
+
+    def _begin_trace(self, raw: Request, received_ns: int) -> RequestTrace | None:
+        if self.tracer is None:
+            return None
+        trace = self.tracer.begin(raw.headers)
+        trace.start_ns = received_ns
+        return trace
+
+    def _end_trace(
+        self, job: Job, trace: RequestTrace | None, usage: UsageTracker, error: BaseException | None = None
+    ) -> None:
+        if trace is None or self.tracer is None:
+            return
+        from cadence.server.tracing import SpanFacts
+
+        try:
+            trace.error = trace.error or error
+            trace.finals = usage.finals
+            counts = usage.as_dict()
+            p = job.params
+            self.tracer.end(trace, SpanFacts(
+                request_id=job.request_id, model=self.engine.model_name, max_tokens=p.max_tokens,
+                temperature=p.temperature, top_p=p.top_p, n=p.n, num_sequences=len(job.prompts) * p.n,
+                tenant=job.tenant, priority=job.priority, deadline=job.deadline,
+                prompt_tokens=counts["prompt_tokens"], completion_tokens=counts["completion_tokens"],
+                cached_tokens=counts["prompt_tokens_details"]["cached_tokens"],
+            ))
+        except Exception:  # a trace must never cost a response
+            log.exception("tracing request %s failed", job.request_id)
 
     async def _submit(self, job: Job) -> RequestStream:
         try:
@@ -236,9 +290,8 @@ class OpenAIServing:
         return first
 
     async def _collect(
-        self, job: Job, fmt: Formatter, first: StreamDelta, stream: RequestStream
+        self, fmt: Formatter, first: StreamDelta, stream: RequestStream, usage: UsageTracker
     ) -> dict[str, Any]:
-        usage = UsageTracker(job.params.n)
         d: StreamDelta | None = first
         while d is not None:
             i = stream.index_of(d.request_id)
@@ -247,7 +300,9 @@ class OpenAIServing:
             d = await anext(stream, None)
         return fmt.response(usage.as_dict())
 
-    def _finisher(self, job: Job, stream: RequestStream) -> Callable[[], Awaitable[None]]:
+    def _finisher(
+        self, job: Job, stream: RequestStream, usage: UsageTracker, trace: RequestTrace | None
+    ) -> Callable[[], Awaitable[None]]:
         """Abort what is left and release the request's slot, once, whoever gets there first."""
         done = False
 
@@ -257,6 +312,7 @@ class OpenAIServing:
                 done = True
                 await stream.aclose()
                 self._release(job)
+                self._end_trace(job, trace, usage)
 
         return finish
 
@@ -267,8 +323,9 @@ class OpenAIServing:
         first: StreamDelta,
         stream: RequestStream,
         done: Callable[[], Awaitable[None]],
+        usage: UsageTracker,
+        trace: RequestTrace | None,
     ) -> AsyncIterator[bytes]:
-        usage = UsageTracker(job.params.n)
         try:
             for chunk in fmt.start_chunks():
                 yield sse(_with_usage(chunk, job))
@@ -283,8 +340,12 @@ class OpenAIServing:
             if job.include_usage:
                 yield sse(fmt.usage_chunk(usage.as_dict()))
         except CadenceError as e:
+            if trace is not None:
+                trace.error = e
             yield sse(error_payload(e.kind, e.message, e.param))
         except Exception as e:
+            if trace is not None:
+                trace.error = e
             log.exception("stream %s failed", job.request_id)
             yield sse(error_payload(ErrorKind.INTERNAL, f"internal error: {type(e).__name__}"))
         finally:

@@ -1,0 +1,160 @@
+"""OpenTelemetry traces: spans decoded from the wire by a real OTLP receiver the test runs.
+
+In-process servers (create_app over the tiny model) export over OTLP/HTTP to `HttpReceiver`
+(tests/security/test_trace_context.py runs `cadence serve` over gRPC). The batch processor's
+delay is shortened through its standard variable (OTEL_BSP_SCHEDULE_DELAY) so spans arrive quickly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from otlp_receiver import HttpReceiver, SilentListener
+
+NO_EOS = {"ignore_eos": True}
+SPAN_KIND_SERVER = 2
+STATUS_ERROR = 2
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[HttpReceiver]:
+    r = HttpReceiver()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def traced(receiver: HttpReceiver, server_factory: Any) -> Iterator[Any]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
+    mp.setenv("OTEL_SERVICE_NAME", "cadence-test")
+    try:
+        live = server_factory(otlp_traces_endpoint=receiver.url)
+    finally:
+        mp.undo()
+    yield live
+    live.app.state.tracer.shutdown()
+
+
+def _dropped(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {m[0]: float(m[1]) for m in re.findall(r'cadence:dropped_trace_spans_total\{reason="(\w+)"\} (\S+)', text)}
+
+
+def test_a_request_becomes_one_span_with_vllm_and_cadence_attributes(traced, receiver):
+    body = {"prompt": "hello there", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "priority": 3,
+            "deadline": 30.0, **NO_EOS}
+    r = httpx.post(traced.url + "/v1/completions", json=body, headers={"X-Tenant": "acme"}, timeout=30)
+    assert r.status_code == 200
+    out = r.json()
+    span = receiver.sink.wait(out["id"])
+    a = span.attributes
+    assert span.name == "llm_request" and span.kind == SPAN_KIND_SERVER
+    assert span.resource["service.name"] == "cadence-test"
+    assert a["gen_ai.response.model"] == out["model"]
+    assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.temperature"], a["gen_ai.request.top_p"]) == (5, 0.5, 0.9)
+    assert a["gen_ai.request.n"] == 1
+    assert a["gen_ai.usage.prompt_tokens"] == out["usage"]["prompt_tokens"]
+    assert a["gen_ai.usage.completion_tokens"] == out["usage"]["completion_tokens"] == 5
+    assert (a["cadence.tenant"], a["cadence.priority"], a["cadence.deadline_s"]) == ("acme", 3, 30.0)
+    assert a["cadence.prefix_cache_hit_tokens"] == out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert a["cadence.num_preemptions"] == 0
+    assert a["gen_ai.response.finish_reasons"] == ["length"]
+    queue, ttft, e2e = (a[f"gen_ai.latency.{k}"] for k in ("time_in_queue", "time_to_first_token", "e2e"))
+    assert 0 <= queue <= ttft <= e2e < (span.end_ns - span.start_ns) / 1e9 + 1e-6
+    assert a["gen_ai.latency.time_in_model_prefill"] + queue == pytest.approx(ttft, abs=1e-6)
+    names = [e[0] for e in span.events]
+    assert names == ["queued", "scheduled", "first_token", "finished"]
+    times = [e[1] for e in span.events]
+    assert span.start_ns <= times[0] <= times[1] <= times[2] <= times[3] <= span.end_ns
+    assert span.events[3][2]["finish_reason"] == "length"
+    assert span.parent_span_id == "" and span.trace_id != TRACE_ID
+
+
+def test_a_client_traceparent_is_continued_streaming_too(traced, receiver):
+    headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "tracestate": "vendor=abc"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True, **NO_EOS}
+    with httpx.stream("POST", traced.url + "/v1/chat/completions", json=body, headers=headers, timeout=30) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+    request_id = json.loads(lines[0][6:])["id"]
+    span = receiver.sink.wait(request_id)
+    assert (span.trace_id, span.parent_span_id) == (TRACE_ID, PARENT_ID)
+    assert span.trace_state == "vendor=abc"
+    assert span.attributes["gen_ai.usage.completion_tokens"] == 3
+
+
+def test_an_unsampled_caller_trace_is_not_exported(traced, receiver):
+    """W3C: the caller decided not to sample (flags 00); the server's default sampler follows it."""
+    headers = {"traceparent": f"00-{'1' * 32}-{PARENT_ID}-00"}
+    off = httpx.post(traced.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers=headers)
+    on = httpx.post(traced.url + "/v1/completions", json={"prompt": "b", "max_tokens": 1})
+    receiver.sink.wait(on.json()["id"])  # exported after `off` ended: `off` had its chance
+    assert not [s for s in receiver.sink.spans if s.attributes["gen_ai.request.id"] == off.json()["id"]]
+
+
+def test_a_request_ended_by_its_deadline_is_a_span_with_an_error_status(traced, receiver):
+    r = httpx.post(traced.url + "/v1/completions", json={"prompt": "x", "max_tokens": 50, "deadline": 1e-6, **NO_EOS})
+    assert r.status_code == 408
+    later = httpx.post(traced.url + "/v1/completions", json={"prompt": "z", "max_tokens": 1}).json()["id"]
+    receiver.sink.wait(later)  # the refused request's span was queued before this one's
+    bad = [s for s in receiver.sink.spans if s.attributes.get("error.type") == "deadline"]
+    assert bad and bad[0].status_code == STATUS_ERROR
+    assert bad[0].attributes["gen_ai.request.max_tokens"] == 50
+
+
+def test_sample_ratio_zero_exports_nothing(receiver, server_factory):
+    live = server_factory(otlp_traces_endpoint=receiver.url, otlp_traces_sample_ratio=0.0)
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "q", "max_tokens": 1})
+    assert r.status_code == 200
+    live.app.state.tracer.shutdown(timeout=10)  # everything queued is sent by now
+    assert not [s for s in receiver.sink.spans if s.attributes["gen_ai.request.id"] == r.json()["id"]]
+
+
+# -- a collector that is down or hangs -----------------------------------------------------------
+
+
+def test_a_hanging_collector_costs_spans_never_serving_time(monkeypatch, server_factory):
+    """The export worker is stuck on the first span; the next waits; the rest are dropped and counted."""
+    hang = SilentListener()
+    for k, v in {"OTEL_BSP_SCHEDULE_DELAY": "10", "OTEL_BSP_MAX_QUEUE_SIZE": "1",
+                 "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "1", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "30"}.items():
+        monkeypatch.setenv(k, v)
+    live = server_factory(otlp_traces_endpoint=hang.url)
+    try:
+        for i in range(5):
+            t0 = time.monotonic()
+            r = httpx.post(live.url + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 2}, timeout=10)
+            assert r.status_code == 200
+            assert time.monotonic() - t0 < 5.0, "a request waited on the collector"
+        assert _dropped(live.url).get("queue_full", 0) >= 3
+    finally:
+        t0 = time.monotonic()
+        live.app.state.tracer.shutdown(timeout=1.0)
+        assert time.monotonic() - t0 < 2.0
+        hang.stop()
+
+
+def test_a_refused_connection_counts_failed_exports(monkeypatch, server_factory):
+    refused = SilentListener()
+    url = refused.url
+    refused.stop()  # nothing listens on that port any more
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+    live = server_factory(otlp_traces_endpoint=url)
+    try:
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 200
+        live.app.state.tracer.provider.force_flush()  # the export, its retries and its failure, now
+        assert _dropped(live.url).get("export_failed", 0) >= 1
+    finally:
+        live.app.state.tracer.shutdown(timeout=1.0)
