@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "figures"
 MARK_OPEN = "<!-- figure: {} -->"
 MARK_CLOSE = "<!-- /figure -->"
-MARK_RE = re.compile(r"<!-- figure: ([A-Za-z0-9_.-]+) -->")
+MARK_RE = re.compile(r"^<!-- figure: ([A-Za-z0-9_.-]+) -->$", re.M)  # a marker is a line of its own
 DOCS = ("README.md", "docs/performance.md", "docs/benchmarking.md", "docs/simulator.md", "docs/server.md",
         "docs/fleet.md")
 
@@ -63,6 +63,8 @@ class Figure:
     labels: tuple[str, ...] = ()  # a row label per command, for tables with a row per command
     reads: str = ""  # where the commands write what `format` reads (from the root); default: `run`'s own folder
     outputs_of: str = ""  # another entry whose run this table is read from (its commands are that run's)
+    # False for figures the doc states in prose: the result file has them, --update-docs leaves the doc be.
+    marked: bool = True
 
     @property
     def scripts(self) -> list[str]:
@@ -101,14 +103,18 @@ def _outputs(out: Path, suffix: str) -> list[Path]:
     return sorted(out.glob(f"cmd*{suffix}"), key=lambda p: int(re.sub(r"\D", "", p.name.split(".")[0])))
 
 
-def _table(head: Sequence[str], align: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+def _table(head: Sequence[str], align: Sequence[str], rows: Sequence[Sequence[str]], compact: bool = False) -> str:
+    """A Markdown table; `compact` writes the delimiter row as |---|---| (as some of the docs' tables do)."""
+    rule = "|" + "|".join(align) + "|" if compact else "| " + " | ".join(align) + " |"
+    lines = ["| " + " | ".join(head) + " |", rule]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
 
 def _secs(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.3g} s" if v < 100 else f"{v:,.0f} s"
+    if v is None:
+        return "n/a"
+    return f"{v:.2f} s" if v < 2 else f"{v:.1f} s" if v < 100 else f"{v:,.0f} s"
 
 
 def _ms(v: float | None) -> str:
@@ -223,13 +229,14 @@ def fmt_batching(out: Path) -> str:
     return _table(("OpenMP wait", "continuous / static tok/s", "rounds", "e2e p95 cont / static"), ("---",) * 4, rows)
 
 
-def _summaries(out: Path) -> list[tuple[str, dict]]:
-    """The two runs of a knobs.py experiment, in the order it ran them: (label, summary.json)."""
-    found = [_json(p) for p in out.glob("*/summary.json")]
+def _summaries(out: Path) -> list[tuple[str, dict, Path]]:
+    """The two runs of a knobs.py experiment, in the order it ran them: (label, summary.json, folder);
+    the doc spells a label's dashes as spaces ("no-cache": "no cache")."""
+    found = [(_json(p), p.parent) for p in out.glob("*/summary.json")]
     if len(found) != 2:
         raise ValueError(f"{out}: expected the two runs' */summary.json, found {len(found)}")
-    found.sort(key=lambda s: s.get("started_at") or "")
-    return [(s["meta"].get("label") or "", s) for s in found]
+    found.sort(key=lambda sd: sd[0].get("started_at") or 0.0)
+    return [((s["meta"].get("label") or d.name).replace("-", " "), s, d) for s, d in found]
 
 
 def fmt_knobs_static(out: Path) -> str:
@@ -263,7 +270,7 @@ def _knob_rows(a: dict, b: dict, metrics: Sequence[tuple[str, str, Callable, str
 
 
 def _knob_table(out: Path, metrics: Sequence[tuple[str, str | None, Callable, str]], goodput: bool = False) -> str:
-    (la, a), (lb, b) = _summaries(out)
+    (la, a, _), (lb, b, _) = _summaries(out)
     rows = _knob_rows(a["overall"], b["overall"], metrics)
     if goodput:
         slo = ", ".join(f"{k.upper()} <= {v:g} s" for k, v in a["slos"].items())
@@ -322,8 +329,7 @@ def _deadline_ended(run_dir: Path) -> int:
 
 def fmt_knobs_policy(out: Path) -> str:
     """knobs.py --only policy: per tenant p95 TTFT and E2E under each policy, deadlines and Jain's index."""
-    dirs = sorted((p.parent for p in out.glob("*/summary.json")), key=lambda d: _json(d / "summary.json")["started_at"])
-    (la, a), (lb, b) = _summaries(out)
+    (la, a, da), (lb, b, db) = _summaries(out)
     tenants = sorted(a["per_tenant"], key=lambda t: (t != "batch", t))  # the flooding tenant first
     rows = []
     for t in tenants:
@@ -331,8 +337,7 @@ def fmt_knobs_policy(out: Path) -> str:
         name = f"`{t}` ({x['requests']}{', the flood' if t == 'batch' else ''})"
         rows.append((name, _secs(x["ttft"]["p95"]), _secs(y and y["ttft"]["p95"]),
                      _secs(x["e2e"]["p95"]), _secs(y and y["e2e"]["p95"])))
-    rows.append(("requests ended by their deadline", str(_deadline_ended(dirs[0])), str(_deadline_ended(dirs[1])),
-                 "", ""))
+    rows.append(("requests ended by their deadline", str(_deadline_ended(da)), str(_deadline_ended(db)), "", ""))
     rows.append(("Jain's index of output tok/s over tenants",
                  *(f"{s['fairness']['tenants']['jain_output_throughput']:.2f}" for s in (a, b)), "", ""))
     return _table(("tenant (requests)", f"TTFT p95 {la}", f"TTFT p95 {lb}", f"E2E p95 {la}", f"E2E p95 {lb}"),
@@ -378,7 +383,7 @@ def fmt_sim_fidelity_ratios(out: Path) -> str:
         for m in ("ttft", "itl", "e2e"):
             cells.append(" / ".join(f"{sim['overall'][m][q] / real['overall'][m][q]:.2f}" for q in ("p50", "p90")))
         rows.append((f"{frac:.0%}", *cells))
-    return _table(("load", "TTFT p50 / p90", "ITL p50 / p90", "E2E p50 / p90"), ("---",) * 4, rows)
+    return _table(("load", "TTFT p50 / p90", "ITL p50 / p90", "E2E p50 / p90"), ("---",) * 4, rows, compact=True)
 
 
 def fmt_sim_scale(out: Path) -> str:
@@ -469,6 +474,14 @@ FIGURES: tuple[Figure, ...] = (
     Figure("sim-mooncake", "docs/simulator.md", "The Mooncake trace",
            (MOONCAKE.format("prefix-affinity"), MOONCAKE.format("round-robin")), 0.5, False, fmt_sim_routers,
            extra="--out {out}/cmd{i}"),
+    # Figures in prose, not tables: regenerated into results/figures only.
+    Figure("readme-plan-chat", "README.md", "A quick tour",
+           ("cadence sim plan --workload chat --num-requests 1000 --rate 20 --slo ttft_p95=1",), 0.5, False,
+           fmt_stdout_block, marked=False),
+    Figure("server-http-limits", "docs/server.md", "HTTP limits", ("bash benchmarks/bench_http_limits.sh 4",),
+           12, True, fmt_stdout_block, marked=False),
+    Figure("server-overhead", "docs/server.md", "Performance", (f"{PY} benchmarks/bench_server_overhead.py",),
+           6, True, fmt_stdout_block, marked=False),
 )
 BY_NAME = {f.name: f for f in FIGURES}
 QUICK_MINUTES = 3  # --quick: the entries that take at most this long
@@ -541,13 +554,13 @@ def result_text(fig: Figure, table: str, loads: tuple[str, str], when: str) -> s
 def replace_table(text: str, name: str, table: str) -> str:
     """`text` with what lies between NAME's markers replaced by `table`; the rest untouched."""
     start, end = MARK_OPEN.format(name), MARK_CLOSE
-    i = text.find(start)
-    if i < 0:
+    opening = re.search(f"^{re.escape(start)}$", text, re.M)
+    if opening is None:
         raise ValueError(f"no {start} marker")
-    j = text.find(end, i)
-    if j < 0 or MARK_RE.search(text, i + len(start), j):
+    closing = re.compile(f"^{re.escape(end)}$", re.M).search(text, opening.end())
+    if closing is None or MARK_RE.search(text, opening.end(), closing.start()):
         raise ValueError(f"{start} has no {end} before the next marker")
-    return text[:i + len(start)] + "\n" + table.rstrip("\n") + "\n" + text[j:]
+    return text[:opening.end()] + "\n" + table.rstrip("\n") + "\n" + text[closing.start():]
 
 
 def update_doc(fig: Figure, table: str, root: Path = ROOT) -> None:
@@ -587,8 +600,10 @@ def figure(fig: Figure, rerun: bool, update: bool, results: Path = RESULTS, done
     loads = (loads[0], load_average())
     (results / f"{fig.name}.md").write_text(result_text(fig, table, loads, when))
     print(f"\n{table}\n\nwrote {results / (fig.name + '.md')}")
-    if update:
+    if update and fig.marked:
         update_doc(fig, table)
+    elif update:
+        print(f"{fig.doc} states {fig.name} in prose: not changed")
     return True
 
 
@@ -596,6 +611,7 @@ def list_figures() -> None:
     for f in FIGURES:
         why = f.available()
         flags = ", ".join(filter(None, ["timed: wants a quiet machine" if f.quiet else "",
+                                        "" if f.marked else "in prose: --update-docs leaves the doc be",
                                         f"needs {f.needs}" if f.needs else "", f"skipped here: {why}" if why else ""]))
         print(f"{f.name:<24} ~{f.minutes:g} min  {f.doc} \"{f.section}\"" + (f"  ({flags})" if flags else ""))
         for c in f.commands:
