@@ -521,34 +521,54 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def run_commands(fig: Figure, out: Path) -> None:
-    """Runs each command (stdout into cmdI.out, also shown), keeping its CPU and wall time in cmdI.json."""
+    """Runs each command, its stdout shown as it comes and kept in cmdI.out; cmdI.json keeps when it
+    ran, its CPU and wall time and the load average before and after."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     for i, cmd in enumerate(fig.commands):
         line = cmd.format(out=out) + (" " + fig.extra.format(out=out, i=i) if fig.extra else "")
         print(f"$ {line}", flush=True)
-        before = os.times()
-        t0 = time.perf_counter()
-        proc = subprocess.run(["bash", "-c", shell_command(line)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              text=True)
-        wall = time.perf_counter() - t0
+        meta = {"command": cmd.format(out=out), "label": fig.labels[i] if i < len(fig.labels) else "",
+                "date": _now(), "load_before": load_average()}
+        before, t0, lines = os.times(), time.perf_counter(), []
+        with subprocess.Popen(["bash", "-c", shell_command(line)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              text=True) as proc:
+            assert proc.stdout is not None
+            for text in proc.stdout:
+                sys.stdout.write(text)
+                lines.append(text)
         after = os.times()
-        sys.stdout.write(proc.stdout)
-        (out / f"cmd{i}.out").write_text(proc.stdout)
-        meta = {"command": cmd.format(out=out), "status": proc.returncode, "wall_s": wall,
-                "cpu_s": (after.children_user - before.children_user) + (after.children_system - before.children_system),
-                "label": fig.labels[i] if i < len(fig.labels) else ""}
+        meta.update(status=proc.returncode, wall_s=time.perf_counter() - t0, load_after=load_average(),
+                    cpu_s=(after.children_user - before.children_user) + (after.children_system - before.children_system))
+        (out / f"cmd{i}.out").write_text("".join(lines))
         (out / f"cmd{i}.json").write_text(json.dumps(meta, indent=1) + "\n")
         if proc.returncode not in fig.ok_status:
             raise RuntimeError(f"{fig.name}: `{line}` exited with {proc.returncode}")
 
 
+def run_record(out: Path) -> tuple[str, tuple[str, str]]:
+    """When the outputs under `out` were made and the load average around them, from `run`'s
+    records; for outputs made by hand, only that they were formatted now."""
+    metas = [_json(p) for p in _outputs(out, ".json") if "load_before" in _json(p)]
+    if not metas:
+        return f"{_now()} (formatted; the run's own time and load were not recorded)", ("unknown", "unknown")
+    return metas[0]["date"], (metas[0]["load_before"], metas[-1]["load_after"])
+
+
 def result_text(fig: Figure, table: str, loads: tuple[str, str], when: str) -> str:
     m = machine()
     cmds = "\n".join(fig.commands)
-    return (f"# {fig.name}\n\n{fig.doc}, section \"{fig.section}\"\n\n{table}\n\n```sh\n{cmds}\n```\n\n"
+    text = (f"# {fig.name}\n\n{fig.doc}, section \"{fig.section}\"\n\n{table}\n\n```sh\n{cmds}\n```\n\n"
             f"- date: {when}\n- machine: {m['arch']}, {m['cpu']}, {m['cores']} CPUs\n"
             f"- load average (1, 5, 15 min): {loads[0]} before, {loads[1]} after\n")
+    busy = [float(x.split()[0]) > 0.5 * int(m["cores"]) for x in loads if x[:1].isdigit()]
+    if fig.quiet and any(busy):
+        text += "- warning: timed on a busy machine (1-minute load above half the cores): slow and noisy figures\n"
+    return text
 
 
 def replace_table(text: str, name: str, table: str) -> str:
@@ -584,20 +604,21 @@ def figure(fig: Figure, rerun: bool, update: bool, results: Path = RESULTS, done
     out = results / "raw" / run_name
     done = set() if done is None else done
     rerun = rerun and run_name not in done
-    loads = (load_average(), "")
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     if rerun:
         if fig.quiet and os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
-            print(f"warning: {fig.name} is timed and the machine is busy (load average {loads[0]}): "
+            print(f"warning: {fig.name} is timed and the machine is busy (load average {load_average()}): "
                   "its figures will be slow and noisy")
-        shutil.rmtree(out, ignore_errors=True)
+        # A fresh start: a folder the formatter globs must not hold an earlier run's loads or rates.
+        for stale in (out, *([ROOT / fig.reads] if fig.reads else [])):
+            shutil.rmtree(stale, ignore_errors=True)
         out.mkdir(parents=True)
         run_commands(fig, out)
         done.add(run_name)
-    elif not out.is_dir():
-        raise FileNotFoundError(f"{fig.name}: no outputs under {out}; run it first")
-    table = fig.format(ROOT / fig.reads if fig.reads else out)
-    loads = (loads[0], load_average())
+    source = ROOT / fig.reads if fig.reads else out
+    if not source.is_dir():
+        raise FileNotFoundError(f"{fig.name}: no outputs under {source}; run it first")
+    table = fig.format(source)
+    when, loads = run_record(out)
     (results / f"{fig.name}.md").write_text(result_text(fig, table, loads, when))
     print(f"\n{table}\n\nwrote {results / (fig.name + '.md')}")
     if update and fig.marked:

@@ -170,6 +170,8 @@ def test_simulator_entries_run_and_make_the_docs_tables(tmp_path: Path) -> None:
         assert all(c in result for c in commands)
         assert re.search(r"^- machine: \S+, .+, \d+ CPUs$", result, re.M)
         assert re.search(r"^- load average \(1, 5, 15 min\): [\d. ]+ before, [\d. ]+ after$", result, re.M)
+        ran = json.loads((tmp_path / "raw" / name / "cmd0.json").read_text())
+        assert f"- date: {ran['date']}\n" in result and ran["status"] in f.ok_status
         if doc.startswith("```"):
             first = doc.splitlines()[1].split()[0]  # "planning" or "$"
             assert table.startswith("```\n" + first) and table.endswith("\n```")
@@ -338,3 +340,17 @@ def test_shell_command_runs_this_checkout() -> None:
     assert shlex.split(cmd) == ["OMP_WAIT_POLICY=PASSIVE", "/py", "benchmarks/bench_q4.py", "--streams", "1,8"]
     assert shlex.split(fig.shell_command("cadence sim plan --slo ttft_p95=1", python="/py")) == [
         "/py", "-m", "cadence.cli", "sim", "plan", "--slo", "ttft_p95=1"]
+
+
+def test_result_file_marks_timed_figures_from_a_busy_machine() -> None:
+    busy, quiet = ("999.00 1.00 1.00", "0.00 0.00 0.00"), ("0.00 0.00 0.00", "0.00 0.00 0.00")
+    warning = "- warning: timed on a busy machine"
+    assert warning in fig.result_text(fig.BY_NAME["sim-scale"], "| x |", busy, "today")
+    assert warning not in fig.result_text(fig.BY_NAME["sim-scale"], "| x |", quiet, "today")
+    assert warning not in fig.result_text(fig.BY_NAME["sim-mooncake"], "| x |", busy, "today")  # not timed
+    assert warning not in fig.result_text(fig.BY_NAME["sim-scale"], "| x |", ("unknown", "unknown"), "today")
+
+
+def test_format_without_a_recorded_run_says_so(tmp_path: Path) -> None:
+    when, loads = fig.run_record(tmp_path / "nothing-here")
+    assert "not recorded" in when and loads == ("unknown", "unknown")
