@@ -12,7 +12,8 @@ doc's table and writes results/figures/NAME.md: the table, the commands, the dat
 CPU model and the load average before and after. `--update-docs` then replaces the table between
 the entry's markers. Entries that need something the repository does not hold (llama.cpp's
 server) are skipped with the reason. Timed entries want a quiet machine: each one says so, and a
-run on a busy machine is marked in its result file.
+run on a busy machine is marked in its result file. A few entries are figures the docs state in
+prose; `run` writes their outputs to results/figures and `--update-docs` leaves their docs alone.
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ RESULTS = ROOT / "results" / "figures"
 MARK_OPEN = "<!-- figure: {} -->"
 MARK_CLOSE = "<!-- /figure -->"
 MARK_RE = re.compile(r"^<!-- figure: ([A-Za-z0-9_.-]+) -->$", re.M)  # a marker is a line of its own
-DOCS = ("README.md", "docs/performance.md", "docs/benchmarking.md", "docs/simulator.md", "docs/server.md",
-        "docs/fleet.md")
+
+
+def doc_files() -> list[str]:
+    """The documents markers may sit in: README.md and docs/*.md, from the repository root."""
+    return ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 
 # -- the registry ---------------------------------------------------------------------------------
@@ -65,11 +69,6 @@ class Figure:
     outputs_of: str = ""  # another entry whose run this table is read from (its commands are that run's)
     # False for figures the doc states in prose: the result file has them, --update-docs leaves the doc be.
     marked: bool = True
-
-    @property
-    def scripts(self) -> list[str]:
-        """The repository's scripts the commands run (benchmarks/*.py, *.sh)."""
-        return sorted({w for c in self.commands for w in shlex.split(c) if w.startswith("benchmarks/")})
 
 
 LLAMA_PLACEHOLDER = "/path/to/llama-server"
@@ -98,9 +97,11 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _outputs(out: Path, suffix: str) -> list[Path]:
-    """The per-command files `run` wrote (cmd0.json, cmd1.json, ...), in command order."""
-    return sorted(out.glob(f"cmd*{suffix}"), key=lambda p: int(re.sub(r"\D", "", p.name.split(".")[0])))
+def _outputs(out: Path, suffix: str, prefix: str = "cmd") -> list[Path]:
+    """Per-command files in command order: the scripts' (cmd0.json, ...: the `extra` options name
+    them so), the commands' stdout (cmd0.out, ...) and `run`'s records of them (run0.json, ...)."""
+    found = [p for p in out.glob(f"{prefix}*{suffix}") if re.fullmatch(rf"{prefix}\d+", p.name[:-len(suffix)])]
+    return sorted(found, key=lambda p: int(p.name[len(prefix):-len(suffix)]))
 
 
 def _table(head: Sequence[str], align: Sequence[str], rows: Sequence[Sequence[str]], compact: bool = False) -> str:
@@ -131,10 +132,6 @@ def _ratio(b: float | None, a: float | None) -> str:
         return "n/a"
     r = b / a
     return f"{r:.2g}" if r < 0.1 else f"{r:.2f}"
-
-
-def _pair(fmt: Callable[[float | None], str], x: dict, y: dict | None = None) -> str:
-    return f"{fmt(x['p50'])} / {fmt((y or x)['p95'])}"
 
 
 # -- formatters: performance.md ---------------------------------------------------------------------
@@ -353,7 +350,7 @@ def fmt_stdout_block(out: Path, with_command: bool = False) -> str:
     for i, p in enumerate(_outputs(out, ".out")):
         text = p.read_text().rstrip("\n")
         if with_command:
-            text = "$ " + _json(out / f"cmd{i}.json")["command"] + "\n" + text
+            text = "$ " + _json(out / f"run{i}.json")["command"] + "\n" + text
         parts.append(text)
     return "```\n" + "\n".join(parts) + "\n```"
 
@@ -390,7 +387,7 @@ def fmt_sim_scale(out: Path) -> str:
     """`cadence sim` commands timed by `run` (CPU seconds of the whole command), a row per command."""
     rows = []
     for i, p in enumerate(_outputs(out, ".out")):
-        meta = _json(out / f"cmd{i}.json")
+        meta = _json(out / f"run{i}.json")
         m = re.search(r"^requests (\d+)", p.read_text(), re.M)
         replicas = re.search(r"--replicas (\d+)", meta["command"])
         rows.append((meta.get("label") or f"#{i}", f"{int(m[1]):,}" if m else "n/a",
@@ -526,8 +523,8 @@ def _now() -> str:
 
 
 def run_commands(fig: Figure, out: Path) -> None:
-    """Runs each command, its stdout shown as it comes and kept in cmdI.out; cmdI.json keeps when it
-    ran, its CPU and wall time and the load average before and after."""
+    """Runs each command, its stdout shown as it comes and kept in cmdI.out; runI.json keeps when it
+    ran, its exit status, CPU and wall time and the load average before and after."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     for i, cmd in enumerate(fig.commands):
         line = cmd.format(out=out) + (" " + fig.extra.format(out=out, i=i) if fig.extra else "")
@@ -545,7 +542,7 @@ def run_commands(fig: Figure, out: Path) -> None:
         meta.update(status=proc.returncode, wall_s=time.perf_counter() - t0, load_after=load_average(),
                     cpu_s=(after.children_user - before.children_user) + (after.children_system - before.children_system))
         (out / f"cmd{i}.out").write_text("".join(lines))
-        (out / f"cmd{i}.json").write_text(json.dumps(meta, indent=1) + "\n")
+        (out / f"run{i}.json").write_text(json.dumps(meta, indent=1) + "\n")
         if proc.returncode not in fig.ok_status:
             raise RuntimeError(f"{fig.name}: `{line}` exited with {proc.returncode}")
 
@@ -553,7 +550,7 @@ def run_commands(fig: Figure, out: Path) -> None:
 def run_record(out: Path) -> tuple[str, tuple[str, str]]:
     """When the outputs under `out` were made and the load average around them, from `run`'s
     records; for outputs made by hand, only that they were formatted now."""
-    metas = [_json(p) for p in _outputs(out, ".json") if "load_before" in _json(p)]
+    metas = [_json(p) for p in _outputs(out, ".json", prefix="run")]
     if not metas:
         return f"{_now()} (formatted; the run's own time and load were not recorded)", ("unknown", "unknown")
     return metas[0]["date"], (metas[0]["load_before"], metas[-1]["load_after"])

@@ -73,7 +73,7 @@ def _headings(text: str) -> list[tuple[int, str]]:
 
 def test_every_marker_has_an_entry_and_every_entry_its_markers() -> None:
     marked = {}
-    for doc in fig.DOCS:
+    for doc in fig.doc_files():
         for name in fig.marked_names((ROOT / doc).read_text()):
             assert name not in marked, f"{name} marked twice ({marked.get(name)}, {doc})"
             marked[name] = doc
@@ -170,7 +170,7 @@ def test_simulator_entries_run_and_make_the_docs_tables(tmp_path: Path) -> None:
         assert all(c in result for c in commands)
         assert re.search(r"^- machine: \S+, .+, \d+ CPUs$", result, re.M)
         assert re.search(r"^- load average \(1, 5, 15 min\): [\d. ]+ before, [\d. ]+ after$", result, re.M)
-        ran = json.loads((tmp_path / "raw" / name / "cmd0.json").read_text())
+        ran = json.loads((tmp_path / "raw" / name / "run0.json").read_text())
         assert f"- date: {ran['date']}\n" in result and ran["status"] in f.ok_status
         if doc.startswith("```"):
             first = doc.splitlines()[1].split()[0]  # "planning" or "$"
@@ -354,3 +354,15 @@ def test_result_file_marks_timed_figures_from_a_busy_machine() -> None:
 def test_format_without_a_recorded_run_says_so(tmp_path: Path) -> None:
     when, loads = fig.run_record(tmp_path / "nothing-here")
     assert "not recorded" in when and loads == ("unknown", "unknown")
+
+
+def test_run_keeps_what_a_script_writes_beside_its_own_records(tmp_path: Path) -> None:
+    """An entry's `extra` names cmdI.json for the script's JSON; run's own records must not take its place."""
+    writer = f"{fig.PY} -c \"import json, sys; json.dump(dict(tok_s=42), open(sys.argv[2], 'w'))\""
+    f = dataclasses.replace(fig.BY_NAME["q4-vs-bf16"], name="writes-json", commands=(writer, writer),
+                            format=lambda out: " ".join(str(json.loads(p.read_text())["tok_s"])
+                                                        for p in fig._outputs(out, ".json")))
+    assert fig.figure(f, rerun=True, update=False, results=tmp_path)
+    assert "\n42 42\n" in (tmp_path / "writes-json.md").read_text()
+    assert [json.loads(p.read_text())["status"] for p in fig._outputs(tmp_path / "raw" / "writes-json", ".json",
+                                                                       prefix="run")] == [0, 0]
