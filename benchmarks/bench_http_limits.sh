@@ -3,6 +3,7 @@
 # same tree on uvicorn's stock httptools protocol, alternating, 8 and 32 concurrent chat streams.
 #   bash benchmarks/bench_http_limits.sh [ROUNDS]      (from the repository root, after `make install`)
 set -u
+case "${1:-}" in -h|--help) sed -n '2,4p' "$0" | cut -c3-; exit 0;; esac
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 ROUNDS=${1:-2}

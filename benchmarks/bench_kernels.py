@@ -21,6 +21,7 @@ import cadence  # noqa: F401  (first: it sets cadence's OpenMP default, read whe
 # isort: split
 import argparse
 import ctypes
+import json
 import statistics
 import subprocess
 import sys
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decode stream")
     ap.add_argument("--weights", choices=("q4_1", "bf16"), default="q4_1",
                     help="the GGUF's Q4_1 layers as served (default) or their bfloat16 dequantisation")
+    ap.add_argument("--json", default="", help="also write every round's tokens/s to this JSON file")
     args = ap.parse_args()
     if args.rounds < 1 or args.context < 1:
         ap.error("--rounds and --context must be >= 1")
@@ -135,6 +137,14 @@ def main() -> None:
         ratios = [x / y for x, y in zip(a, b, strict=True)]
         print(f"{name:<28}{statistics.median(a):>11.1f}{statistics.median(b):>13.1f}"
               f"{statistics.median(a) / statistics.median(b):>8.3f}   {min(ratios):.3f} .. {max(ratios):.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result_json(args.baseline, args.weights, rates), indent=1) + "\n")
+
+
+def result_json(baseline: str, weights: str, rates: dict[str, dict[str, list[float]]]) -> dict:
+    """Every round's tokens/s: {workload: {"this tree": [...], "baseline": [...]}}."""
+    return {"baseline": baseline, "weights": weights,
+            "workloads": {w: {"this tree": s["this tree"], "baseline": s[baseline]} for w, s in rates.items()}}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import cadence  # noqa: F401  (first: it sets cadence's OpenMP default, read whe
 
 # isort: split
 import argparse
+import json
 import random
 import sys
 import time
@@ -32,6 +33,7 @@ from bench_runner import BLOCK, GREEDY, CadenceStreams  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--json", default="", help="also write the tokens/s of both sides to this JSON file")
     args = ap.parse_args()
     ck = load_checkpoint(default_model_path(), torch.float32)
     runners = {"bf16": ModelRunner(ck.arch, ck.weights, dtype=torch.bfloat16),
@@ -43,6 +45,7 @@ def main() -> None:
     for r in runners.values():
         r.initialize_kv_cache(num_blocks=first_free + 40, block_size=BLOCK)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bfloat16 dequantised vs Q4_1 blocks")
+    decode: dict[str, dict[str, float]] = {}
     for b in sizes:
         streams = {k: CadenceStreams(r, prompts[:b], 300, 0) for k, r in runners.items()}
         for s in streams.values():
@@ -53,6 +56,7 @@ def main() -> None:
                 best[k] = max(best[k], s.decode(15))
         print(f"decode {b:>3} streams: bf16 {best['bf16']:7.1f} tok/s  q4_1 {best['q4_1']:7.1f} tok/s  "
               f"{best['q4_1'] / best['bf16']:.2f}x")
+        decode[str(b)] = best
     long = [[rng.randrange(ck.arch.vocab_size) for _ in range(128)] for _ in range(4)]
 
     def prefill(r: ModelRunner, step: int) -> float:
@@ -68,6 +72,14 @@ def main() -> None:
             best[k] = min(best[k], prefill(r, 1000 + it))
     print(f"prefill 4 x 128:     bf16 {512 / best['bf16']:7.0f} tok/s  q4_1 {512 / best['q4_1']:7.0f} tok/s  "
           f"{best['bf16'] / best['q4_1']:.2f}x")
+    if args.json:
+        prefill = {k: 512 / v for k, v in best.items()}
+        Path(args.json).write_text(json.dumps(result_json(decode, prefill), indent=1) + "\n")
+
+
+def result_json(decode: dict[str, dict[str, float]], prefill: dict[str, float]) -> dict:
+    """tokens/s of each side ("bf16", "q4_1"): decode by stream count, and the 4 x 128 prefill."""
+    return {"decode": decode, "prefill": {"prompts": 4, "tokens": 128, **prefill}}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads OpenMP below
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -174,6 +175,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (about a minute)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--json", default="", help="also write the rows to this JSON file")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notices
     if args.threads:
@@ -187,12 +189,22 @@ def main() -> None:
     print(f"{'dtype':<9} {'workload':<12} {'cadence tok/s':>14} {'transformers':>13} {'ratio':>7} "
           f"{'matmul GFLOP/s':>15}")
     arch, weights, path = load_weights(torch.float32)
+    rows = []
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         gflops = matmul_gflops(dtype)
         for workload, ours, theirs in run(arch, weights, path, dtype, args.quick):
             print(f"{name:<9} {workload:<12} {ours:>14.1f} {theirs:>13.1f} {ours / theirs:>6.2f}x {gflops:>15.0f}",
                   flush=True)
+            rows.append(row_json(name, workload, ours, theirs, gflops))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"load_average": load, "rows": rows}, indent=1) + "\n")
+
+
+def row_json(dtype: str, workload: str, cadence: float, transformers: float, matmul_gflops: float) -> dict:
+    """One measured row (tokens/s of each side, the dtype's large-matmul GFLOP/s)."""
+    return {"dtype": dtype, "workload": workload, "cadence": cadence, "transformers": transformers,
+            "matmul_gflops": matmul_gflops}
 
 
 if __name__ == "__main__":

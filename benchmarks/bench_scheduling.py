@@ -20,6 +20,7 @@ configuration builds its own engine (options that differ need a new one) and is 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -191,7 +192,8 @@ def verdict(ok: bool) -> str:
 
 
 def bench_batching(tiny: bool, n: int, scale: float, max_num_seqs: int = 8, trace: Path | None = None,
-                   long: tuple[int, int] = (64, 128), long_share: float = 0.15, rounds: int = 1) -> list[Row]:
+                   long: tuple[int, int] = (64, 128), long_share: float = 0.15, rounds: int = 1,
+                   figures: dict[str, Any] | None = None) -> list[Row]:
     """The two modes run one after the other, `rounds` times (alternating, so a machine whose speed
     drifts favours neither): each figure is the median over the rounds."""
     runs: dict[str, list[Trace]] = {"continuous": [], "static": []}
@@ -206,8 +208,11 @@ def bench_batching(tiny: bool, n: int, scale: float, max_num_seqs: int = 8, trac
     p95 = {m: statistics.median(percentile(t.e2es(), 95) for t in ts) for m, ts in runs.items()}
     ratio = tput["continuous"] / tput["static"]
     ok = ratio >= 2.0 and p95["continuous"] <= p95["static"]
-    each = ", ".join(f"{a.output_tokens() / (a.end - a.start) / (b.output_tokens() / (b.end - b.start)):.2f}"
-                     for a, b in zip(runs["continuous"], runs["static"], strict=True))
+    round_ratios = [a.output_tokens() / (a.end - a.start) / (b.output_tokens() / (b.end - b.start))
+                    for a, b in zip(runs["continuous"], runs["static"], strict=True)]
+    each = ", ".join(f"{r:.2f}" for r in round_ratios)
+    if figures is not None:
+        figures["batching"] = batching_json(max_num_seqs, n, tput, p50, p95, round_ratios)
     return [
         (f"1 batching (max_num_seqs {max_num_seqs}): tok/s cont | static", f"{tput['continuous']:.1f} | {tput['static']:.1f}",
          f"{ratio:.2f}x", ">= 2x", verdict(ok)),
@@ -217,6 +222,13 @@ def bench_batching(tiny: bool, n: int, scale: float, max_num_seqs: int = 8, trac
         ("  e2e p95 s cont | static", f"{p95['continuous']:.2f} | {p95['static']:.2f}",
          f"{p95['static'] / p95['continuous']:.2f}x", "cont <= static", verdict(p95["continuous"] <= p95["static"])),
     ]
+
+
+def batching_json(max_num_seqs: int, requests: int, tput: dict[str, float], p50: dict[str, float],
+                  p95: dict[str, float], round_ratios: list[float]) -> dict[str, Any]:
+    """The batching figures for --json: each mode's ("continuous", "static") tokens/s and e2e seconds."""
+    return {"max_num_seqs": max_num_seqs, "requests": requests, "tok_s": tput, "e2e_p50_s": p50, "e2e_p95_s": p95,
+            "round_ratios": round_ratios}
 
 
 def run_prefix(llm: LLM, jobs: list[Job]) -> Trace:
@@ -287,6 +299,7 @@ def main() -> None:
                     help="batching, synthetic mix: the long outputs' token range LO,HI (short: 8..32)")
     ap.add_argument("--long-share", type=float, default=0.15, help="batching, synthetic mix: the long outputs' share")
     ap.add_argument("--rounds", type=int, default=1, help="batching: alternating runs of each mode (medians)")
+    ap.add_argument("--json", default="", help="also write the batching figures and the OpenMP settings to this file")
     args = ap.parse_args()
     try:
         lo, hi = (int(x) for x in args.long_outputs.split(","))
@@ -300,11 +313,13 @@ def main() -> None:
     if trace is not None and not trace.is_file():
         print(f"note: {trace} not found: the batching mix uses synthetic output lengths (--output-trace)")
         trace = None
+    figures: dict[str, Any] = {}
     parts = {
         "batching": lambda: bench_batching(tiny, args.batching_requests or 3 * args.max_num_seqs, 0.5,
-                                           args.max_num_seqs, trace, (lo, hi), args.long_share, args.rounds) if tiny
+                                           args.max_num_seqs, trace, (lo, hi), args.long_share, args.rounds,
+                                           figures) if tiny
         else bench_batching(tiny, args.batching_requests or 12 * args.max_num_seqs, 1.0, args.max_num_seqs, trace,
-                            (lo, hi), args.long_share, args.rounds),
+                            (lo, hi), args.long_share, args.rounds, figures),
         "prefix": lambda: bench_prefix(tiny, 8, 400) if tiny else bench_prefix(tiny, 24, 400),
         "chunked": lambda: bench_chunked(tiny, 18, 800, 2) if tiny else bench_chunked(tiny, 36, 1024, 3),
     }
@@ -322,6 +337,9 @@ def main() -> None:
           f"{time.perf_counter() - t0:.0f} s)")
     print_table(rows)
     print("4 scheduler cost: run .venv/bin/python benchmarks/bench_scheduler_cost.py (goal: < 5% of a step)")
+    if args.json:
+        env = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+        Path(args.json).write_text(json.dumps({"model": model, "omp_env": env, **figures}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import cadence  # noqa: F401  (first: it sets cadence's OpenMP default, read whe
 # isort: split
 import argparse
 import functools
+import json
 import random
 import sys
 import time
@@ -107,6 +108,11 @@ class Profiled(CadenceStreams):
         self.runner.prepare = traced  # type: ignore[method-assign]
 
 
+def result_json(context: int, weights: str, dtype: str, threads: int) -> dict:
+    """The run's settings; main adds, under "streams", each batch size's tok_s, step_ms and breakdown_ms."""
+    return {"context": context, "weights": weights, "dtype": dtype, "threads": threads, "streams": {}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", default="1,8,32")
@@ -117,6 +123,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64, help="prompt tokens of each stream before it decodes")
     ap.add_argument("--weights", choices=("bf16", "q4_1"), default="bf16",
                     help="q4_1: the checkpoint's four-bit layers as served (needs --dtype bfloat16)")
+    ap.add_argument("--json", default="", help="also write the step times and breakdowns to this JSON file")
     args = ap.parse_args()
     if args.context < 1:
         ap.error("--context: must be >= 1")
@@ -139,6 +146,7 @@ def main() -> None:
     runner.initialize_kv_cache(num_blocks=per_stream * max(sizes) + 1, block_size=BLOCK)
     rng = random.Random(0)
     prompts = [[rng.randrange(arch.vocab_size) for _ in range(args.context)] for _ in range(max(sizes))]
+    result = result_json(args.context, args.weights, args.dtype, torch.get_num_threads())
     for b in sizes:
         s = Profiled(runner, prompts[:b], 4 * args.steps, 0)
         s.decode(3)
@@ -158,6 +166,9 @@ def main() -> None:
             print(f"  {kind:<16} {ms:7.2f} ms/step  {100 * ms / total:5.1f}%")
         if args.ops:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
+        result["streams"][str(b)] = {"tok_s": best, "step_ms": b / best * 1e3, "breakdown_ms": parts}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
