@@ -6,8 +6,7 @@ The executor sees only `SchedulerOutput` (never the mutable `Request`); the stre
 An executor that sets `accepts_decode_batch` (the simulator's) gets a step's plain decodes as one
 `DecodeBatch` of columns instead of a `ScheduledRequest` each, and the engine reports their tokens
 as a list of request ids instead of a `RequestDelta` each: a simulation's steps are mostly plain
-decodes, and two Python objects per generated token were most of its cost. Such an executor may
-also cost a whole `DecodeRun` at once, for the simulator's fast-forward (`sched/stretch.py`).
+decodes, and two Python objects per generated token were most of its cost.
 """
 
 from __future__ import annotations
@@ -80,24 +79,6 @@ class DecodeBatch:
 
 
 NO_DECODES = DecodeBatch()
-
-
-@dataclass(frozen=True)
-class DecodeRun:
-    """`num_steps` consecutive steps that each schedule the same `num_seqs` plain decodes and, with
-    `chunk`, one prompt chunk of `chunk` tokens after them that samples nothing (with `sampled`, its
-    last chunk, which does); nothing else. Row i decodes at its first step's position plus the
-    step's index; step j's chunk starts at
-    `chunk_start + j * chunk`. What an executor that sets `accepts_decode_runs` (the simulator's)
-    needs to cost the steps: the rows' first positions summed and their maximum, and the chunk."""
-
-    num_seqs: int
-    start_sum: int
-    start_max: int
-    num_steps: int
-    chunk: int = 0
-    chunk_start: int = 0
-    sampled: int = 0  # 1: the chunk is its prompt's last and samples (a run of one step, see DecodeStretch.join)
 
 
 @dataclass(frozen=True)
