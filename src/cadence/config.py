@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from cadence.kv.hashing import HASH_ALGOS
-from cadence.request import is_finite, is_int
+from cadence.checks import is_finite, is_int
 
 SCHEDULERS = ("continuous", "static")
 POLICIES = ("fcfs", "priority", "fair", "deadline")
+HASH_ALGOS = ("sha256", "builtin")  # the prefix cache's block hashes (kv/hashing.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 GiB = 1 << 30

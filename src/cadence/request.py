@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
+
+from cadence.checks import is_finite, is_int
 
 # Caps that keep one request from asking the engine for unbounded work.
 MAX_LOGPROBS = 20
@@ -75,16 +76,6 @@ _STATUS_TO_REASON = {
 def _check(cond: bool, name: str, why: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {why}")
-
-
-def is_int(x: object) -> bool:
-    """An integer that is not a bool: `max_tokens=True` is a mistake, not 1."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def is_finite(x: object) -> bool:
-    """A finite int or float that is not a bool."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _token_key(k: object) -> int:

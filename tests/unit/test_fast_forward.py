@@ -17,6 +17,7 @@ from collections import Counter
 import pytest
 from fakes import FakeExecutor
 
+from cadence.boundary import DecodeBatch, ScheduledRequest, SchedulerOutput
 from cadence.clock import VirtualClock
 from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
@@ -24,7 +25,6 @@ from cadence.errors import AdmissionError
 from cadence.executor.cost_model import _FEW_STEPS, DecodeRun, SimExecutor, StepCostModel
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, SamplingParams
-from cadence.sched.output import DecodeBatch, ScheduledRequest, SchedulerOutput
 from cadence.sched.queue import FairQueue, RequestQueue
 from cadence.sim.fast_forward import FastForward, blocks_allocated, first_allocations, steps_within
 from cadence.sim.simulator import SimOptions, SimResult, Simulator

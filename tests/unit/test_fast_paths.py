@@ -18,12 +18,12 @@ from array import array
 import pytest
 from fakes import FakeExecutor, make_engine, make_request, run_until_done
 
+from cadence.boundary import NO_DECODES, RequestDelta, ScheduledRequest, SchedulerOutput
 from cadence.errors import AdmissionError
 from cadence.kv.hashing import hash_block, hash_full_blocks
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, SamplingParams
 from cadence.sched import queue as queues
-from cadence.sched.output import NO_DECODES, RequestDelta, ScheduledRequest, SchedulerOutput
 from cadence.sched.records import scheduled_request, token_delta
 from cadence.sched.scheduler import Scheduler
 

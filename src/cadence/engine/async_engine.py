@@ -30,14 +30,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from cadence.boundary import IterationStats, RequestDelta, SchedulerStats
 from cadence.clock import Clock, RealClock
 from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
 from cadence.engine.watchdog import STALL_FACTOR, StepPace, Watchdog
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.metrics.stats import IterationStats, SchedulerStats
 from cadence.request import Request, RequestStatus, SamplingParams
-from cadence.sched.output import RequestDelta
 from cadence.wording import counted
 
 if TYPE_CHECKING:

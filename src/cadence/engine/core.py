@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from cadence.boundary import IterationStats, ModelOutput, RequestDelta, SchedulerStats
 from cadence.clock import Clock, RealClock
 from cadence.config import EngineConfig
 from cadence.executor.base import DecodeBatchExecutor, Executor
 from cadence.kv.manager import KVCacheManager
-from cadence.metrics.stats import IterationStats, SchedulerStats
 from cadence.request import Request, RequestStatus
-from cadence.sched.output import ModelOutput, RequestDelta
 from cadence.sched.scheduler import Scheduler
 from cadence.wording import counted
 

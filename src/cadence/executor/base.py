@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from cadence.sched.output import ModelOutput, SchedulerOutput
+from cadence.boundary import ModelOutput, SchedulerOutput
 
 
 class Executor(Protocol):

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cadence.sched.output import ModelOutput, SchedulerOutput
+from cadence.boundary import ModelOutput, SchedulerOutput
 
 PROFILE_FORMAT = 1
 # Base quantities every feature set is linear in; the fitted model folds into one weight per base.

@@ -19,8 +19,9 @@ import struct
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
+from cadence.config import HASH_ALGOS
+
 BlockHash = bytes | int  # a SHA-256 digest, or a `builtin` hash
-HASH_ALGOS = ("sha256", "builtin")
 
 # The parent of a request's first block; distinct from any digest (digests are 32 bytes).
 _ROOT = b"cadence-kv-root"

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cadence.boundary import ScheduledRequest, TokenLogprobs
 from cadence.model.cpu_kernels import cpu_kernels
 from cadence.request import MAX_LOGPROBS, SamplingParams
-from cadence.sched.output import ScheduledRequest, TokenLogprobs
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pairs over the seed space
 

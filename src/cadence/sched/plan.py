@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from cadence.boundary import NO_DECODES, DecodeBatch, ScheduledRequest
 from cadence.request import Request
-from cadence.sched.output import NO_DECODES, DecodeBatch, ScheduledRequest
 from cadence.sched.records import decode_batch, scheduled_request
 
 

@@ -12,9 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from operator import attrgetter, itemgetter
 
-from cadence.metrics.stats import FinishedRequestStats
+from cadence.boundary import (
+    DecodeBatch,
+    FinishedRequestStats,
+    RequestDelta,
+    RequestMetrics,
+    ScheduledRequest,
+    TokenLogprobs,
+)
 from cadence.request import Request
-from cadence.sched.output import DecodeBatch, RequestDelta, RequestMetrics, ScheduledRequest, TokenLogprobs
 
 _new = object.__new__
 # Column getters for `decode_batch`: map() with these runs the per-row loop in C.

@@ -26,21 +26,22 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from cadence.config import CacheConfig, SchedulerConfig
-from cadence.errors import AdmissionError
-from cadence.kv.manager import KVCacheManager
-from cadence.metrics.stats import IterationStats, SchedulerStats
-from cadence.request import Request, RequestStatus
-from cadence.sched.admission import AdmissionControl, check_ids
-from cadence.sched.output import (
+from cadence.boundary import (
     NO_DECODES,
     DecodeBatch,
+    IterationStats,
     ModelOutput,
     RequestDelta,
     ScheduledRequest,
     SchedulerOutput,
+    SchedulerStats,
     TokenLogprobs,
 )
+from cadence.config import CacheConfig, SchedulerConfig
+from cadence.errors import AdmissionError
+from cadence.kv.manager import KVCacheManager
+from cadence.request import Request, RequestStatus
+from cadence.sched.admission import AdmissionControl, check_ids
 from cadence.sched.plan import StepPlan, split_rows
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue

@@ -66,14 +66,13 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Protocol, runtime_checkable
 
+from cadence.boundary import IterationStats, RequestDelta
 from cadence.clock import Clock
 from cadence.config import SchedulerConfig
 from cadence.engine.core import EngineCore
 from cadence.executor.cost_model import DecodeRun
 from cadence.kv.manager import KVCacheManager
-from cadence.metrics.stats import IterationStats
 from cadence.request import Request, RequestStatus
-from cadence.sched.output import RequestDelta
 from cadence.sched.preempt import PreemptionPolicy
 from cadence.sched.queue import RequestQueue
 from cadence.sched.records import final_delta, token_delta
