@@ -215,9 +215,26 @@ class SamplingParams:
         return not self.needs_history and self.logprobs is None
 
 
-@dataclass
+@dataclass(frozen=True)
+class RequestPolicy:
+    """How the engine weighs one client request against the others, as it arrives: its `priority`
+    (lower is served first), its `tenant` (fair share, per-tenant caps and metrics), its
+    `deadline` in seconds from submission (None: none), and its prefix-cache salt (None: the
+    tenant's under tenant isolation, else none). Travels whole from the server to the engine."""
+
+    priority: int = 0
+    tenant: str = "default"
+    deadline: float | None = None
+    cache_salt: str | None = None
+
+
+DEFAULT_POLICY = RequestPolicy()
+
+
+@dataclass(eq=False)
 class Request:
     """One generation request as the scheduler sees it. Mutated by the scheduler only.
+    Two requests are equal only if they are the same object (the scheduler finds them by identity).
 
     `num_computed_tokens` counts tokens of `all_token_ids` whose KV is in the cache. A request is
     in prefill while that is below `num_prompt_tokens`; after a preemption (recompute) it is reset

@@ -256,10 +256,7 @@ class Scheduler:
         self.waiting.push_front(victim)
 
     def _leave_running(self, req: Request, *, keep_hashes: bool = False) -> None:
-        # Found by identity: list.remove compares with ==, which for a Request (a dataclass)
-        # compares every field of each request it passes.
-        running = self.running
-        del running[next(i for i, r in enumerate(running) if r is req)]
+        self.running.remove(req)  # (by identity: a Request equals only itself)
         self._num_live_tokens -= req.num_computed_tokens
         self._tenant_running[req.tenant] -= 1
         if not self._tenant_running[req.tenant]:

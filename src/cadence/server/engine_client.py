@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import CadenceError
-from cadence.request import SamplingParams
+from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 
 
 class EngineStream(Protocol):
@@ -67,10 +67,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         *,
         request_id: str,
-        priority: int = 0,
-        tenant: str = "default",
-        deadline: float | None = None,
-        cache_salt: str | None = None,
+        policy: RequestPolicy = DEFAULT_POLICY,
     ) -> EngineStream:
         """Admit the request or raise its refusal (`CadenceError`, `AdmissionError` with Retry-After)."""
         ...

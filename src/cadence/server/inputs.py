@@ -20,7 +20,7 @@ from cadence.config import ServerConfig
 from cadence.errors import CadenceError, ErrorKind
 from cadence.model.template_limits import ChatTemplateLimitError
 from cadence.model.template_process import WORKERS
-from cadence.request import SamplingParams
+from cadence.request import RequestPolicy, SamplingParams
 from cadence.server.engine_client import EngineClient
 from cadence.server.errors import APIError, HTTPKind, param_of
 from cadence.server.protocol import SamplingFields
@@ -40,10 +40,7 @@ class Job:
     request_id: str
     prompts: list[list[int]]
     params: SamplingParams
-    tenant: str
-    priority: int
-    deadline: float | None
-    cache_salt: str | None
+    policy: RequestPolicy
     stream: bool
     include_usage: bool
 
@@ -184,10 +181,7 @@ class InputBuilder:
             request_id,
             prompts,
             params,
-            tenant,
-            body.priority,
-            body.deadline,
-            salt,
+            RequestPolicy(body.priority, tenant, body.deadline, salt),
             body.stream,
             body.include_usage,
         )

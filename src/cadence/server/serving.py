@@ -156,21 +156,21 @@ class OpenAIServing:
 
     def _acquire(self, job: Job) -> None:
         cap = self.config.tenant_max_requests
-        if cap is not None and self.tenant_in_flight[job.tenant] >= cap:
+        if cap is not None and self.tenant_in_flight[job.policy.tenant] >= cap:
             self._count_refusal(ErrorKind.TENANT_QUOTA)
             raise AdmissionError(
                 ErrorKind.TENANT_QUOTA,
-                f"tenant {job.tenant!r} has {counted(cap, 'request')} in flight, its cap; retry later",
+                f"tenant {job.policy.tenant!r} has {counted(cap, 'request')} in flight, its cap; retry later",
                 retry_after=self.engine.drain_rate.retry_after(),
             )
-        self.tenant_in_flight[job.tenant] += 1
+        self.tenant_in_flight[job.policy.tenant] += 1
         self.active += 1
 
     def _release(self, job: Job) -> None:
         self.active -= 1
-        self.tenant_in_flight[job.tenant] -= 1
-        if self.tenant_in_flight[job.tenant] <= 0:
-            del self.tenant_in_flight[job.tenant]
+        self.tenant_in_flight[job.policy.tenant] -= 1
+        if self.tenant_in_flight[job.policy.tenant] <= 0:
+            del self.tenant_in_flight[job.policy.tenant]
 
     async def _run(self, job: Job, fmt: Formatter, raw: Request) -> Response:
         self._acquire(job)
@@ -210,10 +210,7 @@ class OpenAIServing:
                 job.prompts,
                 job.params,
                 request_id=job.request_id,
-                priority=job.priority,
-                tenant=job.tenant,
-                deadline=job.deadline,
-                cache_salt=job.cache_salt,
+                policy=job.policy,
             )
         except CadenceError as e:
             # The engine's refusals too, counted here as they are answered: the core reports its own
