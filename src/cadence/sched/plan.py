@@ -32,6 +32,17 @@ class StepPlan:
             self.num_prefill += n
         self.budget -= n
 
+    def add_running(self, req: Request, n: int, block_table: tuple[int, ...], batch: bool) -> None:
+        """Plan `n` tokens for running request `req`: with `batch`, a plain decode's row is the
+        request itself (a row of the step's `DecodeBatch`). The plain version of what
+        `Scheduler._schedule_running` does inline, per decode per step (tests/unit/test_references.py
+        compares the two)."""
+        if batch and not is_prefill(req, n) and req.sampling_params.plain_decode:
+            self.rows[req.request_id] = req
+            self.budget -= n
+        else:
+            self.add(req, n, block_table)
+
     def num_tokens(self, rid: str) -> int:
         """Tokens planned for request `rid` (0 if none)."""
         row = self.rows.get(rid)
@@ -59,7 +70,8 @@ def split_rows(rows: dict[str, ScheduledRequest | Request], tables: Mapping[str,
                ) -> tuple[tuple[ScheduledRequest, ...], DecodeBatch, tuple[int, ...]]:
     """Batch mode: the records, the plain decodes as one batch, and how many decodes precede each
     record. A row is told apart by its exact type, a `ScheduledRequest` record or a `Request`
-    (a plain decode): this runs every step, and `type() is` is the cheapest test."""
+    (a plain decode): this runs every step, and `type() is` is the cheapest test
+    (`split_rows_reference` is the plain version, which tests compare)."""
     records: list[ScheduledRequest] = []
     before: list[int] = []
     decodes: list[Request] = []
@@ -70,4 +82,30 @@ def split_rows(rows: dict[str, ScheduledRequest | Request], tables: Mapping[str,
         else:
             decodes.append(row)  # type: ignore[arg-type]
     batch = decode_batch(decodes, tables) if decodes else NO_DECODES
+    return tuple(records), batch, tuple(before)
+
+
+def split_rows_reference(rows: dict[str, ScheduledRequest | Request], tables: Mapping[str, tuple[int, ...]],
+                         ) -> tuple[tuple[ScheduledRequest, ...], DecodeBatch, tuple[int, ...]]:
+    """`split_rows`, plainly: rows told apart by `isinstance`, the batch built row by row."""
+    records: list[ScheduledRequest] = []
+    before: list[int] = []
+    decodes: list[Request] = []
+    for row in rows.values():
+        if isinstance(row, Request):
+            decodes.append(row)
+        else:
+            records.append(row)
+            before.append(len(decodes))
+    if not decodes:
+        return tuple(records), NO_DECODES, tuple(before)
+    batch = DecodeBatch(
+        request_ids=tuple(r.request_id for r in decodes),
+        token_ids=tuple(r.output_token_ids[-1] for r in decodes),
+        start_pos=tuple(r.num_computed_tokens for r in decodes),
+        block_tables=tuple(tables[r.request_id] for r in decodes),
+        sampling_params=tuple(r.sampling_params for r in decodes),
+        num_output_tokens=tuple(r.num_output_tokens for r in decodes),
+        eos_token_ids=tuple(r.eos_token_ids for r in decodes),
+    )
     return tuple(records), batch, tuple(before)

@@ -179,7 +179,7 @@ class Scheduler:
                     ids = table(rid, ())
                 if req.status is not _RUNNING:
                     continue  # it was its own victim
-            # plan.add, inlined: this is the per-decode, per-step path.
+            # StepPlan.add_running, inlined: this is the per-decode, per-step path.
             if n != 1 or start < num_prompt:
                 rows[rid] = scheduled_request(req, n, ids)
                 plan.num_prefill += n
