@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 
-def is_int(x: object) -> bool:
+def is_int(x: object) -> TypeGuard[int]:
     """An integer that is not a bool: `max_tokens=True` is a mistake, not 1."""
     return isinstance(x, int) and not isinstance(x, bool)
 

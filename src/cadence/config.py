@@ -338,6 +338,6 @@ OPTION_CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def engine_option_fields() -> list[tuple[str, dataclasses.Field]]:
+def engine_option_fields() -> list[tuple[str, dataclasses.Field[Any]]]:
     """(section, field) for every engine option, in declaration order: the CLI derives flags from it."""
     return [(sec, f) for sec, cls in _SECTIONS.items() for f in fields(cls)]

@@ -225,16 +225,17 @@ def _is_ids(x: Any) -> bool:
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
     """Prompts as text or token-id lists; TypeError naming the one that is neither."""
+    items: list[Any]
     if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
+        items = [prompts]
     elif not isinstance(prompts, Iterable) or isinstance(prompts, bytes):
         raise TypeError(f"prompts: expected {_PROMPT_FORMS}, or a list of them; got {type(prompts).__name__}")
     else:
-        prompts = list(prompts)
-        if prompts and all(isinstance(t, int) for t in prompts):
-            prompts = [prompts]  # one prompt given as token ids
+        items = list(prompts)
+        if items and all(isinstance(t, int) for t in items):
+            items = [items]  # one prompt given as token ids
     out: list[str | list[int]] = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(items):
         if isinstance(p, dict):
             if set(p) == {"prompt"} and isinstance(p["prompt"], str):
                 p = p["prompt"]

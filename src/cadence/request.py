@@ -81,7 +81,7 @@ def _check(cond: bool, name: str, why: str) -> None:
 def _token_key(k: object) -> int:
     """A logit_bias key: an int, or its decimal string (JSON objects have string keys)."""
     if is_int(k):
-        return k  # type: ignore[return-value]
+        return k
     if isinstance(k, str) and k.strip().lstrip("-").isdigit():
         return int(k)
     raise ValueError(k)
@@ -149,7 +149,7 @@ class SamplingParams:
         elif isinstance(bias, (list, tuple)):
             if not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in bias):
                 raise ValueError("logit_bias: must be a dict {token_id: bias} or a list of (token_id, bias) pairs")
-            bias = tuple(tuple(e) for e in bias)
+            bias = tuple((e[0], e[1]) for e in bias)
         else:
             raise ValueError(f"logit_bias: must be a dict {{token_id: bias}}, got {bias!r}")
         object.__setattr__(self, "logit_bias", bias)

@@ -172,6 +172,7 @@ class AdmissionControl:
                 for victim, use in verdict.evict
             ]
         bound = over[0]
+        excess: float
         if bound.unit == "requests":
             excess = len(waiting) + len(group) - bound.limit
         else:  # requests that must drain to make room, from the average queued prompt

@@ -25,6 +25,7 @@ import heapq
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from cadence.boundary import (
     NO_DECODES,
@@ -264,17 +265,20 @@ class Scheduler:
         self.kv.free(req, keep_hashes=keep_hashes)
 
     def _build_output(self, plan: StepPlan) -> SchedulerOutput:
-        decodes, before = NO_DECODES, ()
+        decodes: DecodeBatch = NO_DECODES
+        before: tuple[int, ...] = ()
+        scheduled: tuple[ScheduledRequest, ...]
         if self._batch_decodes:
             scheduled, decodes, before = split_rows(plan.rows, self.kv.block_tables)
         else:
-            scheduled = tuple(plan.rows.values())  # every row is a record
+            # Without batch mode every row is a record.
+            scheduled = cast("tuple[ScheduledRequest, ...]", tuple(plan.rows.values()))
         num_prefill = plan.num_prefill
         self._preempted_ids.extend(plan.preempted)
         num_tokens = self.config.max_num_batched_tokens - plan.budget
         out = SchedulerOutput(
             step=self._step,
-            scheduled=scheduled,  # type: ignore[arg-type]
+            scheduled=scheduled,
             preempted_ids=tuple(self._preempted_ids),
             finished_ids=tuple(self._finished_ids),
             num_batched_tokens=num_tokens,

@@ -42,9 +42,13 @@ class EngineClient(Protocol):
     max_request_tokens: int
     vocab_size: int
     tokenizer: Any
-    drain_rate: RetryAfter  # Retry-After for a refusal made before the engine (a tenant's cap)
     stats_hooks: list[Callable[..., None]]  # called after each local engine step (none for a fleet)
     engine: Any  # `.config` (an EngineConfig) where known: whether tenants' caches are isolated
+
+    @property
+    def drain_rate(self) -> RetryAfter:
+        """Retry-After for a refusal made before the engine (a tenant's cap)."""
+        ...
 
     @property
     def is_healthy(self) -> bool: ...

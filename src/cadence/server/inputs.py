@@ -13,6 +13,7 @@ import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
@@ -218,7 +219,7 @@ class InputBuilder:
         self.check_ids(list(bias), "logit_bias")
         self.check_ids(body.stop_token_ids or [], "stop_token_ids")
         self.check_ids(body.allowed_token_ids or [], "allowed_token_ids")
-        options = {
+        options: dict[str, Any] = {
             "temperature": body.temperature,
             "top_p": body.top_p,
             "top_k": body.top_k,

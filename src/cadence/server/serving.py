@@ -263,8 +263,8 @@ class OpenAIServing:
     ) -> AsyncIterator[bytes]:
         usage = UsageTracker(job.params.n)
         try:
-            for chunk in fmt.start_chunks():
-                yield sse(_with_usage(chunk, job))
+            for start in fmt.start_chunks():
+                yield sse(_with_usage(start, job))
             d: StreamDelta | None = first
             while d is not None:
                 i = stream.index_of(d.request_id)

@@ -25,7 +25,7 @@ import math
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,7 +207,7 @@ class Simulator:
             self.replicas.append(_Replica(i, core, clock, ex))
         self._params: dict[int, SamplingParams] = {}
         self._live: dict[str, tuple[RequestRecord, _Replica]] = {}
-        self._times: dict[str, array] = {}  # each live request's token times (its record's array)
+        self._times: dict[str, MutableSequence[float]] = {}  # each live request's token times (its record's array)
         self._steps = 0
         # A step hook must see every step, so it turns the fast-forward off.
         self._fast_forward = options.fast_forward and on_step is None
@@ -358,14 +358,14 @@ class Simulator:
     def _push_entry(self, rep: _Replica) -> None:
         """Queue coasting `rep` where its stretch next has an effect: the start of the next step that
         finishes requests, else the stretch's end."""
-        stretch = rep.stretch
-        assert stretch is not None
+        stretch, ff = rep.stretch, rep.ff
+        assert stretch is not None and ff is not None
         if rep.finish_points:
             step = rep.finish_points[-1][0]
-            rep.ff.cost(stretch, step)
+            ff.cost(stretch, step)
             rep.entry = stretch.step_ends[step - 1] if step else stretch.start_time
         else:
-            rep.ff.cost(stretch, stretch.num_steps)
+            ff.cost(stretch, stretch.num_steps)
             rep.entry = stretch.step_ends[-1]
         heapq.heappush(self._heap, (rep.entry, rep.index))
 
@@ -395,6 +395,7 @@ class Simulator:
     def _finish_rows(self, rep: _Replica, stretch: DecodeStretch, step: int, rows: list[int]) -> None:
         """The records of the requests (`rows` of the stretch) that its step `step` finishes (by
         length, the steps not applied yet): their token times to that step's end, then their end."""
+        assert rep.ff is not None  # (a stretch was planned by it)
         rep.ff.cost(stretch, step + 1)
         rels = self._rels(stretch.step_ends[: step + 1])
         rel = rels[-1]
@@ -439,10 +440,10 @@ class Simulator:
     def _land(self, rep: _Replica, m: int) -> None:
         """Apply the first `m` steps of `rep`'s stretch and record them as `_step` would have (the
         requests they finish have been recorded as done, each at its step's start)."""
-        stretch = rep.stretch
-        assert stretch is not None
+        stretch, ff = rep.stretch, rep.ff
+        assert stretch is not None and ff is not None
         rep.stretch = None
-        deltas = rep.ff.apply(stretch, m)
+        deltas = ff.apply(stretch, m)
         # (Finished requests were recorded at their finishing steps; a joined row's first token is below.)
         assert all(d.finish_reason is None or (d.request_id not in self._live and d.finish_reason.value == "length")
                    for d in deltas)
