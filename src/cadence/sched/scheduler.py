@@ -105,7 +105,7 @@ class Scheduler:
         for ev in evictions:
             victim = ev.request
             victim.retry_after = ev.error.retry_after
-            self._finish(victim, RequestStatus.FINISHED_EVICTED, now, error=ev.error.message)
+            self.finish(victim, RequestStatus.FINISHED_EVICTED, now, error=ev.error.message)
             self._pending_deltas.append(final_delta(victim))
         for request in group:
             self._enqueue(request)
@@ -341,7 +341,7 @@ class Scheduler:
             return
         token = model_output.sampled_token_ids.get(rid)
         if token is None:
-            self._finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
+            self.finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
             deltas.append(final_delta(req))
             return
         if account is not None:
@@ -375,7 +375,7 @@ class Scheduler:
                 cache(req)
             token = sampled.get(rid)
             if token is None:
-                self._finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
+                self.finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
                 deltas.append(final_delta(req))
                 continue
             if account is not None:
@@ -399,7 +399,7 @@ class Scheduler:
             if status is None:
                 went_on.append(rid)
                 continue
-            self._finish(req, status, now, stop_reason=stop_reason)
+            self.finish(req, status, now, stop_reason=stop_reason)
             deltas.append(final_delta(req, (token,)))
         # Summed once: a request finished above took its updated tokens off, so the total is exact.
         self._num_live_tokens += num_computed
@@ -411,7 +411,7 @@ class Scheduler:
         for sr in out.rows():
             req = self.requests.get(sr.request_id)
             if req is not None and req.status is _RUNNING:
-                self._finish(req, RequestStatus.FINISHED_ERROR, now, error=error)
+                self.finish(req, RequestStatus.FINISHED_ERROR, now, error=error)
                 deltas.append(final_delta(req))
         self._close_stats()
         return deltas
@@ -441,7 +441,7 @@ class Scheduler:
         status, stop_reason = self.stop_status(req, token)
         if status is None:
             return token_delta(req, token, lps)
-        self._finish(req, status, now, stop_reason=stop_reason)
+        self.finish(req, status, now, stop_reason=stop_reason)
         return final_delta(req, (token,), lps)
 
     def stop_status(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
@@ -476,7 +476,7 @@ class Scheduler:
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
-                self._finish(req, status, now, stop_reason=stop_reason)
+                self.finish(req, status, now, stop_reason=stop_reason)
                 deltas.append(final_delta(req))
         return deltas
 
@@ -500,14 +500,15 @@ class Scheduler:
                 continue
             where = "running" if req.status is _RUNNING else "waiting"
             msg = f"deadline {deadline:.3f} passed at {now:.3f} while {where} ({req.num_output_tokens} tokens out)"
-            self._finish(req, RequestStatus.FINISHED_DEADLINE, now, error=msg)
+            self.finish(req, RequestStatus.FINISHED_DEADLINE, now, error=msg)
             self._pending_deltas.append(final_delta(req))
 
-    def _finish(
+    def finish(
         self, req: Request, status: RequestStatus, now: float, *, stop_reason: str | int | None = None,
         error: str | None = None,
     ) -> None:
-        """End a waiting or running request: free its blocks, record why and when."""
+        """End a waiting or running request: free its blocks, record why and when (its final delta
+        is the caller's to build)."""
         assert status.is_finished and not req.is_finished
         if req.status is _RUNNING:
             self._leave_running(req)
@@ -562,10 +563,6 @@ class Scheduler:
     def open_stats(self) -> IterationStats:
         """The counters of the step in progress."""
         return self._stats
-
-    def finish(self, req: Request, status: RequestStatus, now: float, *, stop_reason: str | int | None = None) -> None:
-        """End a request as a step would (its final delta is the caller's to build)."""
-        self._finish(req, status, now, stop_reason=stop_reason)
 
     def forget_finished(self) -> None:
         """A step's output carried the ids of the requests finished so far."""
