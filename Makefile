@@ -36,8 +36,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow"
 
+# mypy: the settings are pyproject.toml's [tool.mypy] (strict for the pure core and the boundary types).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

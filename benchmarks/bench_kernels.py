@@ -33,11 +33,11 @@ from unittest import mock
 
 import torch
 
+from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.executor.model_runner import ModelRunner
 from cadence.model import cpu_kernels as ck
 from cadence.model import llama
 from cadence.model.loader import default_model_path, load_checkpoint
-from cadence.sched.output import ScheduledRequest, SchedulerOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import BLOCK, GREEDY, CadenceStreams  # noqa: E402

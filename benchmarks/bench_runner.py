@@ -32,11 +32,11 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from cadence.boundary import ScheduledRequest, SchedulerOutput  # noqa: E402
 from cadence.executor.model_runner import ModelRunner  # noqa: E402
 from cadence.model.arch import ModelArchConfig  # noqa: E402
 from cadence.model.loader import default_model_path, load_checkpoint  # noqa: E402
 from cadence.request import SamplingParams  # noqa: E402
-from cadence.sched.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4096)
 PROMPT_LEN = 64

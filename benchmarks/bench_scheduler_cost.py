@@ -14,10 +14,10 @@ import argparse
 import statistics
 import time
 
+from cadence.boundary import ModelOutput, SchedulerOutput
 from cadence.config import POLICIES, CacheConfig, SchedulerConfig
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, SamplingParams
-from cadence.sched.output import ModelOutput, SchedulerOutput
 from cadence.sched.scheduler import Scheduler
 
 BLOCK_SIZE = 16

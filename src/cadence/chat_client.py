@@ -14,7 +14,7 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -58,7 +58,7 @@ class Client:
             raise ServerError(f"{self.base_url}/models lists no model")
         return str(models[0]["id"])
 
-    def stream(self, route: str, body: dict[str, Any], text_of: Any) -> Iterator[str]:
+    def stream(self, route: str, body: dict[str, Any], text_of: Any) -> Generator[str, None, None]:
         """The text pieces of a streamed reply. Closing the iterator closes the connection, which the
         server takes as the client going away (the request is aborted)."""
         try:
@@ -122,6 +122,7 @@ class Session:
     def send(self, text: str) -> bool:
         """Send one message (chat) or prompt (complete) and stream the reply to `out`. False when the
         server answered an error (printed to `err`; the conversation is left as it was)."""
+        body: dict[str, Any]
         if self.chat:
             self.history.append({"role": "user", "content": text})
             route, body, piece = "/chat/completions", {"messages": self.history}, _chat_piece

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlparse
 
-from cadence.kv.hashing import HASH_ALGOS
-from cadence.request import is_finite, is_int
+from cadence.checks import is_finite, is_int
 
 SCHEDULERS = ("continuous", "static")
 POLICIES = ("fcfs", "priority", "fair", "deadline")
+HASH_ALGOS = ("sha256", "builtin")  # the prefix cache's block hashes (kv/hashing.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 METRICS_COMPAT = ("vllm",)  # --metrics-compat: other servers' metric names served beside cadence's
@@ -355,6 +355,6 @@ OPTION_CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def engine_option_fields() -> list[tuple[str, dataclasses.Field]]:
+def engine_option_fields() -> list[tuple[str, dataclasses.Field[Any]]]:
     """(section, field) for every engine option, in declaration order: the CLI derives flags from it."""
     return [(sec, f) for sec, cls in _SECTIONS.items() for f in fields(cls)]

@@ -108,11 +108,13 @@ class LLM:
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def _run(self, token_lists, texts, sampling_params, use_tqdm, priority, tenant) -> list[RequestOutput]:
+    def _run(self, token_lists: list[list[int]], texts: list[str | None],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
+             priority: Sequence[int] | None, tenant: Sequence[str] | None) -> list[RequestOutput]:
         n = len(token_lists)
         params = _as_params_list(sampling_params, n)
-        priority = _per_prompt(priority, n, "priority", int, "an integer")
-        tenant = _per_prompt(tenant, n, "tenant", str, "a non-empty string")
+        priorities = _per_prompt(priority, n, "priority", int, "an integer")
+        tenants = _per_prompt(tenant, n, "tenant", str, "a non-empty string")
         name = (lambda i: f"prompts[{i}]") if n > 1 else (lambda i: "prompt")
         token_lists = [self._check_prompt(name(i), toks, p) for i, (toks, p) in enumerate(zip(token_lists, params, strict=True))]
         results: list[RequestOutput] = []
@@ -124,8 +126,8 @@ class LLM:
             for j in range(p.n):
                 sub = replace(p, n=1, seed=None if p.seed is None else p.seed + j)
                 rid = f"{ro.request_id}-{j}" if p.n > 1 else ro.request_id
-                pri = priority[i] if priority else 0
-                ten = tenant[i] if tenant else "default"
+                pri = priorities[i] if priorities else 0
+                ten = tenants[i] if tenants else "default"
                 pending.append(Request(rid, list(toks), sub, priority=pri, tenant=ten))
                 owner[rid] = (ro, j)
         self._drive(pending, owner, use_tqdm)
@@ -225,16 +227,17 @@ def _is_ids(x: Any) -> bool:
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
     """Prompts as text or token-id lists; TypeError naming the one that is neither."""
+    items: list[Any]
     if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
+        items = [prompts]
     elif not isinstance(prompts, Iterable) or isinstance(prompts, bytes):
         raise TypeError(f"prompts: expected {_PROMPT_FORMS}, or a list of them; got {type(prompts).__name__}")
     else:
-        prompts = list(prompts)
-        if prompts and all(isinstance(t, int) for t in prompts):
-            prompts = [prompts]  # one prompt given as token ids
+        items = list(prompts)
+        if items and all(isinstance(t, int) for t in items):
+            items = [items]  # one prompt given as token ids
     out: list[str | list[int]] = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(items):
         if isinstance(p, dict):
             if set(p) == {"prompt"} and isinstance(p["prompt"], str):
                 p = p["prompt"]

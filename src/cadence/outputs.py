@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cadence.sched.output import RequestMetrics, TokenLogprobs
+from cadence.boundary import RequestMetrics, TokenLogprobs
 
 
 @dataclass

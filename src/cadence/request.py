@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
+
+from cadence.checks import is_finite, is_int
 
 # Caps that keep one request from asking the engine for unbounded work.
 MAX_LOGPROBS = 20
@@ -77,20 +78,10 @@ def _check(cond: bool, name: str, why: str) -> None:
         raise ValueError(f"{name}: {why}")
 
 
-def is_int(x: object) -> bool:
-    """An integer that is not a bool: `max_tokens=True` is a mistake, not 1."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def is_finite(x: object) -> bool:
-    """A finite int or float that is not a bool."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _token_key(k: object) -> int:
     """A logit_bias key: an int, or its decimal string (JSON objects have string keys)."""
     if is_int(k):
-        return k  # type: ignore[return-value]
+        return k
     if isinstance(k, str) and k.strip().lstrip("-").isdigit():
         return int(k)
     raise ValueError(k)
@@ -158,7 +149,7 @@ class SamplingParams:
         elif isinstance(bias, (list, tuple)):
             if not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in bias):
                 raise ValueError("logit_bias: must be a dict {token_id: bias} or a list of (token_id, bias) pairs")
-            bias = tuple(tuple(e) for e in bias)
+            bias = tuple((e[0], e[1]) for e in bias)
         else:
             raise ValueError(f"logit_bias: must be a dict {{token_id: bias}}, got {bias!r}")
         object.__setattr__(self, "logit_bias", bias)
@@ -224,9 +215,26 @@ class SamplingParams:
         return not self.needs_history and self.logprobs is None
 
 
-@dataclass
+@dataclass(frozen=True)
+class RequestPolicy:
+    """How the engine weighs one client request against the others, as it arrives: its `priority`
+    (lower is served first), its `tenant` (fair share, per-tenant caps and metrics), its
+    `deadline` in seconds from submission (None: none), and its prefix-cache salt (None: the
+    tenant's under tenant isolation, else none). Travels whole from the server to the engine."""
+
+    priority: int = 0
+    tenant: str = "default"
+    deadline: float | None = None
+    cache_salt: str | None = None
+
+
+DEFAULT_POLICY = RequestPolicy()
+
+
+@dataclass(eq=False)
 class Request:
     """One generation request as the scheduler sees it. Mutated by the scheduler only.
+    Two requests are equal only if they are the same object (the scheduler finds them by identity).
 
     `num_computed_tokens` counts tokens of `all_token_ids` whose KV is in the cache. A request is
     in prefill while that is below `num_prompt_tokens`; after a preemption (recompute) it is reset

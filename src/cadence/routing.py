@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from cadence.kv.hashing import BlockHash
 
@@ -41,10 +42,10 @@ def fingerprint(block_hash: BlockHash) -> int:
 
 
 def fingerprints(chain: Iterable[BlockHash]) -> tuple[int, ...]:
-    chain = tuple(chain)
-    if chain and not isinstance(chain[0], bytes):  # builtin hashes: (the simulator's default) no work
-        return chain  # type: ignore[return-value]
-    return tuple(map(fingerprint, chain))
+    hashes = tuple(chain)
+    if hashes and not isinstance(hashes[0], bytes):  # builtin hashes: (the simulator's default) no work
+        return cast("tuple[int, ...]", hashes)  # (a chain is all of one algorithm)
+    return tuple(map(fingerprint, hashes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +68,11 @@ class ReplicaStats:
                 "digest": list(self.digest)}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, object]) -> ReplicaStats:
-        """The inverse of `to_dict`; missing fields (a replica that has not published yet) are zero."""
+    def from_dict(cls, d: Mapping[str, Any]) -> ReplicaStats:
+        """The inverse of `to_dict` (of a dict as Ray hands it on, untyped); missing fields (a replica
+        that has not published yet) are zero."""
         digest = d.get("digest") or ()
-        return cls(int(d.get("running", 0)), int(d.get("waiting", 0)),  # type: ignore[call-overload]
-                   int(d.get("free_blocks", 0)), frozenset(digest))  # type: ignore[call-overload,arg-type]
+        return cls(int(d.get("running", 0)), int(d.get("waiting", 0)), int(d.get("free_blocks", 0)), frozenset(digest))
 
 
 @dataclass(frozen=True)

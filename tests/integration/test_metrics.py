@@ -9,9 +9,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from cadence.boundary import FinishedRequestStats, IterationStats, RequestMetrics, SchedulerStats
 from cadence.metrics.prometheus import PrometheusExporter, meets_slo
-from cadence.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
-from cadence.sched.output import RequestMetrics
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 

@@ -23,9 +23,9 @@ from test_parity_real import (
     run_jobs,
 )
 
+from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.executor.model_runner import ModelRunner
 from cadence.request import SamplingParams
-from cadence.sched.output import ScheduledRequest, SchedulerOutput
 
 pytestmark = [
     pytest.mark.gpu,

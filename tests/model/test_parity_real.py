@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.executor.model_runner import ModelRunner
 from cadence.model.loader import Checkpoint, default_model_path, load_checkpoint
 from cadence.request import SamplingParams
-from cadence.sched.output import ScheduledRequest, SchedulerOutput
 
 pytestmark = pytest.mark.slow
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
+from cadence.boundary import ModelOutput, RequestDelta, SchedulerOutput
 from cadence.clock import VirtualClock
 from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
 from cadence.request import Request, SamplingParams
-from cadence.sched.output import ModelOutput, RequestDelta, SchedulerOutput
 
 VOCAB = 1000
 _ids = itertools.count()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from cadence.config import HASH_ALGOS
 from cadence.kv.block_pool import BlockPool
-from cadence.kv.hashing import HASH_ALGOS, block_hashers, hash_block
+from cadence.kv.hashing import block_hashers, hash_block
 
 
 def test_allocate_gives_distinct_referenced_blocks_and_none_when_short() -> None:

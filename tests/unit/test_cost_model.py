@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.clock import VirtualClock
 from cadence.executor.cost_model import (
     BASES,
@@ -19,7 +20,6 @@ from cadence.executor.cost_model import (
     StepFeatures,
 )
 from cadence.request import SamplingParams
-from cadence.sched.output import ScheduledRequest, SchedulerOutput
 
 SP = SamplingParams(max_tokens=8)
 

@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from test_model_tiny import ends_of, feed_in_chunks, hf_logits, random_tokens, tiny_hf, weights_of
 
+from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.executor.model_runner import ModelRunner
 from cadence.model import cpu_kernels as ck
 from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan, paged_attention
 from cadence.model.llama import Linear, apply_rope_, rope_tables
 from cadence.request import SamplingParams
-from cadence.sched.output import ScheduledRequest, SchedulerOutput
 
 GREEDY_SP = SamplingParams(temperature=0.0, max_tokens=64)
 

@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_cpu_kernels import kernel_model, needs_kernels
 
+from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.executor.model_runner import ModelRunner
 from cadence.model.attention import AttentionMetadata, SeqSpan
 from cadence.request import SamplingParams
-from cadence.sched.output import ScheduledRequest, SchedulerOutput
 
 VOCAB, BLOCK, NUM_BLOCKS = 300, 4, 256
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)

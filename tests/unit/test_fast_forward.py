@@ -15,17 +15,18 @@ import random
 from collections import Counter
 
 import pytest
+from fakes import FakeExecutor
 
+from cadence.boundary import DecodeBatch, ScheduledRequest, SchedulerOutput
 from cadence.clock import VirtualClock
 from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError
-from cadence.executor.cost_model import _FEW_STEPS, SimExecutor, StepCostModel
+from cadence.executor.cost_model import _FEW_STEPS, DecodeRun, SimExecutor, StepCostModel
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, SamplingParams
-from cadence.sched.output import DecodeBatch, DecodeRun, ScheduledRequest, SchedulerOutput
 from cadence.sched.queue import FairQueue, RequestQueue
-from cadence.sched.stretch import blocks_allocated, first_allocations, steps_within
+from cadence.sim.fast_forward import FastForward, blocks_allocated, first_allocations, steps_within
 from cadence.sim.simulator import SimOptions, SimResult, Simulator
 from cadence.workload import Workload, WorkloadRequest, assign_arrivals, builtin_workload
 
@@ -42,6 +43,19 @@ def _engine(**options) -> EngineCore:
     clock = VirtualClock()
     config = EngineConfig.from_options(**options)
     return EngineCore(config, SimExecutor(MODEL, clock=clock), clock=clock, max_model_len=256)
+
+
+_FAST_FORWARDS: dict[int, FastForward] = {}
+
+
+def _ff(engine: EngineCore) -> FastForward:
+    """The one fast-forward of `engine` (it remembers the stretch it planned last)."""
+    ff = _FAST_FORWARDS.get(id(engine))
+    if ff is None or ff.core is not engine:
+        ff = FastForward.of(engine)
+        assert ff is not None
+        _FAST_FORWARDS[id(engine)] = ff
+    return ff
 
 
 def _state(engine: EngineCore) -> tuple:
@@ -104,7 +118,7 @@ def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
                     engine.add_request(_request(random.Random(f"{seed}:{i}"), i, shared, name not in NO_DEADLINES))
         if not ref.has_unfinished_requests():
             continue
-        stretch = ff.plan_decode_stretch(rng.choice((2, 5, 40)))
+        stretch = _ff(ff).plan(rng.choice((2, 5, 40)))
         assert _state(ff) == _state(ref)  # planning changes nothing
         if stretch is None:
             assert ff.step() == ref.step()
@@ -114,7 +128,7 @@ def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
             deltas = [ref.step() for _ in range(m)]
             # Every step's deltas, in order: the final ones of the requests that finished (and a
             # joined request's first token).
-            assert ff.apply_decode_stretch(stretch, m) == [d for step in deltas for d in step]
+            assert _ff(ff).apply(stretch, m) == [d for step in deltas for d in step]
             if m:
                 assert ff.last_decoded == ref.last_decoded
                 finished += sum(d.finish_reason is not None for step in deltas for d in step)
@@ -136,20 +150,46 @@ def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
     assert not ref.has_unfinished_requests() or ref.scheduler._step > 100
 
 
-def test_a_planned_stretch_must_be_applied_first() -> None:
+def test_a_planned_stretch_applies_only_on_the_state_it_was_planned_on() -> None:
     engine = _engine(num_kv_blocks=64)
     engine.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)))
     engine.step()
-    stretch = engine.plan_decode_stretch(10)
+    ff = _ff(engine)
+    stretch = ff.plan(10)
     assert stretch is not None and stretch.num_steps == 10
-    with pytest.raises(RuntimeError, match="applied"):
+    engine.step()  # the core moved on
+    with pytest.raises(RuntimeError, match="moved"):
+        ff.apply(stretch, 1)
+    stretch = ff.plan(10)
+    assert stretch is not None
+    engine.add_request(Request("b", [1], SamplingParams(max_tokens=2)))  # a request came in
+    with pytest.raises(RuntimeError, match="moved"):
+        ff.apply(stretch, 1)
+    while "b" in engine.scheduler.requests:
         engine.step()
-    with pytest.raises(RuntimeError, match="applied"):
-        engine.add_request(Request("b", [1], SamplingParams(max_tokens=2)))
-    engine.apply_decode_stretch(stretch, 3)
+    stretch = ff.plan(10)
+    assert stretch is not None
+    done = engine.scheduler.requests["a"].num_output_tokens
+    ff.apply(stretch, 3)
     with pytest.raises(RuntimeError, match="planned"):
-        engine.apply_decode_stretch(stretch, 1)
-    assert engine.scheduler.requests["a"].num_output_tokens == 4
+        ff.apply(stretch, 1)
+    assert engine.scheduler.requests["a"].num_output_tokens == done + 3
+    stretch = ff.plan(10)
+    assert stretch is not None
+    engine.abort_requests(["a"])  # a request ended from outside
+    with pytest.raises(RuntimeError, match="moved"):
+        ff.apply(stretch, 1)
+
+
+def test_only_an_executor_costing_decode_runs_on_the_core_clock_fast_forwards() -> None:
+    """The simulator's executor is checked once, by its protocol; one on another clock, or a
+    plain executor, gets no fast-forward."""
+    assert _ff(_engine()) is not None
+    other = EngineCore(EngineConfig.from_options(), SimExecutor(MODEL, clock=VirtualClock()), clock=VirtualClock(),
+                       max_model_len=256)
+    assert FastForward.of(other) is None
+    plain = EngineCore(EngineConfig.from_options(num_kv_blocks=8), FakeExecutor(), max_model_len=64)
+    assert FastForward.of(plain) is None
 
 
 def test_no_stretch_where_a_step_would_differ() -> None:
@@ -157,9 +197,9 @@ def test_no_stretch_where_a_step_would_differ() -> None:
     engine = _engine(num_kv_blocks=64)
     engine.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True)))
     engine.step()  # the first token: 5 to go, the last of which finishes
-    stretch = engine.plan_decode_stretch(100)
+    stretch = _ff(engine).plan(100)
     assert stretch is not None and stretch.num_steps == 5 and list(stretch.finish_groups()) == [4]
-    (done,) = engine.apply_decode_stretch(stretch, 5)
+    (done,) = _ff(engine).apply(stretch, 5)
     assert done.finish_reason == "length" and done.new_token_ids == (engine.executor.token_id,)
     assert not engine.has_unfinished_requests() and engine.last_decoded == []
     tok = engine.executor.token_id
@@ -167,7 +207,7 @@ def test_no_stretch_where_a_step_would_differ() -> None:
         other = _engine(num_kv_blocks=64)
         other.add_request(Request("b", [1, 2, 3], params))
         other.step()
-        assert other.plan_decode_stretch(100) is None
+        assert _ff(other).plan(100) is None
     # With nothing waiting, a stretch runs past the first finish with the requests left; with a
     # request waiting, it ends there (the freed seat and blocks may admit it).
     for waiting in (False, True):
@@ -177,16 +217,16 @@ def test_no_stretch_where_a_step_would_differ() -> None:
         two.step()
         if waiting:
             two.add_request(Request("f", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)))
-        stretch = two.plan_decode_stretch(100)
+        stretch = _ff(two).plan(100)
         assert stretch is not None and stretch.last_steps == (2, 7)
         assert (stretch.num_steps, list(stretch.finish_groups())) == ((3, [2]) if waiting else (8, [2, 7]))
         assert len(stretch.runs) == 1 + (not waiting) and [r.num_seqs for r in stretch.runs] == [2, 1][: len(stretch.runs)]
-        deltas = two.apply_decode_stretch(stretch, stretch.num_steps)
+        deltas = _ff(two).apply(stretch, stretch.num_steps)
         assert [d.request_id for d in deltas] == (["d"] if waiting else ["d", "e"])
     late = _engine(num_kv_blocks=64)
     late.add_request(Request("c", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), deadline=0.05))
     late.step()
-    stretch = late.plan_decode_stretch(100)
+    stretch = _ff(late).plan(100)
     assert stretch is not None and stretch.step_ends[-2] < 0.05 <= stretch.step_ends[-1]
 
 
@@ -207,7 +247,7 @@ def test_a_prompt_joins_a_stretch_with_its_last_chunk() -> None:
         return e
 
     ref, ff = engine(), engine()
-    stretch = ff.plan_decode_stretch(100)
+    stretch = _ff(ff).plan(100)
     assert stretch is not None and (stretch.join, stretch.join_chunk, stretch.num_steps) == (0, 5, 28)
     assert [r.request_id for r in stretch.requests] == ["a", "b"] and stretch.last_steps == (27, 5)
     # b's first decode, at position 14 (one past its prompt), in step 1: its start is 13.
@@ -215,12 +255,12 @@ def test_a_prompt_joins_a_stretch_with_its_last_chunk() -> None:
     assert [(r.num_seqs, r.start_sum, r.start_max, r.num_steps, r.chunk, r.chunk_start, r.sampled) for r in stretch.runs] \
         == [(1, 4, 4, 1, 5, 9, 1), (2, 19, 14, 5, 0, 0, 0), (1, 10, 10, 22, 0, 0, 0)]
     steps = [ref.step() for _ in range(28)]
-    deltas = ff.apply_decode_stretch(stretch, 28)
+    deltas = _ff(ff).apply(stretch, 28)
     assert deltas == [d for step in steps for d in step]
     assert [(d.request_id, d.finish_reason) for d in deltas] == [("b", None), ("b", "length"), ("a", "length")]
     assert _state(ff) == _state(ref) and stretch.requests[1].first_token_time == stretch.step_ends[0]
     for prompt_len, waiting, params in ((14, True, {}), (14, False, {"stop_token_ids": (tok,)}), (10, False, {})):
-        assert engine(prompt_len, waiting, **params).plan_decode_stretch(100) is None
+        assert _ff(engine(prompt_len, waiting, **params)).plan(100) is None
 
 
 @pytest.mark.parametrize("max_tokens", [6, 1])  # (1: it finishes in its join step)
@@ -245,10 +285,10 @@ def test_a_joining_prompt_whose_last_block_is_cached_already(max_tokens: int, mo
         return e
 
     ref, ff = engine(), engine()
-    stretch = ff.plan_decode_stretch(100)
+    stretch = _ff(ff).plan(100)
     assert stretch is not None and (stretch.join, stretch.join_chunk) == (0, 2)
     steps = [ref.step() for _ in range(stretch.num_steps)]
-    assert ff.apply_decode_stretch(stretch, stretch.num_steps) == [d for step in steps for d in step]
+    assert _ff(ff).apply(stretch, stretch.num_steps) == [d for step in steps for d in step]
     assert _state(ff) == _state(ref) and bulk[-1] is False
 
 

@@ -18,13 +18,13 @@ from array import array
 import pytest
 from fakes import FakeExecutor, make_engine, make_request, run_until_done
 
+from cadence.boundary import NO_DECODES, RequestDelta, ScheduledRequest, SchedulerOutput
 from cadence.errors import AdmissionError
 from cadence.kv.hashing import hash_block, hash_full_blocks
 from cadence.kv.manager import KVCacheManager
-from cadence.request import Request, SamplingParams
+from cadence.request import SamplingParams
 from cadence.sched import queue as queues
-from cadence.sched.output import NO_DECODES, RequestDelta, ScheduledRequest, SchedulerOutput
-from cadence.sched.records import scheduled_request, token_delta
+from cadence.sched.records import scheduled_request, scheduled_request_reference, token_delta
 from cadence.sched.scheduler import Scheduler
 
 BS = 4
@@ -34,20 +34,7 @@ def field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def reference_record(req: Request, n: int, table: tuple[int, ...]) -> ScheduledRequest:
-    start = req.num_computed_tokens
-    sp = req.sampling_params
-    return ScheduledRequest(
-        request_id=req.request_id,
-        token_ids=tuple(req.all_token_ids[start : start + n]),
-        start_pos=start,
-        block_table=table,
-        sample=start + n == req.num_tokens,
-        sampling_params=sp,
-        num_output_tokens=req.num_output_tokens,
-        history=tuple(req.all_token_ids) if sp.needs_history else None,
-        eos_token_ids=req.eos_token_ids,
-    )
+reference_record = scheduled_request_reference  # the plain constructor, beside the fast builder
 
 
 # ----------------------------------------------------------------------------- records

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cadence.boundary import IterationStats, SchedulerStats
 from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
-from cadence.metrics.stats import IterationStats, SchedulerStats
 
 
 def _replica(prompt: int, generated: int, ttfts: list[float], running: int) -> str:

@@ -1,7 +1,10 @@
-"""DESIGN.md's dependency rules, checked by parsing every module's imports (nothing is imported).
+"""docs/architecture.md's dependency rules, checked by parsing every module's imports (nothing is imported).
 
+- every part of cadence imports only parts of lower layers (`LAYERS`), but for the exceptions
+  listed in `AGAINST_THE_FLOW`; inside sched/ and kv/ each module imports only those after it
+  in its package's order (`PACKAGE_ORDER`);
 - the pure core (request, sched/, kv/, clock, workload, routing, and the plain-data modules they share:
-  config, errors, metrics/stats) imports only the standard library and itself;
+  config, errors, checks, boundary) imports only the standard library and itself;
 - engine/core imports no torch and no asyncio, not even through the cadence modules it imports;
 - model/ and executor/ never import asyncio or the server;
 - only server/ imports FastAPI and pydantic;
@@ -24,7 +27,7 @@ PKG = SRC / "cadence"
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 
 PURE = ("cadence.request", "cadence.sched", "cadence.kv", "cadence.clock", "cadence.workload", "cadence.routing")
-SHARED_PLAIN_DATA = ("cadence.config", "cadence.errors", "cadence.metrics.stats")
+SHARED_PLAIN_DATA = ("cadence.config", "cadence.errors", "cadence.checks", "cadence.boundary")
 
 
 def module_name(path: Path) -> str:
@@ -83,6 +86,56 @@ def top(name: str) -> str:
     return name.split(".")[0]
 
 
+# The parts of cadence (a top-level module, or a package), lowest layer first. A part imports only
+# parts of lower layers: the vocabulary at the bottom, then the pure core (kv/, then sched/ and
+# routing) with the model beside it, the executor, the engine, the exporters, and the front ends on top.
+LAYERS = (
+    ("checks", "clock", "errors", "wording", "workload", "host_load"),  # leaves
+    ("request", "config"),
+    ("boundary",),  # the records crossing the scheduler's boundary, and the stats
+    ("kv", "model", "outputs"),
+    ("sched", "routing"),
+    ("executor",),
+    ("engine",),
+    ("metrics",),  # the exporters of the stats
+    ("llm", "server", "bench"),
+    ("sim", "fleet", "chat_client"),
+    ("cli", "cadence"),  # `cadence` is the package's __init__
+)
+LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+# Known arrows against the flow (docs/architecture.md, "Dependencies"): `cadence sim` and the
+# fleet reuse `cadence serve`'s engine flags from cli.py, which loads them lazily.
+AGAINST_THE_FLOW = {("sim", "cli"), ("fleet", "cli")}
+# Inside a package of the pure core: a module imports only those after it.
+PACKAGE_ORDER = {
+    "cadence.sched": ("scheduler", "plan", "records", "admission", "queue", "preempt"),
+    "cadence.kv": ("manager", "block_pool", "hashing"),
+}
+
+
+def part(module: str) -> str:
+    """The part of cadence a module belongs to (its package, or itself at the top level)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def resolve(name: str) -> str | None:
+    """The cadence module an imported name is, or is in (None outside cadence, and for the package
+    root, which every import of a cadence module loads anyway)."""
+    if name == "cadence" or name.startswith("cadence.__"):
+        return None
+    while name not in MODULES:
+        if "." not in name:
+            return None
+        name = name.rpartition(".")[0]
+    return name
+
+
+def arrow_allowed(importer: str, imported: str) -> bool:
+    """Whether part `importer` may import part `imported`."""
+    return importer == imported or LAYER[imported] < LAYER[importer] or (importer, imported) in AGAINST_THE_FLOW
+
+
 def test_the_package_is_found() -> None:
     assert "cadence.sched.scheduler" in MODULES and "cadence.engine.core" in MODULES
 
@@ -130,6 +183,46 @@ def test_the_checker_resolves_relative_nested_and_from_imports() -> None:
     src = "from . import queue\nfrom ..kv.manager import X\ndef f():\n    import torch\n"
     found = parse_imports(src, "cadence.sched")
     assert {"cadence.sched.queue", "cadence.kv.manager", "torch"} <= found
-    assert "cadence.sched.output" in imports_of("cadence.sched.scheduler")
+    assert "cadence.boundary" in imports_of("cadence.sched.scheduler")
     assert "cadence.kv.manager" in cadence_closure("cadence.engine.core")
     assert "heapq" in imports_of("cadence.sched.queue")
+
+
+def test_every_part_is_in_a_layer() -> None:
+    assert {part(m) for m in MODULES} == set(LAYER)
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_imports_go_down_the_layers(module: str) -> None:
+    here = part(module)
+    bad = sorted(i for i in imports_of(module)
+                 if (target := resolve(i)) is not None and not arrow_allowed(here, part(target)))
+    assert not bad, f"{module} ({here}, layer {LAYER[here]}) imports against the flow: {bad}"
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGE_ORDER))
+def test_modules_of_a_core_package_import_in_order(package: str) -> None:
+    order = PACKAGE_ORDER[package]
+    inside = {m.rpartition(".")[2] for m in MODULES if m.startswith(package + ".")}
+    assert inside == set(order), f"{package}: place every module in PACKAGE_ORDER"
+    for k, name in enumerate(order):
+        targets = {resolve(i) for i in imports_of(f"{package}.{name}")}
+        bad = sorted(t for t in targets if t and t.startswith(package + ".") and t.rpartition(".")[2] not in order[k + 1:])
+        assert not bad, f"{package}.{name} imports {bad}, which come before it in {order}"
+
+
+def test_arrows_against_the_flow_are_caught() -> None:
+    """The layer check refuses what the redesign removed: config reaching into kv/, the
+    boundary records importing the scheduler, stats and the scheduler importing each other,
+    and the pure core reaching the engine or the simulator."""
+    for importer, imported in (("config", "kv"), ("config", "request"), ("boundary", "sched"), ("kv", "sched"),
+                               ("sched", "engine"), ("sched", "sim"), ("sched", "metrics"), ("model", "sched"),
+                               ("executor", "engine"), ("engine", "sim"), ("model", "executor")):
+        assert not arrow_allowed(importer, imported), (importer, imported)
+    assert arrow_allowed("sim", "sched") and arrow_allowed("server", "boundary")
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if within(m, ("cadence.server",))])
+def test_the_server_knows_nothing_of_blocks_or_the_scheduler(module: str) -> None:
+    bad = sorted(i for i in imports_of(module) if within(i, ("cadence.sched", "cadence.kv")))
+    assert not bad, f"{module} imports {bad}"

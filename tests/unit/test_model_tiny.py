@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.executor.model_runner import ModelRunner
 from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan, decode_groups, paged_attention
 from cadence.model.llama import LlamaModel
 from cadence.request import SamplingParams
-from cadence.sched.output import ScheduledRequest, SchedulerOutput
 
 ATOL = 1e-4
 VOCAB = 256

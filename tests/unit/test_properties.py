@@ -14,10 +14,10 @@ from fakes import make_engine, make_request, next_token
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from cadence.boundary import RequestDelta
 from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError
 from cadence.request import FinishReason, Request, RequestStatus
-from cadence.sched.output import RequestDelta
 
 SHARED_PREFIX = list(range(500, 540))
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from cadence.boundary import ScheduledRequest
 from cadence.model.sampler import Sampler, apply_penalties, filter_logits
 from cadence.request import SamplingParams
-from cadence.sched.output import ScheduledRequest
 
 V = 50
 

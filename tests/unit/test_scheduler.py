@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 import pytest
 from fakes import FakeExecutor, generate_alone, make_request
 
+from cadence.boundary import ModelOutput, RequestDelta, SchedulerOutput
 from cadence.config import CacheConfig, SchedulerConfig
 from cadence.errors import AdmissionError, ErrorKind
 from cadence.kv.manager import KVCacheManager
 from cadence.request import FinishReason, Request, RequestStatus, SamplingParams
-from cadence.sched.output import ModelOutput, RequestDelta, SchedulerOutput
 from cadence.sched.scheduler import Scheduler
 
 

@@ -223,11 +223,11 @@ class PromptBuilder:
             if len(ids) >= want:
                 break
             tail *= 2
-        target, best = want, None
+        target, best = want, ("", -1)
         for _ in range(4):  # decode-then-encode can merge tokens at the cut: correct a few times
             text = tok.decode(ids[:target])
             got = len(tok.encode(text))
-            if best is None or abs(got - req.prompt_tokens) < abs(best[1] - req.prompt_tokens):
+            if best[1] < 0 or abs(got - req.prompt_tokens) < abs(best[1] - req.prompt_tokens):
                 best = (text, got)
             if got == req.prompt_tokens:
                 return text

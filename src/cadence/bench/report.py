@@ -74,7 +74,7 @@ class RequestRecord:
 
     @property
     def e2e(self) -> float | None:
-        if not self.ok or self.send_time is None:
+        if not self.ok or self.send_time is None or self.end_time is None:
             return None
         return self.end_time - self.send_time
 
@@ -85,9 +85,10 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        if not self.ok or self.output_tokens < 2 or len(self.token_times) < 2:
+        last = self.last_token_time
+        if not self.ok or self.output_tokens < 2 or len(self.token_times) < 2 or last is None:
             return None
-        return (self.last_token_time - self.token_times[0]) / (self.output_tokens - 1)
+        return (last - self.token_times[0]) / (self.output_tokens - 1)
 
     @property
     def last_token_time(self) -> float | None:

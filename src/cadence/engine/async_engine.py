@@ -30,14 +30,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from cadence.boundary import IterationStats, RequestDelta, SchedulerStats
 from cadence.clock import Clock, RealClock
 from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
 from cadence.engine.watchdog import STALL_FACTOR, StepPace, Watchdog
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.metrics.stats import IterationStats, SchedulerStats
-from cadence.request import Request, RequestStatus, SamplingParams
-from cadence.sched.output import RequestDelta
+from cadence.request import DEFAULT_POLICY, Request, RequestPolicy, RequestStatus, SamplingParams
 from cadence.wording import counted
 
 if TYPE_CHECKING:
@@ -114,21 +113,10 @@ class AsyncEngine:
         *,
         request_id: str,
         prompt: str | None = None,
-        priority: int = 0,
-        tenant: str = "default",
-        deadline: float | None = None,
-        cache_salt: str | None = None,
+        policy: RequestPolicy = DEFAULT_POLICY,
     ) -> AsyncIterator[StreamDelta]:
         """Stream one request's deltas. Refusals (AdmissionError) raise before the first yield."""
-        stream = await self.submit(
-            [prompt_token_ids],
-            params,
-            request_id=request_id,
-            priority=priority,
-            tenant=tenant,
-            deadline=deadline,
-            cache_salt=cache_salt,
-        )
+        stream = await self.submit([prompt_token_ids], params, request_id=request_id, policy=policy)
         try:
             async for delta in stream:
                 yield delta
@@ -141,19 +129,16 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         request_id: str,
-        priority: int = 0,
-        tenant: str = "default",
-        deadline: float | None = None,
-        cache_salt: str | None = None,
+        policy: RequestPolicy = DEFAULT_POLICY,
     ) -> RequestStream:
         """Admit `len(prompts) * params.n` engine requests all-or-nothing; raise the refusal if any is refused.
 
-        `deadline` is seconds from now. Choice k = prompt_index * n + i; seeded choices use seed + i.
+        `policy.deadline` is seconds from now. Choice k = prompt_index * n + i; seeded choices use seed + i.
         """
         self._check_open()
         loop = asyncio.get_running_loop()
         now = self.clock.now()
-        requests = self._fan_out(prompts, params, request_id, now, priority, tenant, deadline, cache_salt)
+        requests = fan_out(prompts, params, request_id, now, policy)
         group = Group(request_id, [r.request_id for r in requests], loop, asyncio.Queue())
         future: asyncio.Future = loop.create_future()
         self._post(AddItem(group, requests, future))
@@ -173,31 +158,6 @@ class AsyncEngine:
             raise CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {self.dead_reason}")
         if self._draining:
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
-
-    def _fan_out(
-        self, prompts, params, request_id, now, priority, tenant, deadline, cache_salt
-    ) -> list[Request]:
-        n = params.n
-        total = len(prompts) * n
-        requests = []
-        for j, toks in enumerate(prompts):
-            for i in range(n):
-                seed = None if params.seed is None else (params.seed + i) % (1 << 63)
-                sub = replace(params, n=1, seed=seed) if n > 1 else params
-                rid = request_id if total == 1 else f"{request_id}-{j * n + i}"
-                requests.append(
-                    Request(
-                        rid,
-                        list(toks),
-                        sub,
-                        arrival_time=now,
-                        priority=priority,
-                        tenant=tenant,
-                        deadline=None if deadline is None else now + deadline,
-                        cache_salt=cache_salt,
-                    )
-                )
-        return requests
 
     def _post(self, item: AddItem | AbortItem) -> None:
         with self._wake:
@@ -456,3 +416,32 @@ class AsyncEngine:
     def _call(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is left to tell
             loop.call_soon_threadsafe(fn, *args)
+
+
+def fan_out(prompts: Sequence[list[int]], params: SamplingParams, request_id: str, now: float,
+            policy: RequestPolicy) -> list[Request]:
+    """The engine requests of one client request: `params.n` choices of each prompt (choice k =
+    prompt_index * n + i; seeded choices use seed + i), each with the client request's policy, its
+    deadline made absolute on the engine clock (`now` + seconds)."""
+    n = params.n
+    total = len(prompts) * n
+    deadline = None if policy.deadline is None else now + policy.deadline
+    requests = []
+    for j, toks in enumerate(prompts):
+        for i in range(n):
+            seed = None if params.seed is None else (params.seed + i) % (1 << 63)
+            sub = replace(params, n=1, seed=seed) if n > 1 else params
+            rid = request_id if total == 1 else f"{request_id}-{j * n + i}"
+            requests.append(
+                Request(
+                    rid,
+                    list(toks),
+                    sub,
+                    arrival_time=now,
+                    priority=policy.priority,
+                    tenant=policy.tenant,
+                    deadline=deadline,
+                    cache_salt=policy.cache_salt,
+                )
+            )
+    return requests

@@ -12,10 +12,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cadence.boundary import SchedulerStats
 from cadence.clock import Clock
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import CadenceError, ErrorKind
-from cadence.metrics.stats import SchedulerStats
 from cadence.request import FinishReason, Request
 
 

@@ -9,20 +9,15 @@ engine runs this in a background thread and calls `add_request` / `abort_request
 from __future__ import annotations
 
 import logging
-import math
-from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from itertools import accumulate
 
+from cadence.boundary import IterationStats, ModelOutput, RequestDelta, SchedulerStats
 from cadence.clock import Clock, RealClock
 from cadence.config import EngineConfig
-from cadence.executor.base import Executor
+from cadence.executor.base import DecodeBatchExecutor, Executor
 from cadence.kv.manager import KVCacheManager
-from cadence.metrics.stats import IterationStats, SchedulerStats
 from cadence.request import Request, RequestStatus
-from cadence.sched.output import ModelOutput, RequestDelta
 from cadence.sched.scheduler import Scheduler
-from cadence.sched.stretch import DecodeStretch
 from cadence.wording import counted
 
 logger = logging.getLogger(__name__)
@@ -60,17 +55,8 @@ class EngineCore:
         executor.initialize_kv_cache(num_blocks, cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_caching_hash_algo)
         # An executor that takes plain decodes as one batch (the simulator's) gets them so.
-        batch = bool(getattr(executor, "accepts_decode_batch", False))
+        batch = isinstance(executor, DecodeBatchExecutor) and executor.accepts_decode_batch
         self.scheduler = Scheduler(config.scheduler, cache, self.kv, max_model_len, batch_decodes=batch)
-        # An executor that costs whole decode runs on this core's clock (the simulator's) lets the
-        # caller fast-forward stretches of identical decode steps; see plan_decode_stretch. Such an
-        # executor sets `accepts_decode_runs`, samples `token_id` for every plain decode, advances
-        # `clock` by each step's cost, and has `decode_run_costs(DecodeRun) -> list[float]` (each
-        # step's cost, charging nothing) and `charge_decode_run(costs)` (those steps ran). The
-        # model runner has none of it.
-        self._decode_runs = bool(getattr(executor, "accepts_decode_runs", False)) and (
-            getattr(executor, "clock", None) is self.clock)
-        self._stretch: DecodeStretch | None = None  # planned, not yet applied
         self.last_stats = IterationStats()
         self._gauges = self.scheduler.stats()
         logger.info(
@@ -131,7 +117,6 @@ class EngineCore:
         Admission may drop queued requests of a tenant over its fair share to make room (not with
         `evict` False): they end with finish reason `evicted`, their refusal in the final
         delta's `error`, returned by the next `step`."""
-        self._check_no_stretch()
         now = self.clock.now()
         for request in group:
             if request.arrival_time == 0.0:
@@ -142,7 +127,6 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestDelta]:
         """Abort requests (a client went away); frees their blocks at once. Unknown ids are ignored."""
-        self._check_no_stretch()
         deltas = self.scheduler.abort(tuple(request_ids), self.clock.now())
         # Refresh the snapshot the gauges read: with nothing left to run, no step would.
         self._snapshot()
@@ -156,7 +140,6 @@ class EngineCore:
         stop_reason: str | int | None = None,
     ) -> list[RequestDelta]:
         """End requests for a reason found outside the engine, e.g. a stop string in the detokenized text."""
-        self._check_no_stretch()
         deltas = self.scheduler.finish_requests(tuple(request_ids), status, self.clock.now(), stop_reason=stop_reason)
         self._snapshot()
         return deltas
@@ -164,7 +147,6 @@ class EngineCore:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestDelta]:
         """One iteration: schedule, execute, update. Returns what happened to each request."""
-        self._check_no_stretch()
         sched = self.scheduler
         out = sched.schedule(self.clock.now())
         step_time = 0.0
@@ -183,12 +165,17 @@ class EngineCore:
                 deltas = sched.update(out, result, now)
         if out.preempted_ids:
             logger.debug("step %d preempted %s", out.step, ", ".join(out.preempted_ids))
-        self.last_stats = sched.last_iteration_stats
+        self.steps_ran(step_time)
+        return deltas
+
+    def steps_ran(self, step_time: float) -> None:
+        """Record the steps just run (one `step`, or several at once from outside, as the
+        simulator's fast-forward does): their stats as `last_stats`, `step_time` seconds long."""
+        self.last_stats = self.scheduler.last_iteration_stats
         self.last_stats.step_time = step_time
         self._snapshot()
         if self.check_integrity:
-            sched.check_integrity()
-        return deltas
+            self.scheduler.check_integrity()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -197,7 +184,6 @@ class EngineCore:
         """The counts gathered since the last step (requests ended between steps), closed now as
         `last_stats`; None if there are none. For a loop that goes idle (see
         `Scheduler.close_pending_stats`)."""
-        self._check_no_stretch()
         it = self.scheduler.close_pending_stats(self.clock.now())
         if it is not None:
             self.last_stats = it
@@ -212,82 +198,3 @@ class EngineCore:
     def _snapshot(self) -> None:
         if self._snapshot_gauges:
             self._gauges = self.scheduler.stats()
-
-    # ------------------------------------------------------------------ decode stretches (simulator)
-    def plan_decode_stretch(self, max_steps: int) -> DecodeStretch | None:
-        """The next steps, if they would each schedule the same plain decodes (fewer once some
-        finish) and at most one prompt chunk of the same size, possibly up to its last chunk after
-        which that request decodes too (sched/stretch.py says when), with
-        the costs and end times on this core's clock of their first run of alike steps (the rest:
-        `cost_stretch`); None otherwise, or if the executor does not cost decode runs. Changes nothing: the
-        caller then applies some leading part of it with `apply_decode_stretch` before anything
-        else touches this core (a request added, a step). Steps that would start at or after a
-        pending deadline are left out."""
-        if not self._decode_runs:
-            return None
-        self._check_no_stretch()
-        now = self.clock.now()
-        stretch = self.scheduler.plan_decode_stretch(now, self.executor.token_id, max_steps)  # type: ignore[attr-defined]
-        if stretch is None:
-            return None
-        runs = stretch.runs  # (more than one where requests leave mid-stretch, and no deadline is pending)
-        costs = self.executor.decode_run_costs(runs[0])  # type: ignore[attr-defined]
-        # Clock readings after each step: one addition per step, as the clock advances by each
-        # cost (the first element, `now`, is dropped in place rather than sliced off).
-        ends = list(accumulate(costs, initial=now))
-        del ends[0]
-        if stretch.not_after < math.inf:  # steps that would start at or after the deadline are dropped
-            assert len(runs) == 1
-            num_steps = bisect_left(ends, stretch.not_after, 0, len(costs) - 1) + 1 if now < stretch.not_after else 0
-            if not num_steps:
-                return None
-            if num_steps < len(costs):
-                del costs[num_steps:], ends[num_steps:]
-            stretch.num_steps = num_steps
-        stretch.start_time = now
-        stretch.costs, stretch.step_ends, stretch.pending_runs = costs, ends, runs[1:]
-        self._stretch = stretch
-        return stretch
-
-    def cost_stretch(self, stretch: DecodeStretch, num_steps: int) -> None:
-        """Cost the stretch's steps up to `num_steps` (`costs` and `step_ends` grow a run at a time:
-        the same additions onto the clock's reading as costing them all at once)."""
-        costs, ends = stretch.costs, stretch.step_ends
-        while len(costs) < num_steps:
-            more = self.executor.decode_run_costs(stretch.pending_runs.pop(0))  # type: ignore[attr-defined]
-            more_ends = list(accumulate(more, initial=ends[-1]))
-            del more_ends[0]
-            costs += more
-            ends += more_ends
-
-    def apply_decode_stretch(self, stretch: DecodeStretch, num_steps: int) -> list[RequestDelta]:
-        """Run the first `num_steps` steps of the stretch just planned (0 drops it): the same state
-        as that many `step` calls. Returns what they would have, together: the final deltas of
-        the requests they finish (and a joined request's first-token delta), in step order;
-        `last_decoded` lists the requests that went on
-        in the last one, and `last_stats` sums the steps (see `Scheduler.apply_decode_stretch`)."""
-        if stretch is not self._stretch:
-            raise RuntimeError("not the decode stretch planned last on this core")
-        self._stretch = None
-        if not num_steps:
-            return []
-        self.cost_stretch(stretch, num_steps)
-        # The step ends are the costs summed onto the clock's reading at planning, which has not
-        # moved since (nothing ran on this core): the clock's additions are done.
-        end = stretch.step_ends[num_steps - 1]
-        assert self.clock.now() == stretch.start_time, "the clock moved since the stretch was planned"
-        costs = stretch.costs if num_steps == len(stretch.costs) else stretch.costs[:num_steps]
-        self.executor.charge_decode_run(costs, end)  # type: ignore[attr-defined]
-        sched = self.scheduler
-        deltas = sched.apply_decode_stretch(stretch, num_steps)
-        self.last_stats = sched.last_iteration_stats
-        self.last_stats.step_time = end - stretch.start_time
-        self._snapshot()
-        if self.check_integrity:
-            sched.check_integrity()
-        return deltas
-
-    def _check_no_stretch(self) -> None:
-        if self._stretch is not None:
-            raise RuntimeError("a planned decode stretch must be applied (or dropped) first")
-

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from cadence.boundary import RequestDelta, RequestMetrics, TokenLogprobs
 from cadence.model.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from cadence.request import FinishReason, SamplingParams
-from cadence.sched.output import RequestDelta, RequestMetrics, TokenLogprobs
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from cadence.sched.output import ModelOutput, SchedulerOutput
+from cadence.boundary import ModelOutput, SchedulerOutput
 
 
 class Executor(Protocol):
@@ -13,9 +13,9 @@ class Executor(Protocol):
     `kv_bytes_per_block` lets the engine size the KV cache from a memory budget before any
     blocks exist; `initialize_kv_cache` is then called once with the resulting block count.
 
-    An executor may also set `accepts_decode_batch = True`: it then gets the step's plain decodes
-    as one `SchedulerOutput.decodes` batch of columns rather than in `scheduled` (see
-    `sched/output.py`). Without the attribute, every request comes as a `ScheduledRequest`.
+    An executor that is also a `DecodeBatchExecutor` gets the step's plain decodes as one
+    `SchedulerOutput.decodes` batch of columns rather than in `scheduled`; any other gets every
+    request as a `ScheduledRequest`.
     """
 
     def kv_bytes_per_block(self, block_size: int) -> int: ...
@@ -23,3 +23,12 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput: ...
+
+
+@runtime_checkable
+class DecodeBatchExecutor(Executor, Protocol):
+    """An executor that takes a step's plain decodes as one `DecodeBatch` of columns (the
+    simulator's: a simulation's steps are mostly plain decodes, and a record per decode was most
+    of its cost). It declares so with `accepts_decode_batch` true; the engine core checks once."""
+
+    accepts_decode_batch: bool

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cadence.sched.output import DecodeRun, ModelOutput, SchedulerOutput
+from cadence.boundary import ModelOutput, SchedulerOutput
 
 PROFILE_FORMAT = 1
 # Base quantities every feature set is linear in; the fitted model folds into one weight per base.
@@ -288,6 +288,25 @@ class StepCostModel:
         return int(self.metadata.get("kv_bytes_per_token", 0)) or 1
 
 
+@dataclass(frozen=True)
+class DecodeRun:
+    """`num_steps` consecutive steps that each schedule the same `num_seqs` plain decodes and, with
+    `chunk`, one prompt chunk of `chunk` tokens after them that samples nothing (with `sampled`, its
+    last chunk, which does); nothing else. Row i decodes at its first step's position plus the
+    step's index; step j's chunk starts at `chunk_start + j * chunk`. What
+    `SimExecutor.decode_run_costs` needs to cost the steps (for the simulator's fast-forward,
+    sim/fast_forward.py): the rows' first positions summed and their maximum, and the chunk."""
+
+    num_seqs: int
+    start_sum: int
+    start_max: int
+    num_steps: int
+    chunk: int = 0
+    chunk_start: int = 0
+    sampled: int = 0  # 1: the chunk is its prompt's last and samples (one step: a prompt joining a stretch)
+
+
+
 class SimExecutor:
     """`Executor` for the simulator: a scripted token for every row that samples, and the step's
     modelled cost added to the virtual clock (when given one), so the engine core reads the time
@@ -295,11 +314,10 @@ class SimExecutor:
 
     It takes plain decodes as one `DecodeBatch`: their features are sums and a max over a column.
     It also costs a `DecodeRun` (steps of the same plain decodes) in one call: the simulator
-    fast-forwards such stretches without building a step each (see `EngineCore.plan_decode_stretch`).
+    fast-forwards such stretches without building a step each (see sim/fast_forward.py).
     Every plain decode samples `token_id`."""
 
-    accepts_decode_batch = True
-    accepts_decode_runs = True
+    accepts_decode_batch = True  # a DecodeBatchExecutor
 
     def __init__(self, cost_model: StepCostModel, *, clock: Any | None = None,
                  token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None) -> None:

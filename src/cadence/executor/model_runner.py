@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from cadence.boundary import ModelOutput, ScheduledRequest, SchedulerOutput
 from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan, to_device
 from cadence.model.llama import LlamaModel
 from cadence.model.sampler import Sampler
-from cadence.sched.output import ModelOutput, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Targ
 from cadence.fleet.replica import ReplicaInfo, refusal_error
 from cadence.kv.hashing import block_hashers
 from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
-from cadence.request import SamplingParams
+from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 from cadence.routing import fingerprints
 
 log = logging.getLogger("cadence.fleet")
@@ -199,16 +199,14 @@ class FleetClient:
         return fingerprints(self._hash_chain(prompt, self._block_size, cache_salt, ()))
 
     async def submit(self, prompts: Sequence[list[int]], params: SamplingParams, *, request_id: str,
-                     priority: int = 0, tenant: str = "default", deadline: float | None = None,
-                     cache_salt: str | None = None) -> FleetStream:
+                     policy: RequestPolicy = DEFAULT_POLICY) -> FleetStream:
         from ray.serve.exceptions import BackPressureError
 
         if self._draining:
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         if request_id in self._live:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
-        call = GenerateCall(tuple(prompts), params, request_id, priority, tenant, deadline, cache_salt,
-                            self.chain(prompts[0], cache_salt))
+        call = GenerateCall(tuple(prompts), params, request_id, policy, self.chain(prompts[0], policy.cache_salt))
         gen = None
         try:
             gen = self._handle.options(stream=True).generate.remote(call)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cadence.request import SamplingParams
+from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -16,10 +16,7 @@ class GenerateCall:
     prompts: tuple[list[int], ...]
     params: SamplingParams
     request_id: str
-    priority: int = 0
-    tenant: str = "default"
-    deadline: float | None = None
-    cache_salt: str | None = None
+    policy: RequestPolicy = DEFAULT_POLICY
     chain: tuple[int, ...] = ()
 
 

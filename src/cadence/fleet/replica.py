@@ -60,10 +60,8 @@ class CadenceReplica:
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[Any]:
         try:
-            stream = await self.engine.submit(
-                call.prompts, call.params, request_id=call.request_id, priority=call.priority,
-                tenant=call.tenant, deadline=call.deadline, cache_salt=call.cache_salt,
-            )
+            stream = await self.engine.submit(call.prompts, call.params, request_id=call.request_id,
+                                              policy=call.policy)
         except CadenceError as e:
             yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)
             return

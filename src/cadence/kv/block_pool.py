@@ -163,7 +163,8 @@ class BlockPool:
         if not self._num_free:
             return None
         if self._num_stale:
-            return self.allocate(1)[0]  # type: ignore[index]
+            blocks = self.allocate(1)
+            return blocks[0] if blocks else None  # (one is free: checked above)
         block = self._queue[self._head]
         self._head += 1
         self._num_free -= 1

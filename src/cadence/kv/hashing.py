@@ -18,9 +18,11 @@ import hashlib
 import struct
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import cast
+
+from cadence.config import HASH_ALGOS
 
 BlockHash = bytes | int  # a SHA-256 digest, or a `builtin` hash
-HASH_ALGOS = ("sha256", "builtin")
 
 # The parent of a request's first block; distinct from any digest (digests are 32 bytes).
 _ROOT = b"cadence-kv-root"
@@ -57,7 +59,8 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | N
     """SHA-256 over (parent hash, salt, token ids). `parent` is None for a request's first block."""
     # Fixed-width 64-bit encoding: token lists of different lengths or values cannot alias.
     data = _encode(token_ids)
-    return _sha256((_ROOT if parent is None else parent) + _encode_salt(salt) + data).digest()
+    # (A sha256 chain's parents are its own digests: bytes.)
+    return _sha256((_ROOT if parent is None else cast(bytes, parent)) + _encode_salt(salt) + data).digest()
 
 
 def hash_full_blocks(
@@ -72,7 +75,7 @@ def hash_full_blocks(
         return hashes
     # hash_block for each block, with the tokens encoded once: a prompt is hashed block by block
     # at its first prefix lookup, and encoding each block apart took half the time.
-    parent = hashes[-1] if hashes else _ROOT
+    parent = cast(bytes, hashes[-1]) if hashes else _ROOT  # (a sha256 chain holds bytes)
     salt_bytes = _encode_salt(salt)
     data = _encode(todo)
     width = 8 * block_size

@@ -234,7 +234,7 @@ class KVCacheManager:
         """The block operations of consecutive steps in which row i of `requests` computes
         `widths[i]` tokens a step from `starts[i]` on (a decode 1, a prompt chunk more; with `cap`,
         (row, start), that row computes at most up to start + j + 1 by step j: a prompt whose last
-        chunk is shorter and which then decodes, see sched/stretch.py's join): `events`
+        chunk is shorter and which then decodes, see sim/fast_forward.py's join): `events`
         lists (step, 0 allocate | 1 publish, row) in the order single steps run them, and each
         does what `allocate_slots(request, width)` before the step (0) and
         `cache_computed_blocks(request)` after it (1) would. Done all at once: one `allocate` of

@@ -31,7 +31,7 @@ from prometheus_client import (
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-from cadence.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from cadence.boundary import FinishedRequestStats, IterationStats, SchedulerStats
 from cadence.metrics.vllm_compat import VllmMetrics
 
 # The `_created` series (a timestamp per counter) double the output and no dashboard reads them.

@@ -191,22 +191,24 @@ class AttentionMetadata:
             row += s.num_tokens
         decode_seqs = seqs[first_decode:]
         assert all(s.num_tokens == 1 for s in decode_seqs), "single-token spans must come last"
-        decodes: list[DecodeBatch] | list[PagedDecode] = []
+        decodes: tuple[DecodeBatch, ...] | tuple[PagedDecode]
         if kernels is not None and decode_seqs:
             lens = [s.end_pos for s in decode_seqs]
-            decodes = [PagedDecode(row, len(decode_seqs), tables[first_decode:].contiguous(), torch.tensor(lens),
-                                   sum(lens), kernels)]
+            decodes = (PagedDecode(row, len(decode_seqs), tables[first_decode:].contiguous(), torch.tensor(lens),
+                                   sum(lens), kernels),)
         else:
             nbs = [-(-s.end_pos // block_size) for s in decode_seqs]
+            batches = []
             for lo, hi in decode_groups(nbs):
                 rows = first_decode + lo, first_decode + hi
-                decodes.append(_decode_batch(seqs[rows[0] : rows[1]], row + lo, tables[rows[0] : rows[1]], block_size,
+                batches.append(_decode_batch(seqs[rows[0] : rows[1]], row + lo, tables[rows[0] : rows[1]], block_size,
                                              device, num_kv_heads))
+            decodes = tuple(batches)
         return cls(
             positions=to_device(positions, device),
             slot_mapping=to_device(slot_mapping, device),
             prefills=tuple(prefills),
-            decodes=tuple(decodes),
+            decodes=decodes,
         )
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ Q4_1_PACKED_BYTES = Q4_1_BLOCK // 2 * BLOCK_COLS + BLOCK_COLS * 4  # per 64 colu
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # Every exported function of kernels/cpu_bf16.c: (return type, argument types), in the C's order.
 # tests/unit/test_kernel_abi.py parses the C prototypes and checks this table against them.
-_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+_SIGNATURES: dict[str, tuple[type[Any] | None, list[type[Any]]]] = {
     "cadence_pack": (None, [_P, _P, _I64, _I64]),
     "cadence_linear": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_linear_f32": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
@@ -385,6 +386,7 @@ def cpu_kernels() -> CpuKernels | None:
     return kernel
 
 
-def _unavailable(reason: str) -> None:
+def _unavailable(reason: str) -> CpuKernels | None:
+    """None, the reason logged."""
     log.info("CPU kernels not used (%s): bfloat16 layers run on torch ops", reason)
     return None

@@ -345,7 +345,9 @@ class LlamaModel:
 
     def _fused_decode_layers(self) -> DecodeLayers | None:
         """The layers' addresses for `decode_layers`; None where a layer is not all on the kernels."""
-        pointers, kinds, keep = [], [], []
+        pointers: list[list[int]] = []
+        kinds: list[list[int]] = []
+        keep: list[torch.Tensor] = []
         for layer in self.layers:
             fields: dict[str, torch.Tensor | None] = {"input_norm": layer.input_norm, "post_norm": layer.post_norm,
                                                       "qkv_bias": layer.qkv.kernel_bias}

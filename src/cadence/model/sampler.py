@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cadence.boundary import ScheduledRequest, TokenLogprobs
 from cadence.model.cpu_kernels import cpu_kernels
 from cadence.request import MAX_LOGPROBS, SamplingParams
-from cadence.sched.output import ScheduledRequest, TokenLogprobs
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pairs over the seed space
 
@@ -166,12 +166,12 @@ class Sampler:
         n_top = max(min(reqs[i].sampling_params.logprobs or 0, MAX_LOGPROBS) for i in rows)
         top_v, top_i = lp.topk(n_top, dim=-1) if n_top else (lp[:, :0], lp[:, :0].long())
         chosen = lp.gather(1, token_ids[rows][:, None])[:, 0]
-        top_v, top_i, chosen_l = top_v.tolist(), top_i.tolist(), chosen.tolist()
+        top_vals, top_ids, chosen_l = top_v.tolist(), top_i.tolist(), chosen.tolist()
         toks = token_ids[rows].tolist()
         out: dict[int, TokenLogprobs] = {}
         for j, i in enumerate(rows):
             n = min(reqs[i].sampling_params.logprobs or 0, MAX_LOGPROBS)
-            top = tuple(zip(top_i[j][:n], top_v[j][:n], strict=True))
+            top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
             out[i] = TokenLogprobs(token_id=toks[j], logprob=chosen_l[j], top=top)
         return out
 
@@ -277,8 +277,8 @@ def _top_k_top_p(logits: torch.Tensor, ks: list[int], top_ps: list[float], width
     drop = (rank >= k_t[:, None]) | ((mass_before >= p_t[:, None]) & (rank > 0))
     out = torch.full_like(logits, float("-inf")).scatter_(1, idx, vals.masked_fill(drop, float("-inf")))
     # A top-p row (without a top-k inside the candidates) whose candidates hold less than top_p.
-    short = (mass_before[:, -1] + probs[:, -1] < p_t) & (k_t > width) & (p_t < 1.0)
-    short = torch.nonzero(short).flatten().tolist()
+    short_mask = (mass_before[:, -1] + probs[:, -1] < p_t) & (k_t > width) & (p_t < 1.0)
+    short = torch.nonzero(short_mask).flatten().tolist()
     if short and width < vocab:
         out[short] = _top_k_top_p(logits[short], [vocab] * len(short), [top_ps[i] for i in short], width=vocab)
     return out

@@ -13,7 +13,7 @@ suggests a retry delay from the drain rate the scheduler observes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from cadence.config import SchedulerConfig
@@ -65,6 +65,19 @@ def _one(r: Request) -> int:
 
 def _prompt_tokens(r: Request) -> int:
     return r.num_prompt_tokens
+
+
+def check_ids(group: Sequence[Request], in_use: Container[str]) -> None:
+    """Raise AdmissionError unless the group's ids are unique and none is `in_use`, and the group
+    has one tenant (fair share weighs a group as its tenant's)."""
+    ids = [r.request_id for r in group]
+    taken = next((rid for rid in ids if rid in in_use), None)
+    if taken is None and len(group) > 1 and len(set(ids)) < len(ids):
+        taken = next(rid for rid in ids if ids.count(rid) > 1)
+    if taken is not None:
+        raise AdmissionError(ErrorKind.INVALID_REQUEST, f"request id {taken!r} is already in use")
+    if len(group) > 1 and len({r.tenant for r in group}) > 1:
+        raise AdmissionError(ErrorKind.INVALID_REQUEST, "the requests of one group must share a tenant")
 
 
 class AdmissionControl:
@@ -159,6 +172,7 @@ class AdmissionControl:
                 for victim, use in verdict.evict
             ]
         bound = over[0]
+        excess: float
         if bound.unit == "requests":
             excess = len(waiting) + len(group) - bound.limit
         else:  # requests that must drain to make room, from the average queued prompt

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cadence.config import SchedulerConfig
 from cadence.request import Request
@@ -204,8 +205,8 @@ class _HeapQueue(RequestQueue):
 
     def __init__(self) -> None:
         super().__init__()
-        self._heap: list[list] = []  # [key, seq, request | None]
-        self._entries: dict[str, list] = {}
+        self._heap: list[list[Any]] = []  # [key, seq, request | None]
+        self._entries: dict[str, list[Any]] = {}
         self._back = itertools.count()
         self._front = itertools.count(-1, -1)  # push_front wins every tie with a later add
 
@@ -228,7 +229,7 @@ class _HeapQueue(RequestQueue):
         if not heap or eligible is None or eligible(heap[0][2]):
             return heap[0][2] if heap else None
         # Pop in order until an eligible one shows, then put the skipped ones back.
-        skipped: list[list] = []
+        skipped: list[list[Any]] = []
         found: Request | None = None
         while heap:
             entry = heapq.heappop(heap)
@@ -383,18 +384,18 @@ class FairQueue(RequestQueue):
         spare = {t: [r for r in reversed(line.values()) if r.first_scheduled_time is None]
                  for t, line in self._lines.items() if t != tenant}
         evict: list[tuple[Request, ShareUse]] = []
-        while (b := next((b for b in bounds if totals[b] > b.limit), None)) is not None:
+        while (bound := next((x for x in bounds if totals[x] > x.limit), None)) is not None:
             weights = {t: self.weight(t) for t in count}
-            per_weight = {t: held[b].get(t, 0) / w for t, w in weights.items()}
+            per_weight = {t: held[bound].get(t, 0) / w for t, w in weights.items()}
             donor = max((t for t in spare if spare[t]), key=lambda t: per_weight[t], default=None)
             if donor is None or per_weight[donor] <= per_weight[tenant]:
-                share = b.limit * weights[tenant] / sum(weights.values())
-                if held[b][tenant] > share:
-                    return Overflow(over_share=ShareUse(tenant, held[b][tenant], share, b))
+                share = bound.limit * weights[tenant] / sum(weights.values())
+                if held[bound][tenant] > share:
+                    return Overflow(over_share=ShareUse(tenant, held[bound][tenant], share, bound))
                 return Overflow()
             victim = spare[donor].pop(0)
-            share = b.limit * weights[donor] / sum(weights.values())
-            evict.append((victim, ShareUse(donor, held[b][donor], share, b)))
+            share = bound.limit * weights[donor] / sum(weights.values())
+            evict.append((victim, ShareUse(donor, held[bound][donor], share, bound)))
             for bb in bounds:
                 size = bb.size(victim)
                 held[bb][donor] -= size

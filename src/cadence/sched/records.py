@@ -4,7 +4,8 @@ metrics see of it. The scheduler calls these per request per step, so they avoid
 The two built every step (`scheduled_request`, `token_delta`) fill the instance dict directly
 instead of calling the dataclass's generated `__init__`, which for a frozen dataclass sets every
 field through `object.__setattr__` and costs several times as much. The result is the same
-frozen, equal-comparing record (a unit test builds both ways and compares them, field by field).
+frozen, equal-comparing record: `scheduled_request_reference` and `token_delta_reference` build
+them the plain way, and tests/unit/test_references.py compares both over generated requests.
 """
 
 from __future__ import annotations
@@ -12,9 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from operator import attrgetter, itemgetter
 
-from cadence.metrics.stats import FinishedRequestStats
+from cadence.boundary import (
+    DecodeBatch,
+    FinishedRequestStats,
+    RequestDelta,
+    RequestMetrics,
+    ScheduledRequest,
+    TokenLogprobs,
+)
 from cadence.request import Request
-from cadence.sched.output import DecodeBatch, RequestDelta, RequestMetrics, ScheduledRequest, TokenLogprobs
 
 _new = object.__new__
 # Column getters for `decode_batch`: map() with these runs the per-row loop in C.
@@ -55,6 +62,23 @@ def scheduled_request(req: Request, n: int, block_table: tuple[int, ...]) -> Sch
     return sr
 
 
+def scheduled_request_reference(req: Request, n: int, block_table: tuple[int, ...]) -> ScheduledRequest:
+    """`scheduled_request`, plainly: the dataclass constructor over the request's whole token list."""
+    start = req.num_computed_tokens
+    sp = req.sampling_params
+    return ScheduledRequest(
+        request_id=req.request_id,
+        token_ids=tuple(req.all_token_ids[start : start + n]),
+        start_pos=start,
+        block_table=block_table,
+        sample=start + n == req.num_tokens,
+        sampling_params=sp,
+        num_output_tokens=req.num_output_tokens,
+        history=tuple(req.all_token_ids) if sp.needs_history else None,
+        eos_token_ids=req.eos_token_ids,
+    )
+
+
 def decode_batch(reqs: list[Request], tables: Mapping[str, tuple[int, ...]]) -> DecodeBatch:
     """The plain decodes `reqs` (each feeding its last sampled token) as one batch of columns.
     `tables` maps a request id to its block-id table."""
@@ -92,6 +116,12 @@ def token_delta(req: Request, token: int, lps: tuple[TokenLogprobs, ...]) -> Req
     fields["error"] = None
     fields["retry_after"] = None
     return delta
+
+
+def token_delta_reference(req: Request, token: int, lps: tuple[TokenLogprobs, ...]) -> RequestDelta:
+    """`token_delta`, plainly: the dataclass constructor."""
+    return RequestDelta(req.request_id, (token,), lps, num_prompt_tokens=req.num_prompt_tokens,
+                        num_cached_tokens=req.num_cached_tokens)
 
 
 def final_delta(req: Request, tokens: tuple[int, ...] = (), lps: tuple[TokenLogprobs, ...] = ()) -> RequestDelta:

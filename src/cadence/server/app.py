@@ -13,7 +13,7 @@ import hmac
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -168,7 +168,7 @@ class CORSGuard(CORSMiddleware):
         return JSONResponse(payload, status_code=ERROR_TABLE[HTTPKind.CORS_REFUSED].status, headers=headers)
 
 
-async def _send_error(send: Any, kind: HTTPKind, message: str, extra: list[tuple[bytes, bytes]] = ()) -> None:
+async def _send_error(send: Any, kind: HTTPKind, message: str, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
     body = error_bytes(kind, message)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
     if kind in (HTTPKind.BODY_TOO_LARGE, HTTPKind.UNSUPPORTED_MEDIA):
@@ -244,7 +244,7 @@ def create_app(
     _add_routes(app, engine, serving, exporter, render_metrics)
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     # POST routes that read a JSON body (a health probe such as /ping takes none)
-    json_paths = frozenset(r.path for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods) - OPEN_PATHS
+    json_paths = frozenset(r.path for r in app.routes if isinstance(r, APIRoute) and "POST" in (r.methods or ())) - OPEN_PATHS
     # Added innermost first: StopGuard wraps CORS, which wraps the guard, so a preflight (which
     # carries no API key) and every error the guard answers get their CORS headers.
     app.add_middleware(GuardMiddleware, config=server_config, json_paths=json_paths)
@@ -351,7 +351,7 @@ def _add_routes(
         # The gauges as of now, not as of the last step: an abort (a client that left) or a finish
         # with nothing left to run changes them with no step after it. The core keeps a snapshot
         # for exactly this read from another thread.
-        exporter.record_scheduler(engine.core.scheduler_stats)
+        exporter.record_scheduler(engine.engine.core.scheduler_stats)
         data, content_type = exporter.render()
         return Response(data, media_type=content_type)
 
@@ -440,7 +440,7 @@ class DrainingServer(uvicorn.Server):
         await _wait_for(lambda: self.serving.active == 0, STOP_ENGINE_S)
         # Requests the engine did not answer in time (a body still arriving, a long step) are
         # cancelled after this grace; StopGuard gives them their 503 or terminal event.
-        self.config.timeout_graceful_shutdown = STOP_GRACE_S
+        self.config.timeout_graceful_shutdown = STOP_GRACE_S  # type: ignore[assignment]  # (uvicorn takes a float)
         self.should_exit = True
 
 

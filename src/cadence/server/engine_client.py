@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import CadenceError
-from cadence.request import SamplingParams
+from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 
 
 class EngineStream(Protocol):
@@ -42,9 +42,13 @@ class EngineClient(Protocol):
     max_request_tokens: int
     vocab_size: int
     tokenizer: Any
-    drain_rate: RetryAfter  # Retry-After for a refusal made before the engine (a tenant's cap)
     stats_hooks: list[Callable[..., None]]  # called after each local engine step (none for a fleet)
     engine: Any  # `.config` (an EngineConfig) where known: whether tenants' caches are isolated
+
+    @property
+    def drain_rate(self) -> RetryAfter:
+        """Retry-After for a refusal made before the engine (a tenant's cap)."""
+        ...
 
     @property
     def is_healthy(self) -> bool: ...
@@ -67,10 +71,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         *,
         request_id: str,
-        priority: int = 0,
-        tenant: str = "default",
-        deadline: float | None = None,
-        cache_salt: str | None = None,
+        policy: RequestPolicy = DEFAULT_POLICY,
     ) -> EngineStream:
         """Admit the request or raise its refusal (`CadenceError`, `AdmissionError` with Retry-After)."""
         ...

@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from cadence.boundary import TokenLogprobs
 from cadence.engine.output_processor import StreamDelta
-from cadence.sched.output import TokenLogprobs
 
 DONE_EVENT = b"data: [DONE]\n\n"
 

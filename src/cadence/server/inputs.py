@@ -13,6 +13,7 @@ import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
@@ -20,7 +21,7 @@ from cadence.config import ServerConfig
 from cadence.errors import CadenceError, ErrorKind
 from cadence.model.template_limits import ChatTemplateLimitError
 from cadence.model.template_process import WORKERS
-from cadence.request import SamplingParams
+from cadence.request import RequestPolicy, SamplingParams
 from cadence.server.engine_client import EngineClient
 from cadence.server.errors import APIError, HTTPKind, param_of
 from cadence.server.protocol import SamplingFields
@@ -40,10 +41,7 @@ class Job:
     request_id: str
     prompts: list[list[int]]
     params: SamplingParams
-    tenant: str
-    priority: int
-    deadline: float | None
-    cache_salt: str | None
+    policy: RequestPolicy
     stream: bool
     include_usage: bool
 
@@ -197,10 +195,7 @@ class InputBuilder:
             request_id,
             prompts,
             params,
-            tenant,
-            body.priority,
-            body.deadline,
-            salt,
+            RequestPolicy(body.priority, tenant, body.deadline, salt),
             body.stream,
             body.include_usage,
         )
@@ -237,7 +232,7 @@ class InputBuilder:
         self.check_ids(list(bias), "logit_bias")
         self.check_ids(body.stop_token_ids or [], "stop_token_ids")
         self.check_ids(body.allowed_token_ids or [], "allowed_token_ids")
-        options = {
+        options: dict[str, Any] = {
             "temperature": body.temperature,
             "top_p": body.top_p,
             "top_k": body.top_k,

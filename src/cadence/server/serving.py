@@ -170,21 +170,21 @@ class OpenAIServing:
 
     def _acquire(self, job: Job) -> None:
         cap = self.config.tenant_max_requests
-        if cap is not None and self.tenant_in_flight[job.tenant] >= cap:
+        if cap is not None and self.tenant_in_flight[job.policy.tenant] >= cap:
             self._count_refusal(ErrorKind.TENANT_QUOTA)
             raise AdmissionError(
                 ErrorKind.TENANT_QUOTA,
-                f"tenant {job.tenant!r} has {counted(cap, 'request')} in flight, its cap; retry later",
+                f"tenant {job.policy.tenant!r} has {counted(cap, 'request')} in flight, its cap; retry later",
                 retry_after=self.engine.drain_rate.retry_after(),
             )
-        self.tenant_in_flight[job.tenant] += 1
+        self.tenant_in_flight[job.policy.tenant] += 1
         self.active += 1
 
     def _release(self, job: Job) -> None:
         self.active -= 1
-        self.tenant_in_flight[job.tenant] -= 1
-        if self.tenant_in_flight[job.tenant] <= 0:
-            del self.tenant_in_flight[job.tenant]
+        self.tenant_in_flight[job.policy.tenant] -= 1
+        if self.tenant_in_flight[job.policy.tenant] <= 0:
+            del self.tenant_in_flight[job.policy.tenant]
 
     async def _run(self, job: Job, fmt: Formatter, raw: Request, received_ns: int) -> Response:
         trace = self._begin_trace(raw, received_ns)
@@ -255,7 +255,7 @@ class OpenAIServing:
             self.tracer.end(trace, SpanFacts(
                 request_id=job.request_id, model=self.engine.model_name, max_tokens=p.max_tokens,
                 temperature=p.temperature, top_p=p.top_p, n=p.n, num_sequences=len(job.prompts) * p.n,
-                tenant=job.tenant, priority=job.priority, deadline=job.deadline,
+                tenant=job.policy.tenant, priority=job.policy.priority, deadline=job.policy.deadline,
                 prompt_tokens=counts["prompt_tokens"], completion_tokens=counts["completion_tokens"],
                 cached_tokens=counts["prompt_tokens_details"]["cached_tokens"],
             ))
@@ -268,10 +268,7 @@ class OpenAIServing:
                 job.prompts,
                 job.params,
                 request_id=job.request_id,
-                priority=job.priority,
-                tenant=job.tenant,
-                deadline=job.deadline,
-                cache_salt=job.cache_salt,
+                policy=job.policy,
             )
         except CadenceError as e:
             # The engine's refusals too, counted here as they are answered: the core reports its own
@@ -327,8 +324,8 @@ class OpenAIServing:
         trace: RequestTrace | None,
     ) -> AsyncIterator[bytes]:
         try:
-            for chunk in fmt.start_chunks():
-                yield sse(_with_usage(chunk, job))
+            for start in fmt.start_chunks():
+                yield sse(_with_usage(start, job))
             d: StreamDelta | None = first
             while d is not None:
                 i = stream.index_of(d.request_id)

@@ -35,7 +35,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from cadence.engine.output_processor import StreamDelta
-from cadence.sched.output import RequestMetrics
+from cadence.boundary import RequestMetrics
 
 log = logging.getLogger("cadence.server")
 

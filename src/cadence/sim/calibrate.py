@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.config import EngineConfig
 from cadence.engine.builder import Engine, build_engine
 from cadence.executor.cost_model import StepCostModel, StepFeatures, machine_info
 from cadence.request import Request, SamplingParams
-from cadence.sched.output import ScheduledRequest, SchedulerOutput
 from cadence.sim.replay import RecordingExecutor
 
 _WARM_ENOUGH_S = 0.3

@@ -231,8 +231,8 @@ def _parse_grid(specs: list[str]) -> dict[str, list[Any]]:
         if not grid[name]:
             raise ValueError(f"--grid {spec!r}: no values to try (expected OPTION=V1,V2)")
     # Each value must make a valid config on its own: refuse a bad one now, not mid-plan.
-    for name, values in grid.items():
-        for v in values:
+    for name, tried in grid.items():
+        for v in tried:
             try:
                 EngineConfig.from_options(**{name: v})
             except ValueError as e:

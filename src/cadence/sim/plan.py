@@ -157,7 +157,7 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
                                 f"gives {o.key} = {result.floor[o.key]:.3f}s; more replicas cannot help")
             return result
     names = sorted(grid or {})
-    combos = list(itertools.product(*(grid[k] for k in names))) if names else [()]
+    combos = list(itertools.product(*((grid or {})[k] for k in names))) if names else [()]
     for combo in combos:
         opts = dict(zip(names, combo, strict=True))
         cfg = config.replace(**opts) if opts else config

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from cadence.boundary import ModelOutput, SchedulerOutput
 from cadence.executor.cost_model import RecordedStep
-from cadence.sched.output import ModelOutput, SchedulerOutput
 
 
 class WallClock:

@@ -102,7 +102,7 @@ def measure_serving_overhead(config: EngineConfig, model: StepCostModel, vocab: 
             f"this machine, {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} tokens out"}
 
 
-def _line(x: list[int], y: list[float]) -> tuple[float, float]:
+def _line(x: list[float], y: list[float]) -> tuple[float, float]:
     """Least-squares slope and intercept, both clipped at 0 (serving never makes a step cheaper)."""
     n = len(x)
     mx, my = sum(x) / n, sum(y) / n

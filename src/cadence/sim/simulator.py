@@ -9,7 +9,7 @@ starts after it.
 
 Most steps of a long run are alike: the same requests each decoding one token. A replica whose
 next steps are such a stretch plans them at once and applies them lazily (see "decode stretches"
-below and sched/stretch.py), with results identical to stepping one at a time.
+below and sim/fast_forward.py), with results identical to stepping one at a time.
 
 The loop decides only from arrival times and the clock readings after each step, so driving it
 with a real executor and a wall clock (see `sim/replay.py`) and then replaying that run's step
@@ -25,7 +25,7 @@ import math
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,7 @@ from cadence.kv.hashing import block_hashers
 from cadence.request import Request, SamplingParams
 from cadence.routing import DIGEST_LIMIT, STATS_PERIOD_S, Router, check_router, fingerprints
 from cadence.sched.records import request_metrics
-from cadence.sched.stretch import DecodeStretch
+from cadence.sim.fast_forward import DecodeStretch, FastForward
 from cadence.sim.synth import PromptSynth
 from cadence.workload import Workload, WorkloadRequest
 
@@ -109,11 +109,12 @@ class SimResult:
 
 
 class _Replica:
-    __slots__ = ("index", "core", "clock", "executor", "stats", "in_heap", "last_end", "busy_from", "stretch",
+    __slots__ = ("index", "core", "clock", "executor", "ff", "stats", "in_heap", "last_end", "busy_from", "stretch",
                  "finish_points", "entry", "digest", "digest_time")
 
     def __init__(self, index: int, core: EngineCore, clock: Any, executor: Any) -> None:
         self.index, self.core, self.clock, self.executor = index, core, clock, executor
+        self.ff = FastForward.of(core)  # None where the executor costs no decode runs
         self.last_end = -_INF  # clock reading after its last step
         # Where its current run of back-to-back steps started (None before the first step): busy
         # time is added per run, one subtraction however many steps it holds.
@@ -206,7 +207,7 @@ class Simulator:
             self.replicas.append(_Replica(i, core, clock, ex))
         self._params: dict[int, SamplingParams] = {}
         self._live: dict[str, tuple[RequestRecord, _Replica]] = {}
-        self._times: dict[str, array] = {}  # each live request's token times (its record's array)
+        self._times: dict[str, MutableSequence[float]] = {}  # each live request's token times (its record's array)
         self._steps = 0
         # A step hook must see every step, so it turns the fast-forward off.
         self._fast_forward = options.fast_forward and on_step is None
@@ -331,8 +332,8 @@ class Simulator:
 
     # -- decode stretches --------------------------------------------------------------------------
     #
-    # A replica whose next steps would each schedule the same plain decodes (EngineCore.
-    # plan_decode_stretch) coasts: its heap entry moves to where the stretch's effects outside the
+    # A replica whose next steps would each schedule the same plain decodes (FastForward.plan)
+    # coasts: its heap entry moves to where the stretch's effects outside the
     # replica happen, and the steps are applied when it comes up at its end, or, when a request
     # reaches it sooner, up to the first step that starts at or after that arrival. Nothing else
     # reaches into a replica, and its stretch steps reach nothing outside it but through the
@@ -345,7 +346,8 @@ class Simulator:
 
     def _coast(self, rep: _Replica) -> bool:
         """Plan a stretch of decode steps on `rep` (its turn has come); False if none."""
-        stretch = rep.core.plan_decode_stretch(MAX_STRETCH_STEPS)
+        ff = rep.ff
+        stretch = ff.plan(MAX_STRETCH_STEPS) if ff is not None else None
         if stretch is None:
             return False
         rep.stretch = stretch
@@ -356,14 +358,14 @@ class Simulator:
     def _push_entry(self, rep: _Replica) -> None:
         """Queue coasting `rep` where its stretch next has an effect: the start of the next step that
         finishes requests, else the stretch's end."""
-        stretch = rep.stretch
-        assert stretch is not None
+        stretch, ff = rep.stretch, rep.ff
+        assert stretch is not None and ff is not None
         if rep.finish_points:
             step = rep.finish_points[-1][0]
-            rep.core.cost_stretch(stretch, step)
+            ff.cost(stretch, step)
             rep.entry = stretch.step_ends[step - 1] if step else stretch.start_time
         else:
-            rep.core.cost_stretch(stretch, stretch.num_steps)
+            ff.cost(stretch, stretch.num_steps)
             rep.entry = stretch.step_ends[-1]
         heapq.heappush(self._heap, (rep.entry, rep.index))
 
@@ -393,7 +395,8 @@ class Simulator:
     def _finish_rows(self, rep: _Replica, stretch: DecodeStretch, step: int, rows: list[int]) -> None:
         """The records of the requests (`rows` of the stretch) that its step `step` finishes (by
         length, the steps not applied yet): their token times to that step's end, then their end."""
-        rep.core.cost_stretch(stretch, step + 1)
+        assert rep.ff is not None  # (a stretch was planned by it)
+        rep.ff.cost(stretch, step + 1)
         rels = self._rels(stretch.step_ends[: step + 1])
         rel = rels[-1]
         times, live, join = self._times, self._live, stretch.join
@@ -437,10 +440,10 @@ class Simulator:
     def _land(self, rep: _Replica, m: int) -> None:
         """Apply the first `m` steps of `rep`'s stretch and record them as `_step` would have (the
         requests they finish have been recorded as done, each at its step's start)."""
-        stretch = rep.stretch
-        assert stretch is not None
+        stretch, ff = rep.stretch, rep.ff
+        assert stretch is not None and ff is not None
         rep.stretch = None
-        deltas = rep.core.apply_decode_stretch(stretch, m)
+        deltas = ff.apply(stretch, m)
         # (Finished requests were recorded at their finishing steps; a joined row's first token is below.)
         assert all(d.finish_reason is None or (d.request_id not in self._live and d.finish_reason.value == "length")
                    for d in deltas)

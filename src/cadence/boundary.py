@@ -1,13 +1,19 @@
-"""Frozen records that cross the scheduler's boundary, one set per step.
+"""The records that cross the boundaries around the scheduler, imported by both sides.
 
-The executor sees only `SchedulerOutput` (never the mutable `Request`); the stream sees only
-`RequestDelta`.
+The scheduler and the engine core fill them; the executor, the model, the stream, the server and
+the exporters read them. None of them is the mutable `Request`:
 
-An executor that sets `accepts_decode_batch` (the simulator's) gets a step's plain decodes as one
-`DecodeBatch` of columns instead of a `ScheduledRequest` each, and the engine reports their tokens
-as a list of request ids instead of a `RequestDelta` each: a simulation's steps are mostly plain
-decodes, and two Python objects per generated token were most of its cost. Such an executor may
-also cost a whole `DecodeRun` at once, for the simulator's fast-forward (`sched/stretch.py`).
+- one step's plan and its results: `SchedulerOutput` (its rows as `ScheduledRequest` records and,
+  for an executor that takes them so, a `DecodeBatch` of plain decodes as columns) and
+  `ModelOutput` (with `TokenLogprobs`);
+- a request's progress, for its stream: `RequestDelta`, with `RequestMetrics` on the last one;
+- plain data for exporters (Prometheus, the benchmark, the simulator's report): `SchedulerStats`
+  (gauges after a step), `IterationStats` (what a step did) and `FinishedRequestStats`.
+
+An executor that is a `DecodeBatchExecutor` (the simulator's) gets a step's plain decodes as one
+`DecodeBatch` instead of a `ScheduledRequest` each, and the engine reports their tokens as a list
+of request ids instead of a `RequestDelta` each: a simulation's steps are mostly plain decodes,
+and two Python objects per generated token were most of its cost. Standard library only.
 """
 
 from __future__ import annotations
@@ -80,24 +86,6 @@ class DecodeBatch:
 
 
 NO_DECODES = DecodeBatch()
-
-
-@dataclass(frozen=True)
-class DecodeRun:
-    """`num_steps` consecutive steps that each schedule the same `num_seqs` plain decodes and, with
-    `chunk`, one prompt chunk of `chunk` tokens after them that samples nothing (with `sampled`, its
-    last chunk, which does); nothing else. Row i decodes at its first step's position plus the
-    step's index; step j's chunk starts at
-    `chunk_start + j * chunk`. What an executor that sets `accepts_decode_runs` (the simulator's)
-    needs to cost the steps: the rows' first positions summed and their maximum, and the chunk."""
-
-    num_seqs: int
-    start_sum: int
-    start_max: int
-    num_steps: int
-    chunk: int = 0
-    chunk_start: int = 0
-    sampled: int = 0  # 1: the chunk is its prompt's last and samples (a run of one step, see DecodeStretch.join)
 
 
 @dataclass(frozen=True)
@@ -215,3 +203,46 @@ class RequestDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+# ---------------------------------------------------------------- stats, for exporters
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Gauges: the state after a step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use by running requests
+    num_live_tokens: int = 0  # tokens whose KV is held by running requests
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    request_id: str
+    tenant: str
+    priority: int
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+@dataclass
+class IterationStats:
+    """Counters: what one step did."""
+
+    step: int = 0
+    now: float = 0.0
+    step_time: float = 0.0  # seconds spent in execute()
+    num_prompt_tokens: int = 0  # prefill tokens computed this step
+    num_generation_tokens: int = 0  # tokens sampled this step
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    token_latencies: list[tuple[str, float]] = field(default_factory=list)  # (tenant, seconds since the previous token) per decode token
+    first_token_latencies: list[tuple[str, float]] = field(default_factory=list)  # (tenant, ttft)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
