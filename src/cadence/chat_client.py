@@ -24,6 +24,12 @@ DEFAULT_URL = "http://127.0.0.1:8000/v1"
 PROMPT = "> "
 
 
+def api_base(url: str) -> str:
+    """The OpenAI API base under `url`: the server's root and its /v1 are both accepted."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
 class ServerError(Exception):
     """The server refused or failed a request; the message says why, as the server put it."""
 
@@ -38,6 +44,7 @@ class Client:
     _http: httpx.Client = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.base_url = api_base(self.base_url)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         # Connecting may fail fast; a reply may take as long as generation takes.
         timeout = httpx.Timeout(self.timeout, connect=10.0)
@@ -203,7 +210,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             description=f"Interactive {what} against a running OpenAI-compatible server; replies stream "
                         "as they are generated. Ctrl-C stops a reply, Ctrl-D exits.",
         )
-        p.add_argument("--url", default=DEFAULT_URL, help="the server's API base URL (default %(default)s)")
+        p.add_argument("--url", default=DEFAULT_URL,
+                       help="the server's API base URL, with or without its /v1 (default %(default)s)")
         p.add_argument("--model", "--model-name", dest="model", default=None,
                        help="the model to ask (default: the first one the server's /models lists)")
         p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)")

@@ -145,11 +145,12 @@ class Workload:
 # Arrival processes
 
 
-def interarrival_gaps(process: str, rate: float, rng: random.Random, cv: float = 1.0) -> Iterator[float]:
+def interarrival_gaps(process: str, rate: float, rng: random.Random, burstiness: float = 1.0) -> Iterator[float]:
     """Endless gaps (seconds) between arrivals with mean 1/rate.
 
-    poisson: exponential gaps (coefficient of variation 1). gamma: gamma gaps with shape 1/cv**2,
-    so cv > 1 is burstier than Poisson, cv < 1 smoother, cv == 1 is Poisson again.
+    poisson: exponential gaps. gamma: gamma gaps of shape `burstiness` (vLLM's `--burstiness`):
+    1 is Poisson again, below 1 burstier (coefficient of variation 1/sqrt(burstiness) > 1), above
+    1 smoother, tending to evenly spaced arrivals.
     """
     if not (math.isfinite(rate) and rate > 0):
         raise ValueError(f"rate: must be > 0 requests/s, got {rate!r}")
@@ -157,21 +158,23 @@ def interarrival_gaps(process: str, rate: float, rng: random.Random, cv: float =
         while True:
             yield rng.expovariate(rate)
     elif process == "gamma":
-        if not (math.isfinite(cv) and cv > 0):
-            raise ValueError(f"burstiness: the coefficient of variation must be > 0, got {cv!r}")
-        shape = 1.0 / (cv * cv)
-        scale = 1.0 / (rate * shape)  # mean = shape * scale = 1/rate
+        if not (math.isfinite(burstiness) and burstiness > 0):
+            raise ValueError(f"burstiness: the gamma shape must be > 0, got {burstiness!r}")
+        scale = 1.0 / (rate * burstiness)  # mean = shape * scale = 1/rate
         while True:
-            yield rng.gammavariate(shape, scale)
+            yield rng.gammavariate(burstiness, scale)
     else:
         raise ValueError(f"arrival: expected poisson or gamma for generated gaps, got {process!r}")
 
 
-def arrival_times(n: int, process: str, rate: float, seed: int, cv: float = 1.0) -> list[float]:
-    """The first n arrival times (seconds from start); the first request arrives at t=0."""
+def arrival_times(n: int, process: str, rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
+    """The first n arrival times (seconds from start); the first request arrives at t=0.
+    An infinite rate (vLLM's `--request-rate inf`) puts every arrival at t=0."""
     if n < 0:
         raise ValueError("n: must be >= 0")
-    gaps = interarrival_gaps(process, rate, random.Random(seed), cv)
+    if rate == math.inf:
+        return [0.0] * n
+    gaps = interarrival_gaps(process, rate, random.Random(seed), burstiness)
     times, t = [], 0.0
     for i in range(n):
         if i:
@@ -181,8 +184,9 @@ def arrival_times(n: int, process: str, rate: float, seed: int, cv: float = 1.0)
 
 
 def assign_arrivals(workload: Workload, process: str, rate: float | None = None, seed: int = 0,
-                    cv: float = 1.0) -> Workload:
-    """Give every request an arrival time: generated (poisson, gamma), kept (trace) or none."""
+                    burstiness: float = 1.0) -> Workload:
+    """Give every request an arrival time: generated (poisson, gamma; all at t=0 for rate inf),
+    kept (trace) or none."""
     if process not in ARRIVALS:
         raise ValueError(f"arrival: expected one of {ARRIVALS}, got {process!r}")
     if process == "trace":
@@ -194,9 +198,14 @@ def assign_arrivals(workload: Workload, process: str, rate: float | None = None,
         return replace(workload, requests=reqs).with_note("closed loop: no arrival times")
     if rate is None:
         raise ValueError(f"rate: required for {process} arrivals")
-    times = arrival_times(len(workload.requests), process, rate, seed, cv)
+    times = arrival_times(len(workload.requests), process, rate, seed, burstiness)
     reqs = tuple(replace(r, arrival_time=t) for r, t in zip(workload.requests, times, strict=True))
-    how = f"{process} arrivals at {rate:g} req/s, seed {seed}" + (f", CV {cv:g}" if process == "gamma" else "")
+    if rate == math.inf:
+        how = f"request rate inf: all {len(reqs)} requests arrive at time 0 (sent at once)"
+    else:
+        how = f"{process} arrivals at {rate:g} req/s, seed {seed}"
+        if process == "gamma":
+            how += f", burstiness {burstiness:g} (gamma shape; 1 = Poisson, < 1 burstier)"
     return replace(workload, requests=reqs).with_note(how)
 
 

@@ -240,8 +240,8 @@ def test_cli_run_compare_and_sweep(fake_server, tmp_path: Path, capsys) -> None:
     assert (tmp_path / "c" / "sweep_compare.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["compare", str(tmp_path / "s"), str(tmp_path / "a")]) == 2  # a sweep and a run: clear error
     assert "not one of each" in capsys.readouterr().err
-    assert main(["--base-url", url, "--num-requests", "3"]) == 2  # no load given: a clear error
-    assert "give --rate" in capsys.readouterr().err
+    assert main(["--base-url", url, "--num-requests", "3", "--no-progress"]) == 0  # no load: all at once, as vLLM
+    assert "note: request rate inf: all 3 requests arrive at time 0" in capsys.readouterr().out
     nobody = f"http://127.0.0.1:{_free_port()}"
     assert main(["--base-url", nobody, "--rate", "1", "--num-requests", "2", "--no-progress"]) == 2
     assert "ConnectError" in capsys.readouterr().err
@@ -313,8 +313,8 @@ def test_vllm_bench_serve_spellings(fake_server, tmp_path: Path, capsys) -> None
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["slos"] == {"ttft": 2.0, "e2e": 5.0}
     assert json.loads((tmp_path / "r" / "vllm.json").read_text()) == summary
-    table = [line.split() for line in out.splitlines() if line.startswith(("metric (ms)", "ttft ", "e2e "))]
-    assert table[-3][-2:] == ["p50", "p99"] and [r[0] for r in table[-2:]] == ["ttft", "e2e"]
+    table = [line.split() for line in out.splitlines() if line.startswith(("metric (ms)", "ttft ", "e2el "))]
+    assert table[-3][-2:] == ["p50", "p99"] and [r[0] for r in table[-2:]] == ["ttft", "e2el"]  # as asked
     prompts = [len(b["prompt"]) for b in state.bodies]
     assert len(set(prompts)) > 1  # lengths vary with the range ratio
 

@@ -173,11 +173,21 @@ def test_poisson_mean_gap_and_cv() -> None:
     assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, rel=0.05)
 
 
-@pytest.mark.parametrize("cv", [0.5, 2.0])
-def test_gamma_mean_gap_and_cv(cv: float) -> None:
-    gaps = _gaps(arrival_times(40001, "gamma", rate=2.0, seed=3, cv=cv))
+@pytest.mark.parametrize("burstiness", [0.25, 4.0])
+def test_gamma_burstiness_is_the_shape_as_in_vllm(burstiness: float) -> None:
+    """vLLM's --burstiness is the gamma shape k: gaps of mean 1/rate and coefficient of variation
+    1/sqrt(k), so k < 1 is burstier than Poisson and k > 1 smoother."""
+    gaps = _gaps(arrival_times(40001, "gamma", rate=2.0, seed=3, burstiness=burstiness))
     assert statistics.fmean(gaps) == pytest.approx(0.5, rel=0.05)
-    assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(cv, rel=0.08)
+    cv = statistics.pstdev(gaps) / statistics.fmean(gaps)
+    assert cv == pytest.approx(burstiness ** -0.5, rel=0.08)
+    assert (cv > 1) == (burstiness < 1)
+
+
+def test_infinite_rate_puts_every_arrival_at_zero() -> None:
+    timed = assign_arrivals(builtin_workload("chat", 7), "poisson", rate=float("inf"))
+    assert [r.arrival_time for r in timed.requests] == [0.0] * 7
+    assert "all 7 requests arrive at time 0" in timed.notes[-1]
 
 
 def test_arrivals_are_seeded_and_start_at_zero() -> None:
@@ -188,7 +198,7 @@ def test_arrivals_are_seeded_and_start_at_zero() -> None:
 
 def test_assign_arrivals_modes() -> None:
     w = builtin_workload("chat", 20)
-    timed = assign_arrivals(w, "gamma", rate=5.0, seed=0, cv=2.0)
+    timed = assign_arrivals(w, "gamma", rate=5.0, seed=0, burstiness=0.5)
     assert all(r.arrival_time is not None for r in timed.requests)
     assert "gamma arrivals at 5 req/s" in timed.notes[-1]
     assert all(r.arrival_time is None for r in assign_arrivals(timed, "none").requests)

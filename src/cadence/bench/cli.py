@@ -28,6 +28,7 @@ from cadence.bench.client import (
     BenchResult,
     auth_headers,
     first_model_id,
+    listed_model_ids,
     request_count,
     run_benchmark,
 )
@@ -67,13 +68,28 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of requests/s (or inf), got {text!r}") from None
 
 
+ENDPOINT_ALIASES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # vLLM's --endpoint
+
+
+def _endpoint(text: str) -> str:
+    return ENDPOINT_ALIASES.get(text.rstrip("/"), text)
+
+
+def server_root(url: str) -> str:
+    """The server's root URL: a trailing /v1 (the OpenAI client's base_url habit) is dropped, since
+    the benchmark adds /v1/... (and /tokenize) itself."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default=None,
-                   help=f"OpenAI-compatible server (default {DEFAULT_BASE_URL}; or vLLM's --host/--port)")
+                   help=f"OpenAI-compatible server (default {DEFAULT_BASE_URL}; or vLLM's --host/--port); "
+                        "a URL ending in /v1 is taken as the server's root")
     g.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="/v1/completions or /v1/chat/completions (default %(default)s)")
+    g.add_argument("--endpoint", type=_endpoint, choices=("completions", "chat"), default="completions",
+                   help="completions (or /v1/completions) or chat (or /v1/chat/completions) (default %(default)s)")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--tokenizer", default="auto",
                    help="auto: the server's /tokenize, else estimate; none: estimate 4 chars/token; "
@@ -103,18 +119,25 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-workload", default=None, help="also write the prepared workload as JSONL")
 
 
-def _add_load_args(p: argparse.ArgumentParser) -> None:
+def _add_load_args(p: argparse.ArgumentParser, sweep: bool = True) -> None:
+    """The load options; `sweep` False (cadence sim) hides --rates/--concurrencies, which are then
+    refused by name (see `refuse_sweep_options`)."""
     g = p.add_argument_group("load")
     g.add_argument("--arrival", choices=ARRIVALS, default=None,
-                   help="default: poisson with --rate, none (closed loop) with only --concurrency, trace with --trace")
+                   help="default: gamma with --burstiness, poisson with --rate, none (closed loop) with only "
+                        "--concurrency, trace with --trace; with none of them every request at once (rate inf)")
     g.add_argument("--rate", "--request-rate", type=_rate, default=None,
-                   help="offered load, requests/s (open loop); inf: every request at once")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma arrivals: coefficient of variation of the gaps; 1 = Poisson, >1 burstier")
+                   help="offered load, requests/s (open loop); inf (the default without --concurrency or "
+                        "--trace): every request at time 0")
+    g.add_argument("--burstiness", type=float, default=None,
+                   help="gamma arrivals of this shape, as vLLM's: 1 = Poisson, < 1 burstier, > 1 smoother "
+                        "(needs --rate; selects --arrival gamma)")
     g.add_argument("--concurrency", "--max-concurrency", type=int, default=None,
                    help="closed loop: N users; open loop: at most N requests in flight")
-    g.add_argument("--rates", type=_floats, default=None, help="sweep: comma-separated rates")
-    g.add_argument("--concurrencies", type=_floats, default=None, help="sweep: comma-separated user counts")
+    hidden = None if sweep else argparse.SUPPRESS
+    g.add_argument("--rates", type=_floats, default=None, help=hidden or "`sweep` only: comma-separated rates")
+    g.add_argument("--concurrencies", type=_floats, default=None,
+                   help=hidden or "`sweep` only: comma-separated user counts")
     g.add_argument("--drain-timeout", type=float, default=60.0,
                    help="after the last send, seconds to wait for requests in flight (default %(default)s)")
 
@@ -135,7 +158,7 @@ def add_parser(subparsers) -> None:
                    help=f"goodput objective, repeatable; KEY in {', '.join(report.SLO_KEYS)}")
     g.add_argument("--out", default=None, help="directory for summary.json, requests.jsonl and PNG plots")
     g.add_argument("--label", default=None, help="name of this run in reports and comparisons")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", "--disable-tqdm", action="store_true", help="no progress bar")
     _add_vllm_args(p)
     p.set_defaults(func=run)
 
@@ -177,8 +200,7 @@ def _resolve_vllm_args(args: argparse.Namespace) -> None:
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"--port: must be in 1..65535, got {port}")
         args.base_url = f"http://{host or '127.0.0.1'}:{port or 8000}"
-    if args.base_url is None:
-        args.base_url = DEFAULT_BASE_URL
+    args.base_url = server_root(args.base_url or DEFAULT_BASE_URL)
     if getattr(args, "ignore_eos", False) and args.no_exact_output:
         raise ValueError("--ignore-eos and --no-exact-output contradict each other")
     if getattr(args, "dataset_name", None) and (args.workload or args.trace or args.requests_file):
@@ -200,16 +222,18 @@ def _resolve_vllm_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--goodput {spec!r}: expected KEY:MILLISECONDS with KEY in ttft, tpot, itl, e2el")
         args.slo.append(f"{key}={bound!r}")
     save = getattr(args, "save_result", False)
-    if (getattr(args, "result_dir", None) or getattr(args, "result_filename", None)) and not save:
+    result_dir = getattr(args, "result_dir", None)
+    if (result_dir or getattr(args, "result_filename", None)) and not save:
         raise ValueError("--result-dir/--result-filename go with --save-result")
+    if result_dir and args.out and Path(result_dir).resolve() != Path(args.out).resolve():
+        raise ValueError(f"--result-dir {result_dir} and --out {args.out}: two different directories; give one")
     if save and args.out is None:
-        args.out = args.result_dir or time.strftime("results/bench-%Y%m%d-%H%M%S")
-    if args.rate is not None and math.isinf(args.rate) and args.rate > 0:
-        args.rate, args.all_at_once = None, True  # every request at once: a closed loop of all of them
+        args.out = result_dir or time.strftime("results/bench-%Y%m%d-%H%M%S")
 
 
 def _percentile_request(args: argparse.Namespace) -> tuple[list[str], list[float]] | None:
-    """--percentile-metrics / --metric-percentiles as (metric names, percentiles); None if neither."""
+    """--percentile-metrics / --metric-percentiles as (metric names as given, percentiles); None if
+    neither."""
     metrics_text, pct_text = getattr(args, "percentile_metrics", None), getattr(args, "metric_percentiles", None)
     if metrics_text is None and pct_text is None:
         return None
@@ -223,7 +247,7 @@ def _percentile_request(args: argparse.Namespace) -> tuple[list[str], list[float
         pcts = []
     if not pcts or not all(0 <= q <= 100 for q in pcts):
         raise ValueError(f"--metric-percentiles: expected numbers in [0, 100], got {pct_text!r}")
-    return [report.VLLM_METRICS[m] for m in names], pcts
+    return names, pcts
 
 
 def _scaling(args: argparse.Namespace) -> Scaling:
@@ -257,17 +281,38 @@ def random_workload(n: int, input_len: int, output_len: int, ratio: float, seed:
 
 
 def _arrival(args: argparse.Namespace) -> str:
+    """The arrival process the flags ask for. With no load at all, vLLM's default: request rate inf,
+    every request at time 0 (at most --concurrency in flight, when a sweep's concurrencies are not given)."""
+    burstiness = args.burstiness
     if args.arrival:
+        if burstiness is not None and args.arrival in ("none", "trace"):
+            raise ValueError(f"--burstiness: shapes the gaps of generated arrivals (--rate); not with --arrival {args.arrival}")
+        if burstiness is not None and burstiness != 1 and args.arrival == "poisson":
+            raise ValueError(f"--burstiness {burstiness:g} with --arrival poisson: Poisson arrivals are burstiness 1; "
+                             "leave --arrival out (or give --arrival gamma)")
         return args.arrival
-    if getattr(args, "all_at_once", False):
-        return "none"
+    if burstiness is not None:
+        if args.rate is None and not args.rates:
+            raise ValueError("--burstiness: shapes the gaps between arrivals at a rate: give --rate R")
+        if args.rate == math.inf:
+            raise ValueError("--burstiness: with --request-rate inf every request arrives at time 0; give a finite --rate")
+        return "gamma"
     if args.rate is not None or args.rates:
         return "poisson"
     if args.concurrency is not None or args.concurrencies:
         return "none"
     if args.trace:
         return "trace"
-    raise ValueError("load: give --rate (open loop), --concurrency (closed loop) or --trace (its timestamps)")
+    args.rate = math.inf  # vLLM's default: every request at once
+    return "poisson"
+
+
+def refuse_sweep_options(args: argparse.Namespace, command: str) -> None:
+    """--rates/--concurrencies belong to `cadence bench sweep`; elsewhere they would run one point."""
+    for flag, given in (("--rates", args.rates), ("--concurrencies", args.concurrencies)):
+        if given:
+            single = "--rate" if flag == "--rates" else "--concurrency"
+            raise ValueError(f"{flag}: only with `cadence bench sweep`; {command} runs one load point: give {single}")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -280,7 +325,8 @@ def _check_args(args: argparse.Namespace) -> None:
         if v is not None and not (math.isfinite(v) and v > 0):
             raise bad(flag, f"must be > 0, got {v:g}")
 
-    positive("--rate", args.rate)
+    if args.rate != math.inf:  # inf: every request at once
+        positive("--rate", args.rate)
     positive("--duration", args.duration)
     positive("--burstiness", args.burstiness)
     positive("--request-timeout", getattr(args, "request_timeout", None))
@@ -306,26 +352,37 @@ def _check_args(args: argparse.Namespace) -> None:
             raise bad("--" + flag.replace("_", "-"), f"{path}: no such file")
 
 
+def workload_settings(args: argparse.Namespace) -> dict:
+    """The options that change which requests are made, for the report's meta (and so for
+    `compare`): the source file and every scaling, or the random dataset's lengths."""
+    out: dict = {"workload_source": args.trace or args.requests_file, "scale_lengths": args.scale_lengths,
+                 "scale_output": args.scale_output, "max_prompt_tokens": args.max_prompt_tokens,
+                 "max_output_tokens": args.max_output_tokens, "time_scale": args.time_scale}
+    if getattr(args, "dataset_name", None) == "random":
+        out.update(random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+                   random_range_ratio=args.random_range_ratio)
+    return out
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     _resolve_vllm_args(args)
     _check_args(args)
-    all_at_once = getattr(args, "all_at_once", False) and args.concurrency is None
+    arrival = _arrival(args)
     cfg = BenchConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
-        arrival=_arrival(args), rate=args.rate, burstiness=args.burstiness, concurrency=args.concurrency,
+        arrival=arrival, rate=args.rate, burstiness=args.burstiness or 1.0, concurrency=args.concurrency,
         num_requests=args.num_requests, duration=args.duration, seed=args.seed, slos=report.parse_slos(args.slo),
         out_dir=args.out, tokenizer=args.tokenizer, request_timeout=args.request_timeout,
         drain_timeout=args.drain_timeout, force_output_lengths=not args.no_exact_output,
         temperature=args.temperature, top_p=args.top_p, progress=not args.no_progress, label=args.label,
+        workload_settings=workload_settings(args),
     )
     if cfg.arrival in ("poisson", "gamma") and cfg.rate is None and args.rates:
         cfg.rate = max(args.rates)  # sizes the workload for the busiest point; each point sets its own
     # Before the workload is read or anything connects (a sweep's points each set their concurrency).
-    placeholder = (args.concurrencies or all_at_once) and cfg.concurrency is None
+    placeholder = args.concurrencies and cfg.concurrency is None
     (replace(cfg, concurrency=1) if placeholder else cfg).validate()
     cfg.workload = _workload(args, cfg)
-    if all_at_once:  # --request-rate inf without --max-concurrency: one user per request
-        cfg.concurrency = min(len(cfg.workload.requests), cfg.num_requests or len(cfg.workload.requests))
     if args.save_workload:
         write_jsonl(cfg.workload, args.save_workload)
     return cfg
@@ -339,22 +396,28 @@ def resolve_model(cfg: BenchConfig) -> None:
     timeout: a server that accepts connections but never answers, or a URL that is not an
     OpenAI-compatible server, is a clear error at once rather than a wait of --request-timeout
     or a KeyError."""
-    if cfg.model:
-        return
     url = cfg.base_url.rstrip("/") + "/v1/models"
     wait = min(cfg.request_timeout, PREFLIGHT_TIMEOUT_S)
     try:
         r = httpx.get(url, headers=auth_headers(cfg.api_key), timeout=httpx.Timeout(wait, connect=min(wait, 10.0)))
     except httpx.TimeoutException:
         raise ValueError(f"{url}: no answer within {wait:g} s (is the server up and serving HTTP?)") from None
-    cfg.model = first_model_id(url, r)
+    if not cfg.model:
+        cfg.model = first_model_id(url, r)
+        return
+    # A name the server does not serve fails every request (and its /tokenize): say so before the load.
+    names = listed_model_ids(r)
+    if names is not None and cfg.model not in names:
+        raise ValueError(f"--model {cfg.model!r}: {url} lists {', '.join(map(repr, names))}; give one of them "
+                         "(or leave --model out to use the first)")
 
 
 def _run_one(cfg: BenchConfig, args: argparse.Namespace, wanted: tuple[list[str], list[float]] | None) -> int:
     result = run_benchmark(cfg)
     print(report.format_table(result.summary))
     if wanted:
-        print(report.format_percentiles(result.records, *wanted))
+        names, pcts = wanted
+        print(report.format_percentiles(result.records, [report.VLLM_METRICS[m] for m in names], pcts, names))
     name = getattr(args, "result_filename", None)
     if name and cfg.out_dir:  # vLLM's one result file: the summary, under the name asked for
         path = Path(cfg.out_dir) / name
@@ -506,6 +569,8 @@ def run(args: argparse.Namespace) -> int:
                              "(a value after an option that takes none?)")
         if args.files:
             raise ValueError(f"unexpected arguments {args.files}")
+        if args.action == "run":
+            refuse_sweep_options(args, "`cadence bench run`")
         wanted = _percentile_request(args)  # checked before the load, printed after it
         cfg = config_from_args(args)
         resolve_model(cfg)

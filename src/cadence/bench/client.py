@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,9 +30,11 @@ from cadence.workload import Workload, WorkloadRequest, assign_arrivals, builtin
 
 @dataclass
 class BenchConfig:
-    """One benchmark run. `arrival`: poisson | gamma (needs `rate`) | trace | none (closed loop,
-    needs `concurrency`). `tokenizer`: "auto" (the server's /tokenize, else an estimate), "none"
-    (estimate), or a path to a tokenizer.json."""
+    """One benchmark run. `arrival`: poisson | gamma (needs `rate`; rate inf sends every request at
+    time 0) | trace | none (closed loop, needs `concurrency`). `burstiness`: the gamma shape, as
+    vLLM's (1 = Poisson, < 1 burstier). `tokenizer`: "auto" (the server's /tokenize, else an
+    estimate), "none" (estimate), or a path to a tokenizer.json. `workload_settings`: how the
+    workload was made (source file, scaling), recorded in the report's meta."""
 
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None
@@ -55,6 +58,7 @@ class BenchConfig:
     top_p: float | None = None
     progress: bool = True
     label: str | None = None
+    workload_settings: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.endpoint not in ("completions", "chat"):
@@ -63,6 +67,8 @@ class BenchConfig:
             raise ValueError("concurrency: a closed loop (--arrival none) needs --concurrency N")
         if self.arrival in ("poisson", "gamma") and not self.rate:
             raise ValueError(f"rate: {self.arrival} arrivals need --rate")
+        if not (math.isfinite(self.burstiness) and self.burstiness > 0):
+            raise ValueError(f"burstiness: must be > 0 (the gamma shape), got {self.burstiness!r}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency: must be >= 1")
         if self.num_requests is not None and self.num_requests < 1:
@@ -90,6 +96,20 @@ async def _resolve_model(client: httpx.AsyncClient) -> str:
     return first_model_id(str(r.request.url), r)
 
 
+def listed_model_ids(r: httpx.Response) -> list[str] | None:
+    """The model names a /v1/models answer lists; None when the answer is not such a list (a server
+    without the route, or not OpenAI-shaped), so that nothing can be checked against it."""
+    if r.status_code != 200:
+        return None
+    try:
+        data = r.json().get("data")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(data, list):
+        return None
+    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] or None
+
+
 def first_model_id(url: str, r: httpx.Response) -> str:
     """The first model a /v1/models answer lists; a ValueError saying what is wrong with the answer
     (not JSON, no models, a model without an id) otherwise."""
@@ -115,6 +135,8 @@ def request_count(cfg: BenchConfig) -> int | None:
         return cfg.num_requests
     if cfg.duration is not None and cfg.arrival == "trace":
         return None
+    if cfg.rate == math.inf:  # every request at time 0: a duration bounds nothing
+        return 200
     if cfg.duration is not None and cfg.rate:
         return int(cfg.rate * cfg.duration * 1.5) + 16
     if cfg.duration is not None:
@@ -141,12 +163,13 @@ def prepare_workload(cfg: BenchConfig) -> Workload:
     return w
 
 
-def _make_tokenizer(cfg: BenchConfig, model: str) -> Tokenizer | None:
+def _make_tokenizer(cfg: BenchConfig, model: str) -> tuple[Tokenizer | None, str | None]:
+    """The tokenizer, and why the server's /tokenize was not used when `auto` fell back to the estimate."""
     if cfg.tokenizer == "none":
-        return None
+        return None, None
     if cfg.tokenizer == "auto":
-        return ServerTokenizer.probe(cfg.base_url, model, auth_headers(cfg.api_key))
-    return LocalTokenizer(cfg.tokenizer)
+        return ServerTokenizer.probe_explained(cfg.base_url, model, auth_headers(cfg.api_key))
+    return LocalTokenizer(cfg.tokenizer), None
 
 
 def _body(cfg: BenchConfig, model: str, req: WorkloadRequest, text: str | None) -> dict:
@@ -217,8 +240,7 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict, headers: dic
         rec.queue_time = _float_header(resp.headers.get("x-queue-time"))
         if resp.status_code != 200:
             rec.retry_after = _float_header(resp.headers.get("retry-after"))
-            detail = (await resp.aread()).decode("utf-8", "replace")[:200]
-            rec.error = f"HTTP {resp.status_code}: {detail}"
+            rec.error = f"HTTP {resp.status_code}: {report.error_detail(await resp.aread())}"
             rec.end_time = time.perf_counter() - t0
             return
         async for line in resp.aiter_lines():
@@ -325,8 +347,8 @@ async def run_benchmark_async(cfg: BenchConfig) -> BenchResult:
                                  limits=limits, timeout=timeout) as client:
         model = cfg.model or await _resolve_model(client)
         workload = prepare_workload(cfg)
-        tokenizer = await asyncio.to_thread(_make_tokenizer, cfg, model)
-        builder = PromptBuilder(tokenizer, cfg.seed)
+        tokenizer, refused = await asyncio.to_thread(_make_tokenizer, cfg, model)
+        builder = PromptBuilder(tokenizer, cfg.seed, tokenizer_refused=refused)
         texts = await asyncio.to_thread(builder.build_all, workload)
         records = [_new_record(i, r) for i, r in enumerate(workload.requests)]
         bar = tqdm(total=len(records), disable=not cfg.progress, desc=cfg.label or "bench", unit="req")
@@ -347,6 +369,9 @@ async def run_benchmark_async(cfg: BenchConfig) -> BenchResult:
         tokenizer.close()
     meta = _meta(cfg, model, workload, builder, len(sent), len(records))
     result = BenchResult(sent, report.summarize(sent, cfg.slos, meta), started_at)
+    if refused:
+        result.summary["warnings"].append(f"the server's /tokenize refused ({refused}): prompt sizes are an "
+                                          "estimate of 4 characters per token")
     if cfg.out_dir:
         result.files = write_outputs(result, cfg.out_dir)
     return result
@@ -371,9 +396,11 @@ def _meta(cfg: BenchConfig, model: str, w: Workload, builder: PromptBuilder, sen
                      f"{cfg.concurrency} --concurrency slots when the drain timeout ended the run")
     return {
         "label": cfg.label, "base_url": cfg.base_url, "model": model, "endpoint": cfg.endpoint,
-        "workload": w.name, "arrival": cfg.arrival, "rate": cfg.rate, "burstiness": cfg.burstiness,
-        "concurrency": cfg.concurrency, "num_requests": cfg.num_requests, "duration": cfg.duration,
-        "seed": cfg.seed, "force_output_lengths": cfg.force_output_lengths, "notes": notes,
+        "workload": w.name, "arrival": cfg.arrival, "rate": report.json_rate(cfg.rate),
+        "burstiness": cfg.burstiness, "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
+        "duration": cfg.duration, "seed": cfg.seed, "force_output_lengths": cfg.force_output_lengths,
+        "temperature": cfg.temperature, "top_p": cfg.top_p, "tokenizer": cfg.tokenizer,
+        **cfg.workload_settings, "notes": notes,
     }
 
 

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import httpx
 
+from cadence.bench.report import error_detail
 from cadence.workload import Workload, WorkloadRequest
 
 CORPUS = """\
@@ -107,14 +108,31 @@ class ServerTokenizer:
     def probe(cls, base_url: str, model: str | None = None, headers: dict[str, str] | None = None,
               transport: httpx.BaseTransport | None = None) -> ServerTokenizer | None:
         """The server's tokenizer if it has working /tokenize and /detokenize, else None."""
+        return cls.probe_explained(base_url, model, headers, transport)[0]
+
+    @classmethod
+    def probe_explained(cls, base_url: str, model: str | None = None, headers: dict[str, str] | None = None,
+                        transport: httpx.BaseTransport | None = None) -> tuple[ServerTokenizer | None, str | None]:
+        """`probe`, and why it found no working tokenizer: None when the server simply has no
+        /tokenize route (the usual case for servers without one), else its status and message (a
+        wrong model name, a refused API key, ...)."""
         tok = cls(base_url, model, headers, transport)
+        why: str | None
         try:
             if tok.decode(tok.encode("The river town woke slowly.")).strip():
-                return tok
-        except (httpx.HTTPError, KeyError, ValueError, TypeError):
-            pass
+                return tok, None
+            why = "/detokenize gave back no text"
+        except httpx.HTTPStatusError as e:
+            detail = error_detail(e.response.content)
+            missing = e.response.status_code in (404, 405) and detail in _NO_ROUTE
+            why = None if missing else f"HTTP {e.response.status_code} from {e.request.url.path}: {detail}"
+        except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:
+            why = f"{type(e).__name__}: {e}"[:200]
         tok.close()
-        return None
+        return None, why
+
+
+_NO_ROUTE = ("Not Found", "Method Not Allowed")  # a framework's answer for a route it does not have
 
 
 class LocalTokenizer:
@@ -159,6 +177,7 @@ class PromptBuilder:
     tokenizer: Tokenizer | None = None
     seed: int = 0
     chars_per_token: float = 4.0
+    tokenizer_refused: str | None = None  # why the server's /tokenize was not used
     inexact: list[tuple[int, int]] = field(default_factory=list)  # (wanted, got)
     _specials: list[int] | None = None
     _words_per_token: float | None = None
@@ -166,8 +185,9 @@ class PromptBuilder:
     @property
     def method(self) -> str:
         if self.tokenizer is None:
-            return (f"estimate: {self.chars_per_token:g} characters per token (no tokenizer: "
-                    "prompt sizes are approximate)")
+            why = f"the server's /tokenize refused: {self.tokenizer_refused}" if self.tokenizer_refused \
+                else "no tokenizer"
+            return f"estimate: {self.chars_per_token:g} characters per token ({why}: prompt sizes are approximate)"
         return f"exact token counts by the {self.tokenizer.name} tokenizer"
 
     def _calibrate(self) -> None:

@@ -20,6 +20,7 @@ Definitions (all in seconds, per request, measured by the client):
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections.abc import Callable, Iterable, MutableSequence, Sequence
 from dataclasses import asdict, dataclass, field
@@ -109,6 +110,27 @@ class RequestRecord:
     @classmethod
     def from_dict(cls, d: dict) -> RequestRecord:
         return cls(**{k: v for k, v in d.items() if k != "text"})
+
+
+def error_detail(body: bytes) -> str:
+    """The message of an error answer: OpenAI's error.message, FastAPI's detail, else the text."""
+    text = body.decode("utf-8", "replace")
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return text.strip()[:200]
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        found = err.get("message") if isinstance(err, dict) else err if isinstance(err, str) else None
+        found = found or doc.get("detail") or doc.get("message")
+        if found:
+            return str(found)[:200]
+    return text.strip()[:200]
+
+
+def json_rate(rate: float | None) -> float | str | None:
+    """A rate as JSON can hold it: an infinite one (every request at once) as "inf"."""
+    return "inf" if rate == math.inf else rate
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -322,14 +344,16 @@ def metric_values(records: Sequence[RequestRecord], metric: str) -> list[float]:
     return [v for v in map(get, ok) if v is not None]
 
 
-def format_percentiles(records: Sequence[RequestRecord], metrics: Sequence[str], percentiles: Sequence[float]) -> str:
-    """Chosen percentiles of chosen metrics, in milliseconds (vLLM's `--metric-percentiles` table)."""
+def format_percentiles(records: Sequence[RequestRecord], metrics: Sequence[str], percentiles: Sequence[float],
+                       names: Sequence[str] | None = None) -> str:
+    """Chosen percentiles of chosen metrics, in milliseconds (vLLM's `--metric-percentiles` table);
+    each row is named by `names` (the user's spelling, e.g. e2el) when given, else by the metric."""
     lines = [f"{'metric (ms)':<12}" + "".join(f"{'p' + format(q, 'g'):>10}" for q in percentiles)]
-    for m in metrics:
+    for m, name in zip(metrics, names or metrics, strict=True):
         values = sorted(metric_values(records, m))
         cells = [f"{'n/a':>10}" if not values else f"{_sorted_percentile(values, q) * 1000:>10.1f}"
                  for q in percentiles]
-        lines.append(f"{m:<12}" + "".join(cells))
+        lines.append(f"{name:<12}" + "".join(cells))
     return "\n".join(lines)
 
 
@@ -347,6 +371,7 @@ def summarize(records: Sequence[RequestRecord], slos: dict[str, float], meta: di
         "per_priority": prios,
         "fairness": {"tenants": _fairness(tenants), "priorities": _fairness(prios)},
         "errors": _error_counts(records),
+        "error_reasons": error_reasons(records),
         "warnings": _warnings(records, overall, (meta or {}).get("force_output_lengths", True)),
     }
 
@@ -358,6 +383,32 @@ def _error_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
             key = f"HTTP {r.status}" if r.status not in (None, 200) else (r.error or "incomplete").split(":")[0]
             out[key] = out.get(key, 0) + 1
     return out
+
+
+ERROR_REASONS_SHOWN = 3
+_REASON_CHARS = 120
+
+
+def error_reasons(records: Sequence[RequestRecord], top: int = ERROR_REASONS_SHOWN) -> list[dict]:
+    """The most common reasons requests failed (status and the server's message, truncated), with
+    their counts, most common first (ties in order of first appearance)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            reason = r.error or (f"HTTP {r.status}" if r.status not in (None, 200) else "incomplete stream")
+            reason = reason if len(reason) <= _REASON_CHARS else reason[: _REASON_CHARS - 3] + "..."
+            counts[reason] = counts.get(reason, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return [{"reason": k, "count": n} for k, n in ranked]
+
+
+def _format_error_reasons(summary: dict) -> list[str]:
+    reasons = summary.get("error_reasons") or []
+    if not reasons:
+        return []
+    kinds = len(summary.get("errors") or {})
+    head = "errors by reason" + (" (most common first)" if len(reasons) > 1 or kinds > 1 else "") + ":"
+    return [head, *(f"{r['count']:>8}  {r['reason']}" for r in reasons)]
 
 
 def _warnings(records: Sequence[RequestRecord], overall: dict, exact_asked: bool = True) -> list[str]:
@@ -464,6 +515,7 @@ def format_table(summary: dict) -> str:
         d = o[name]
         cells = [f"{d['count']:>10}"] + [f" {d[k] * scale:>9.1f}" for k in stats]
         lines.append(f"{name:<12}" + "".join(cells))
+    lines += _format_error_reasons(summary)
     for title, groups, fair in (("tenant", summary["per_tenant"], summary["fairness"]["tenants"]),
                                 ("priority", summary["per_priority"], summary["fairness"]["priorities"])):
         if len(groups) < 2:
@@ -516,15 +568,19 @@ def compare(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -> str:
     return "\n".join(lines)
 
 
-# The benchmark settings a summary's `meta` records; two runs compared should differ in one at most
-# (or only in the server's own settings, which `meta` does not see).
-COMPARED_SETTINGS = ("model", "endpoint", "workload", "arrival", "rate", "burstiness", "concurrency",
-                     "num_requests", "duration", "seed", "force_output_lengths")
+# The benchmark settings a summary's `meta` records, every one that changes what is sent; two runs
+# compared should differ in one at most (or only in the server's own settings, which `meta` does not see).
+COMPARED_SETTINGS = ("model", "endpoint", "workload", "workload_source", "random_input_len", "random_output_len",
+                     "random_range_ratio", "scale_lengths", "scale_output", "max_prompt_tokens", "max_output_tokens",
+                     "time_scale", "tokenizer", "arrival", "rate", "burstiness", "concurrency", "num_requests",
+                     "duration", "seed", "force_output_lengths", "temperature", "top_p")
 
 
 def setting_differences(meta_a: dict, meta_b: dict) -> list[str]:
-    """`name: A vs B` for each recorded benchmark setting in which two runs differ."""
-    return [f"{k}: {meta_a.get(k)} vs {meta_b.get(k)}" for k in COMPARED_SETTINGS if meta_a.get(k) != meta_b.get(k)]
+    """`name: A vs B` for each recorded benchmark setting in which two runs differ. A setting only
+    one of them recorded (a summary written before it was recorded) is not compared."""
+    return [f"{k}: {meta_a.get(k)} vs {meta_b.get(k)}" for k in COMPARED_SETTINGS
+            if k in meta_a and k in meta_b and meta_a[k] != meta_b[k]]
 
 
 def compare_warnings(a: dict, b: dict) -> list[str]:

@@ -1,7 +1,7 @@
 """`cadence sim`, `cadence sim plan` and `cadence calibrate`.
 
     cadence calibrate [--quick] [--out profile.json] [engine options]
-    cadence sim --workload chat --rate 2 --num-requests 500 [--replicas 2 --router least-loaded] [--out DIR]
+    cadence sim --workload chat --rate 2 --num-requests 500 [--replicas 2 --router prefix-affinity] [--out DIR]
     cadence sim --trace traces/azure_llm_2023_conv.csv --rate-scale 5 --repeat 5
     cadence sim plan --trace traces/azure_llm_2023_code.csv --rate-scale 10 --slo ttft_p95=1.0
 
@@ -33,13 +33,15 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
 
     add_engine_args(p, {"prefix_caching_hash_algo": "builtin"})  # (see sim_engine_config)
     _add_workload_args(p)  # after the engine options: the workload's --seed wins (the sim has no weights to seed)
-    _add_load_args(p)
+    _add_load_args(p, sweep=False)
     g = p.add_argument_group("simulation")
     g.add_argument("--profile", default=None, help="cost profile from `cadence calibrate` (default: the shipped one)")
     g.add_argument("--rate-scale", type=float, default=1.0, help="replay trace timestamps this many times faster")
     g.add_argument("--repeat", type=int, default=1, help="replay the workload N times back to back (more requests)")
-    g.add_argument("--replicas", type=int, default=1, help="engines behind the router (default 1)")
-    g.add_argument("--router", choices=ROUTERS, default="least-loaded", help="how requests are spread (default %(default)s)")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="engines behind the router (default 1; `sim plan` searches the count itself)")
+    g.add_argument("--router", choices=ROUTERS, default="prefix-affinity",
+                   help="how requests are spread (default %(default)s, as `cadence serve --replicas`)")
     p.set_defaults(**_TARGET_DEFAULTS)
 
 
@@ -105,6 +107,11 @@ def load_profile(path: str | None, args: argparse.Namespace):
 
 def check_sim_args(args: argparse.Namespace) -> None:
     """The simulation's own flags; a value out of range is an error, never quietly the default."""
+    from cadence.bench.cli import refuse_sweep_options
+
+    refuse_sweep_options(args, "`cadence sim plan`" if args.func is run_plan else "`cadence sim`")
+    if args.replicas is None:
+        args.replicas = 1
     if not (math.isfinite(args.rate_scale) and args.rate_scale > 0):
         raise ValueError(f"--rate-scale: must be > 0, got {args.rate_scale:g}")
     if args.repeat < 1:
@@ -172,7 +179,9 @@ def run_sim(args: argparse.Namespace) -> int:
     opts = _sim_options(args, cfg)
     res = Simulator(engine_cfg, model, opts).run(workload)
     meta = {"label": args.label, "simulated": True, "model": model.metadata.get("model"),
-            "workload": workload.name, "arrival": cfg.arrival, "rate": cfg.rate, "seed": args.seed,
+            "workload": workload.name, "arrival": cfg.arrival, "rate": report.json_rate(cfg.rate),
+            "burstiness": cfg.burstiness, "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
+            "duration": cfg.duration, "seed": args.seed, **cfg.workload_settings,
             "replicas": opts.replicas, "router": opts.router, "profile": _profile_line(model),
             "notes": [*workload.notes, _sim_note(res, model)],
             "replica_stats": [{"index": r.index, "requests": r.requests, "steps": r.steps, "busy_s": r.busy_s,
@@ -252,6 +261,9 @@ def _parse_bool(text: str) -> bool:
 def run_plan(args: argparse.Namespace) -> int:
     from cadence.sim.plan import Objective, format_header, format_plan, format_trial, plan
 
+    if args.replicas is not None:
+        raise ValueError("--replicas: `cadence sim plan` searches the number of replicas itself; "
+                         "give --max-replicas N to bound it (or use `cadence sim --replicas N`)")
     objectives = [Objective.parse(s) for s in args.objectives]
     if not objectives:
         raise ValueError("--slo: give at least one objective, e.g. --slo ttft_p95=1.0")
