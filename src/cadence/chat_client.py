@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
+import math
+import os
+import re
 import sys
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -22,6 +26,9 @@ import httpx
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 PROMPT = "> "
+API_KEY_ENV = "OPENAI_API_KEY"  # the key when --api-key is not given, as `vllm chat` reads it
+# Bytes of the input that are not UTF-8, as Python's surrogateescape reads them.
+_UNDECODED = re.compile("[\udc80-\udcff]")
 
 
 def api_base(url: str) -> str:
@@ -125,11 +132,22 @@ class Session:
     out: TextIO = sys.stdout
     err: TextIO = sys.stderr
     history: list[dict[str, str]] = field(default_factory=list)
+    _told_undecoded: bool = field(default=False, init=False, repr=False)
+
+    def clean(self, text: str) -> str:
+        """`text` with each byte that was not UTF-8 replaced by U+FFFD (said once a session)."""
+        cleaned, n = _UNDECODED.subn("\ufffd", text)
+        if n and not self._told_undecoded:
+            self._told_undecoded = True
+            print("note: the input is not all UTF-8; each byte that is not was sent as U+FFFD",
+                  file=self.err, flush=True)
+        return cleaned
 
     def send(self, text: str) -> bool:
         """Send one message (chat) or prompt (complete) and stream the reply to `out`. False when the
         server answered an error (printed to `err`; the conversation is left as it was)."""
         body: dict[str, Any]
+        text = self.clean(text)
         if self.chat:
             self.history.append({"role": "user", "content": text})
             route, body, piece = "/chat/completions", {"messages": self.history}, _chat_piece
@@ -181,14 +199,23 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
+def _read_undecodable_bytes() -> None:
+    """Read standard input with bytes that are not UTF-8 kept (as surrogates, which `Session.clean`
+    replaces) rather than failing the session on them."""
+    stdin = sys.stdin
+    if isinstance(stdin, io.TextIOWrapper):
+        stdin.reconfigure(errors="surrogateescape")
+
+
 def run(args: argparse.Namespace) -> int:
     chat = args.command == "chat"
-    client = Client(args.url, args.api_key)
+    _read_undecodable_bytes()
+    client = Client(args.url, args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None)
     try:
         model = args.model or client.first_model()
         session = Session(client, model, _sampling(args), chat)
         if chat and args.system_prompt:
-            session.history.append({"role": "system", "content": args.system_prompt})
+            session.history.append({"role": "system", "content": session.clean(args.system_prompt)})
         if args.quick is not None:
             return 0 if session.send(args.quick) else 1
         with contextlib.suppress(ImportError):
@@ -202,25 +229,55 @@ def run(args: argparse.Namespace) -> int:
         client.close()
 
 
+def _temperature(text: str) -> float:
+    """A finite number >= 0 (nan and inf would only fail later, as a JSON error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _max_tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+_COMMANDS = (  # name, what it does (help), and at more length (description)
+    ("chat", "chat interactively with the model of a running server",
+     "Chat interactively with the model of a running OpenAI-compatible server: each line is a turn of "
+     "the conversation, and the whole conversation is sent with each."),
+    ("complete", "complete prompts interactively on a running server",
+     "Complete prompts interactively on a running OpenAI-compatible server: each line is a new prompt."),
+)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    for name, what in (("chat", "a conversation"), ("complete", "text completion")):
+    for name, what, description in _COMMANDS:
         p = subparsers.add_parser(
             name,
-            help=f"interactive {what} against a running server (as vllm {name})",
-            description=f"Interactive {what} against a running OpenAI-compatible server; replies stream "
-                        "as they are generated. Ctrl-C stops a reply, Ctrl-D exits.",
+            help=f"{what} (as vllm {name})",
+            description=f"{description} Replies stream as they are generated. Ctrl-C stops a reply, Ctrl-D exits.",
         )
         p.add_argument("--url", default=DEFAULT_URL,
                        help="the server's API base URL, with or without its /v1 (default %(default)s)")
         p.add_argument("--model", "--model-name", dest="model", default=None,
                        help="the model to ask (default: the first one the server's /models lists)")
-        p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)")
+        p.add_argument("--api-key", default=None,
+                       help=f"sent as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} where set, else none)")
         if name == "chat":
             p.add_argument("--system-prompt", default=None,
                            help="a system message that opens the conversation (default: none, the template's own)")
-        p.add_argument("--max-tokens", type=int, default=None,
+        p.add_argument("--max-tokens", type=_max_tokens, default=None,
                        help="tokens to generate at most per reply (default: the server's)")
-        p.add_argument("--temperature", type=float, default=None,
+        p.add_argument("--temperature", type=_temperature, default=None,
                        help="sampling temperature; 0: greedy (default: the server's)")
         p.add_argument("-q", "--quick", metavar="MESSAGE", default=None,
                        help="send this one message, print the reply and exit")

@@ -23,6 +23,7 @@ from cadence.config import (
     EngineConfig,
     ServerConfig,
     engine_option_fields,
+    parse_human_int,
 )
 from cadence.config import parse_size as config_parse_size
 from cadence.request import SamplingParams
@@ -35,6 +36,18 @@ def parse_size(text: str) -> int:
         return config_parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_count(text: str) -> int:
+    """'32k' -> 32000, '32K' -> 32768, '4096' -> 4096 (vLLM's human-readable integers)."""
+    try:
+        return parse_human_int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# vLLM's names of engine options, accepted beside cadence's (OPTION_HELP says what each means here).
+FLAG_ALIASES = {"kv_cache_memory_fraction": ("--gpu-memory-utilization",)}
 
 
 def parse_pairs(text: str) -> tuple[tuple[str, float], ...]:
@@ -75,6 +88,8 @@ def add_engine_args(parser: argparse.ArgumentParser, shown_defaults: dict[str, A
             kw["nargs"] = "+"
         if f.name == "kv_cache_memory":
             kw["type"] = parse_size
+        elif f.name == "max_model_len":
+            kw["type"] = parse_count
         elif f.name == "tenant_weights":
             kw["type"] = parse_pairs
         elif kind.startswith("bool"):
@@ -83,7 +98,7 @@ def add_engine_args(parser: argparse.ArgumentParser, shown_defaults: dict[str, A
             kw["type"] = int
         elif kind.startswith("float"):
             kw["type"] = float
-        group.add_argument(_flag(f.name), **kw)
+        group.add_argument(_flag(f.name), *FLAG_ALIASES.get(f.name, ()), **kw)
 
 
 def readable_default(name: str, value: Any) -> str:
@@ -281,6 +296,9 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
     """The engine and server configurations of parsed `cadence serve` flags."""
     if args.model_path and args.model is None:
         args.model = args.model_path
+    elif args.model_path and not _same_model(args.model_path, args.model):
+        raise ValueError(f"the model is given twice and differently: {args.model_path} (MODEL) and --model "
+                         f"{args.model}; give one")
     pairs = []
     for item in args.api_key_tenant:
         key, sep, tenant = item.partition("=")
@@ -307,6 +325,11 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
     return engine_cfg, server_cfg
 
 
+def _same_model(a: str, b: str) -> bool:
+    """The same model whichever way its path is spelled (./m.gguf, m.gguf, a symlink to it)."""
+    return a == b or os.path.realpath(a) == os.path.realpath(b)
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="offline generation: a prompt, or a JSONL file of requests")
     src = p.add_mutually_exclusive_group(required=True)
@@ -323,7 +346,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's top_p; 1: off (default %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0: off (default %(default)s)")
-    p.add_argument("--sampling-seed", dest="sample_seed", type=int, default=None, help="seed of each request")
+    p.add_argument("--sampling-seed", dest="sample_seed", metavar="SEED", type=int, default=None,
+                   help="seed of each request's sampling (default: none: drawn from the engine's --seed)")
     p.add_argument("--tiny", action="store_true", help="a tiny random-weight model with the real tokenizer (testing)")
     add_engine_args(p)
     p.set_defaults(func=_generate)

@@ -20,6 +20,7 @@ SCHEDULERS = ("continuous", "static")
 POLICIES = ("fcfs", "priority", "fair", "deadline")
 HASH_ALGOS = ("sha256", "builtin")  # the prefix cache's block hashes (kv/hashing.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings (torch's names)
 DEVICES = ("auto", "cpu", "cuda")
 METRICS_COMPAT = ("vllm",)  # --metrics-compat: other servers' metric names served beside cadence's
 GiB = 1 << 30
@@ -41,6 +42,28 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 2GiB)")
     unit = (m.group(2) or "").lower().removesuffix("b")
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_human_int(text: str) -> int:
+    """A count as vLLM reads one (--max-model-len): '32k' -> 32000 and '25.6k' -> 25600 (lower-case
+    suffixes are powers of ten), '32K' -> 32768 (upper-case, powers of two, whole numbers only),
+    '4096' -> 4096; ValueError otherwise."""
+    value = text.strip()
+    m = _HUMAN_INT.fullmatch(value)
+    if not m:
+        raise ValueError(f"not a count: {text!r} (examples: 4096, 32k = 32000, 32K = 32768, 1m = 1000000)")
+    number, suffix = m.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        hint = f"; did you mean {value.lower()}?" if suffix else ""
+        raise ValueError(f"not a whole count: {text!r} (decimals only with k, m, g, t{hint})")
+    return int(number) * _BINARY.get(suffix, 1)
 
 
 def _type_ok(value: Any, kind: str) -> bool:
@@ -281,6 +304,13 @@ def _normalise(key: str, value: Any) -> Any:
     for `tenant_weights`."""
     if key == "model" and isinstance(value, os.PathLike):
         return os.fspath(value)
+    if key == "dtype" and isinstance(value, str):
+        return DTYPE_ALIASES.get(value, value)
+    if key == "max_model_len" and isinstance(value, str):
+        try:
+            return parse_human_int(value)
+        except ValueError as e:
+            raise ValueError(f"max_model_len: {e}") from None
     if key == "kv_cache_memory" and isinstance(value, float) and value.is_integer():
         return int(value)
     if key == "kv_cache_memory" and isinstance(value, str):
@@ -315,10 +345,13 @@ def option_flags(name: str, value: Any) -> list[str]:
 # with the option's choices and default (tests/unit/test_cli_help.py checks that none is missing).
 OPTION_HELP: dict[str, str] = {
     "model": "GGUF file or Hugging Face directory to serve (none: the default model, SmolLM2-135M-Instruct)",
-    "dtype": "weights and activations; auto: bfloat16 where the CPU or GPU computes it fast, else float32",
+    "dtype": "weights and activations; auto: bfloat16 where the CPU or GPU computes it fast, else float32 "
+             "(half: float16, float: float32, as in vLLM)",
     "device": "auto: CUDA when present, else the CPU",
-    "max_model_len": "longest context (prompt + output) a request may use (none: the model's, at most 8192)",
-    "served_model_name": "the model name the API answers to (none: the file's name)",
+    "max_model_len": "longest context (prompt + output) a request may use: 4096, or 32k (32000), 32K (32768), "
+                     "1m (1000000), as vLLM reads them (none: the model's, at most 8192)",
+    "served_model_name": "the model name the API answers to (none: the model file's name up to its first dot, "
+                         "SmolLM2-135M-Instruct for the default model; a directory's name)",
     "chat_template": "a Jinja chat template, or the path of a file holding one, used instead of the model's "
                      "(under the same limits, checked at start-up)",
     "seed": "seeds sampling of requests that give no seed",
@@ -331,7 +364,9 @@ OPTION_HELP: dict[str, str] = {
     "kv_cache_memory": "size of the KV cache (512MiB, 2GiB, or bytes); the block count follows and is logged",
     "num_kv_blocks": "KV cache blocks, overriding --kv-cache-memory (none: from --kv-cache-memory)",
     "kv_cache_memory_fraction": "KV cache as a share of the memory available once the model is loaded "
-                                "(RAM on CPU, free GPU memory on CUDA), overriding --kv-cache-memory",
+                                "(RAM on CPU, free GPU memory on CUDA), at most 0.95, overriding --kv-cache-memory; "
+                                "--gpu-memory-utilization is taken as this (unlike vLLM's, the share is of what "
+                                "the loaded model leaves, for the KV cache alone, and on CPU of the RAM)",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before",
     "tenant_isolation": "prefix-cache hits only within a tenant (hashes salted with the tenant)",
     "prefix_caching_hash_algo": "block hash: sha256 (collisions cannot be crafted) or builtin (cheaper; trusted traffic)",
@@ -350,7 +385,7 @@ OPTION_HELP: dict[str, str] = {
     "deadline_aging": "seconds of waiting that count as one second nearer a deadline (deadline policy)",
 }
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": DTYPES, "device": DEVICES, "scheduler": SCHEDULERS, "policy": POLICIES,
+    "dtype": (*DTYPES, *DTYPE_ALIASES), "device": DEVICES, "scheduler": SCHEDULERS, "policy": POLICIES,
     "prefix_caching_hash_algo": HASH_ALGOS,
 }
 

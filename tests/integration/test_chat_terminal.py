@@ -201,3 +201,40 @@ def test_quick_prints_the_reply_and_server_errors(server: str) -> None:
     assert "error: HTTP 400: max_tokens: the prompt has" in refused.stderr and "Traceback" not in refused.stderr
     gone = quick(url=f"http://127.0.0.1:{_free_port()}/v1")
     assert gone.returncode == 1 and "cannot reach the server at" in gone.stderr
+
+
+def _client(*argv: str, stdin: bytes | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`cadence chat|complete ...` with piped input; its output as bytes."""
+    base = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    cmd = [sys.executable, "-m", "cadence.cli", *argv]
+    return subprocess.run(cmd, env={**base, "PYTHONPATH": str(ROOT / "src"), **(env or {})}, input=stdin or b"",
+                          capture_output=True, timeout=TIMEOUT)
+
+
+def test_undecodable_input_is_replaced_and_the_session_goes_on(server: str) -> None:
+    before = _prompt_tokens(server)
+    done = _client("complete", "--url", server + "/v1", "--max-tokens", "2", stdin=b"caf\xe9\nhello \xff\xfe\n")
+    err = done.stderr.decode()
+    assert done.returncode == 0, err
+    assert err.count("not all UTF-8") == 1 and "Traceback" not in err
+    assert done.stdout.count(b"> ") == 3  # two prompts answered, then end of input
+    sent = [httpx.post(server + "/tokenize", json={"prompt": p}, timeout=30).json()["count"]
+            for p in ("caf\ufffd", "hello \ufffd\ufffd")]
+    assert _prompt_tokens(server) - before == sum(sent)
+
+
+def test_api_key_from_the_environment(server_factory) -> None:
+    keyed = server_factory(api_keys=("sk-env",)).url + "/v1"
+    quick = ("chat", "--url", keyed, "--quick", "Hi", "--max-tokens", "2")
+    assert _client(*quick, env={"OPENAI_API_KEY": "sk-env"}).returncode == 0
+    refused = _client(*quick)
+    assert refused.returncode == 1 and b"HTTP 401" in refused.stderr
+    # --api-key wins over the environment, as in vllm chat.
+    assert _client(*quick, "--api-key", "sk-bad", env={"OPENAI_API_KEY": "sk-env"}).returncode == 1
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_temperature_must_be_a_finite_number(value: str) -> None:
+    done = _client("complete", "--url", "http://127.0.0.1:9/v1", "--temperature", value, "--quick", "x")
+    assert done.returncode == 2
+    assert b"argument --temperature: must be a finite number >= 0" in done.stderr

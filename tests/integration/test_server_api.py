@@ -258,3 +258,82 @@ def test_a_request_without_max_tokens_fits_a_kv_cache_smaller_than_the_context(s
     too_many = httpx.post(live.url + "/v1/chat/completions", timeout=60,
                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300})
     assert too_many.status_code == 400 and "KV cache" in too_many.json()["error"]["message"]
+
+
+def test_completion_top_logprobs_include_the_sampled_token(client):
+    """As OpenAI's legacy completions and vLLM: the sampled token is always among `top_logprobs`,
+    so a step has N entries, or N + 1 when the sampled token is not among the top N."""
+    body = {"prompt": "Hello", "max_tokens": 12, "logprobs": 1, "temperature": 1.0, "seed": 7, **NO_EOS}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    steps = list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True))
+    assert len(steps) == 12
+    for token, logprob, top in steps:
+        assert top[token] == logprob and 1 <= len(top) <= 2
+    # The tiny model's random weights make a sampled token outside the top one the usual case.
+    assert any(len(top) == 2 for _, _, top in steps)
+    zero = client.post("/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert zero["top_logprobs"] == [{t: v} for t, v in zip(zero["tokens"], zero["token_logprobs"], strict=True)]
+
+
+def test_chat_top_logprobs_list_the_sampled_token_first(client):
+    """As vLLM's chat completions: `top_logprobs: N` gives N entries, the sampled token's first."""
+    chat = {"messages": [{"role": "user", "content": "hey"}], "max_tokens": 10, "logprobs": True,
+            "top_logprobs": 2, "temperature": 1.0, "seed": 7, **NO_EOS}
+    content = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 10
+    for c in content:
+        first, *others = c["top_logprobs"]
+        assert len(others) == 1 and (first["token"], first["logprob"]) == (c["token"], c["logprob"])
+    # Sampled tokens outside the top one were listed before the likeliest token.
+    assert any(c["top_logprobs"][1]["logprob"] > c["logprob"] for c in content)
+    zero = client.post("/v1/chat/completions", json={**chat, "top_logprobs": 0}).json()
+    assert all(c["top_logprobs"] == [] for c in zero["choices"][0]["logprobs"]["content"])
+
+
+def _stream_payloads(server, route: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + route, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r.read().decode())
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_continuous_usage_stats_on_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries its choice's counts so far
+    (its prompt's tokens, the tokens it has generated), and the last chunk the whole request's."""
+    tokens = server.engine.tokenizer.encode
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = ["Hello", "one two three four"]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 5, "stream_options": options, **NO_EOS}
+    payloads = _stream_payloads(server, "/v1/completions", body)
+    *chunks, last = payloads
+    done: dict[int, int] = {}
+    for p in chunks:
+        (choice,) = p["choices"]
+        i, usage = choice["index"], p["usage"]
+        assert usage["prompt_tokens"] == len(tokens(prompts[i // 2]))
+        assert usage["completion_tokens"] >= done.get(i, 0) + 1  # each chunk here carries a token
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        done[i] = usage["completion_tokens"]
+    assert done == {0: 5, 1: 5, 2: 5, 3: 5}
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 20
+    assert last["usage"]["prompt_tokens"] == sum(len(tokens(p)) for p in prompts)
+
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream_options": options, **NO_EOS}
+    role, *chunks, last = _stream_payloads(server, "/v1/chat/completions", chat)
+    prompt = last["usage"]["prompt_tokens"]
+    assert role["usage"] == {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+    assert [c["usage"]["completion_tokens"] for c in chunks][-1] == 3
+    assert all(c["usage"]["prompt_tokens"] == prompt for c in chunks)
+
+
+def test_stream_options_usage_rules_are_vllms(server):
+    """stream_options given at all asks for the usage chunk (vLLM's default include_usage: true);
+    continuous_usage_stats does nothing without include_usage."""
+    body = {"prompt": "Hello", "max_tokens": 2, **NO_EOS}
+    *chunks, last = _stream_payloads(server, "/v1/completions", {**body, "stream_options": {}})
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
+    assert all(c["usage"] is None for c in chunks)
+    off = {"include_usage": False, "continuous_usage_stats": True}
+    payloads = _stream_payloads(server, "/v1/completions", {**body, "stream_options": off})
+    assert all(p["choices"] and p.get("usage") is None for p in payloads)

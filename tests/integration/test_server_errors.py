@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import httpx
 import openai
@@ -200,6 +202,35 @@ def test_every_route_but_liveness_needs_the_key(keyed):
                         err = assert_error(r, 401, None, "invalid_api_key")
                         assert err["type"] == "authentication_error"
     assert {"/v1/completions", "/metrics", "/openapi.json", "/docs", "/ready", "/tokenize"} <= seen
+
+
+def test_context_refusals_count_tokens_in_words(client, server):
+    """One token is "1 token", not "1 tokens"."""
+    limit = server.engine.max_model_len
+    r = client.post("/v1/completions", json={"prompt": [5], "max_tokens": limit})
+    message = assert_error(r, 400, "max_tokens")["message"]
+    assert message.startswith("max_tokens: the prompt has 1 token and max_tokens is"), message
+    assert message.endswith(f"over this model's context of {limit} tokens"), message
+
+
+def test_the_401_body_is_written_as_every_other_error(keyed):
+    """The key check answers before any route: its body is the same OpenAI error, written the same
+    way (compact JSON), as the 404 of a route that does not exist."""
+    with httpx.Client(base_url=keyed.url, timeout=30) as c:
+        refused = c.get("/v1/models")
+        missing = c.get("/no-such-route", headers={"Authorization": "Bearer sk-good"})
+    for r, status in ((refused, 401), (missing, 404)):
+        assert_error(r, status)
+        assert r.content == json.dumps(r.json(), separators=(",", ":"), ensure_ascii=False).encode()
+    assert refused.headers["www-authenticate"] == "Bearer"
+
+
+def test_docs_name_every_route_open_without_a_key():
+    """docs/server.md's API-key section lists each route that answers without a key."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
+    section = docs.split("## API keys and tenants", 1)[1].split("\n## ", 1)[0]
+    opening = section.strip().split("\n\n", 1)[0]
+    assert all(f"`{path}`" in opening for path in OPEN_PATHS) and "preflight" in opening, opening
 
 
 def test_the_key_opens_the_routes(keyed):

@@ -8,7 +8,6 @@ the HTTP layer (`APIError` with an `HTTPKind`), routing (404/405), or a bug (500
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import math
 import re
@@ -100,8 +99,9 @@ def error_response(
 
 
 def error_bytes(kind: ErrorKind | HTTPKind, message: str) -> bytes:
-    """The same body as a raw JSON byte string (for the ASGI middleware, which has no FastAPI response)."""
-    return json.dumps(error_payload(kind, message)).encode()
+    """The same body, byte for byte as `error_response` writes it (JSONResponse's compact JSON),
+    for the ASGI middleware, which has no FastAPI response."""
+    return bytes(JSONResponse(error_payload(kind, message)).body)
 
 
 def from_exception(exc: BaseException) -> JSONResponse:

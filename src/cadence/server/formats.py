@@ -58,6 +58,7 @@ class UsageTracker:
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
+    choice_tokens: dict[int, int] = field(default_factory=dict)  # choice -> its tokens so far
     queue_time: float | None = None  # longest wait in the engine's queue among the choices (seconds)
     finals: dict[int, StreamDelta] = field(default_factory=dict)  # choice -> its last delta (metrics)
 
@@ -66,12 +67,18 @@ class UsageTracker:
         self.prompt_tokens[p] = max(self.prompt_tokens.get(p, 0), delta.num_prompt_tokens)
         self.cached_tokens[p] = max(self.cached_tokens.get(p, 0), delta.num_cached_tokens)
         self.completion_tokens += len(delta.token_ids)
+        self.choice_tokens[index] = self.choice_tokens.get(index, 0) + len(delta.token_ids)
         m = delta.metrics
         if m is not None:  # a choice's last delta
             self.finals[index] = delta
             q = m.queue_time
             if q is not None:
                 self.queue_time = max(self.queue_time or 0.0, q)
+
+    def choice_dict(self, index: int, prompt_tokens: int) -> dict[str, int]:
+        """One choice's usage so far (stream_options.continuous_usage_stats)."""
+        done = self.choice_tokens.get(index, 0)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
 
     def as_dict(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens.values())
@@ -172,9 +179,18 @@ class CompletionFormatter(Formatter):
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self.tokens(t): v for t, v in lp.top} for lp in lps],
+            "top_logprobs": [self._top(lp) for lp in lps],
             "text_offset": offsets,
         }
+
+    def _top(self, lp: TokenLogprobs) -> dict[str, float]:
+        """The sampled token, then the top N without it: N entries when the sampled token is among
+        the top N, N + 1 when it is not (OpenAI's legacy completions and vLLM; `logprobs: 0` gives
+        the sampled token's entry alone)."""
+        top = {self.tokens(lp.token_id): lp.logprob}
+        for t, v in lp.top:
+            top.setdefault(self.tokens(t), v)
+        return top
 
     def _delta(self, index: int, d: StreamDelta) -> dict[str, Any]:
         lp = self._logprobs(self.choices[index], d.logprobs) if d.logprobs is not None else None
@@ -193,9 +209,15 @@ class ChatFormatter(Formatter):
         content = []
         for lp in lps:
             s = self.tokens(lp.token_id)
-            top = [self._entry(t, v) for t, v in lp.top]
-            content.append({**self._entry(lp.token_id, lp.logprob, s), "top_logprobs": top})
+            content.append({**self._entry(lp.token_id, lp.logprob, s), "top_logprobs": self._top(lp, s)})
         return {"content": content}
+
+    def _top(self, lp: TokenLogprobs, s: str) -> list[dict[str, Any]]:
+        """N entries for `top_logprobs: N`, as vLLM lists them: the sampled token first, then the
+        likeliest others. The same N tokens as OpenAI's top N when the sampled token is among them;
+        when it is not, it takes the place of the N-th."""
+        others = [self._entry(t, v) for t, v in lp.top if t != lp.token_id]
+        return [self._entry(lp.token_id, lp.logprob, s), *others][: len(lp.top)]
 
     def _entry(self, token_id: int, logprob: float, s: str | None = None) -> dict[str, Any]:
         s = self.tokens(token_id) if s is None else s

@@ -25,6 +25,7 @@ from cadence.request import RequestPolicy, SamplingParams
 from cadence.server.engine_client import EngineClient
 from cadence.server.errors import APIError, HTTPKind, param_of
 from cadence.server.protocol import SamplingFields
+from cadence.wording import counted
 
 TENANT_HEADER = "x-tenant"
 KEY_TENANT_SCOPE = "cadence.key_tenant"  # set by the API-key middleware when the key maps to a tenant
@@ -44,6 +45,7 @@ class Job:
     policy: RequestPolicy
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # usage on every chunk (stream_options.continuous_usage_stats)
 
 
 class InputBuilder:
@@ -198,6 +200,7 @@ class InputBuilder:
             RequestPolicy(body.priority, tenant, body.deadline, salt),
             body.stream,
             body.include_usage,
+            body.continuous_usage,
         )
 
     def _params(
@@ -212,8 +215,8 @@ class InputBuilder:
         if longest >= limit:
             raise APIError(
                 ErrorKind.INVALID_REQUEST,
-                f"{prompt_param}: the prompt has {longest} tokens but this model's context is {limit} "
-                f"tokens (max_model_len), leaving no room to generate",
+                f"{prompt_param}: the prompt has {counted(longest, 'token')} but this model's context is "
+                f"{counted(limit, 'token')} (max_model_len), leaving no room to generate",
                 param=prompt_param,
             )
         if max_tokens is None:
@@ -224,8 +227,8 @@ class InputBuilder:
         elif longest + max_tokens > limit:
             raise APIError(
                 ErrorKind.INVALID_REQUEST,
-                f"max_tokens: the prompt has {longest} tokens and max_tokens is {max_tokens}, "
-                f"{longest + max_tokens} in all, over this model's context of {limit} tokens",
+                f"max_tokens: the prompt has {counted(longest, 'token')} and max_tokens is {max_tokens}, "
+                f"{longest + max_tokens} in all, over this model's context of {counted(limit, 'token')}",
                 param="max_tokens",
             )
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}

@@ -87,7 +87,11 @@ def refuse_unsupported_vllm_fields(data: Any) -> Any:
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    """As vLLM: given at all, stream_options asks for the usage chunk unless include_usage is false
+    (or null); continuous_usage_stats adds usage to every chunk, and only with include_usage."""
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingFields(StrictModel):
@@ -162,6 +166,10 @@ class SamplingFields(StrictModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):
@@ -246,6 +254,14 @@ class ChatMessage(StrictModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def as_template_input(self) -> dict[str, str]:
+        """The message as the chat template sees it: role and content, and its name when it has one
+        (as vLLM and transformers pass it; templates that write names see it)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
@@ -279,7 +295,7 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.as_template_input() for m in self.messages]
 
 
 class TokenizeRequest(StrictModel):

@@ -125,7 +125,7 @@ class OpenAIServing:
         self.inputs.check_model(body.model)
         if body.messages is not None:
             ids = await self.inputs.chat_ids(
-                [{"role": m.role, "content": m.text()} for m in body.messages],
+                [m.as_template_input() for m in body.messages],
                 body.add_generation_prompt,
                 None,
                 bool(body.add_special_tokens),
@@ -325,14 +325,14 @@ class OpenAIServing:
     ) -> AsyncIterator[bytes]:
         try:
             for start in fmt.start_chunks():
-                yield sse(_with_usage(start, job))
+                yield sse(_with_usage(start, job, usage))
             d: StreamDelta | None = first
             while d is not None:
                 i = stream.index_of(d.request_id)
                 usage.add(i, d)
                 chunk = fmt.chunk(i, d)
                 if chunk is not None:
-                    yield sse(_with_usage(chunk, job))
+                    yield sse(_with_usage(chunk, job, usage))
                 d = await anext(stream, None)
             if job.include_usage:
                 yield sse(fmt.usage_chunk(usage.as_dict()))
@@ -365,7 +365,11 @@ class EngineStreamingResponse(StreamingResponse):
             await self._done()
 
 
-def _with_usage(chunk: dict[str, Any], job: Job) -> dict[str, Any]:
-    if job.include_usage:
+def _with_usage(chunk: dict[str, Any], job: Job, usage: UsageTracker) -> dict[str, Any]:
+    if job.continuous_usage:
+        # As vLLM: the counts of the chunk's own choice so far (its prompt, its tokens generated).
+        index = chunk["choices"][0]["index"]
+        chunk["usage"] = usage.choice_dict(index, len(job.prompts[index // job.params.n]))
+    elif job.include_usage:
         chunk["usage"] = None  # OpenAI sends a null usage on every chunk but the last
     return chunk

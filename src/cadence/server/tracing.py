@@ -34,8 +34,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from cadence.engine.output_processor import StreamDelta
 from cadence.boundary import RequestMetrics
+from cadence.engine.output_processor import StreamDelta
 
 log = logging.getLogger("cadence.server")
 
