@@ -1,4 +1,4 @@
-"""Issue 3's scheduling benchmarks, measured side by side in one run on the offline engine.
+"""The scheduling benchmarks, measured side by side in one run on the offline engine.
 
 1. Continuous vs static batching at equal max_num_seqs on a mixed-length workload (all requests
    at t=0): output tokens/s and p50/p95 end-to-end latency. Goal: continuous >= 2x static

@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1
 echo "== CUDA tests"
 "$PY" -m pytest -q -p no:cacheprovider tests/model/test_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 
-echo "== continuous vs static batching (issue 3), on CUDA"
+echo "== continuous vs static batching, on CUDA"
 "$PY" benchmarks/bench_scheduling.py --only batching --max-num-seqs 32 2>&1 | tee "$OUT/batching.log" | tail -5
 
 echo "== served benchmark on CUDA"

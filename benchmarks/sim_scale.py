@@ -1,9 +1,9 @@
 """Simulator scale: CPU seconds of a `cadence sim` command, this tree against a git revision, alternating.
 
     .venv/bin/python benchmarks/sim_scale.py [--baseline REV] [--rounds 2] [--repeat N]
-        [--sim-args "--trace traces/azure_llm_2023_conv.csv --rate-scale 5 --replicas 128"]
+        [--sim-args "--trace traces/azure_llm_2023_conv.csv --rate-scale 5 --replicas 128 --router least-loaded"]
 
-Issue 7's scale question is "100,000 requests in under a minute on one core": the Azure
+The scale question is "100,000 requests in under a minute on one core": the Azure
 conversation trace replayed five times (`--repeat 5`, 96,830 requests), the default. Other
 `--sim-args` run as given unless `--repeat` is too. This machine's speed
 moves by 1.5x from one hour to the next, so a single timing says little; this script runs the
@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
-DEFAULT_SIM_ARGS = f"--trace {TRACE} --rate-scale 5 --replicas 128"
+TRACE = ROOT / "traces" / "azure_llm_2023_conv.csv"
+DEFAULT_SIM_ARGS = f"--trace {TRACE} --rate-scale 5 --replicas 128 --router least-loaded"
 
 
 def _cpu_seconds() -> float:
