@@ -35,7 +35,7 @@ from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, Re
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
 from cadence.engine.watchdog import STALL_FACTOR, StepPace, Watchdog
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.metrics.stats import IterationStats, SchedulerStats
+from cadence.metrics.stats import IterationStats, QueueCensus, SchedulerStats
 from cadence.request import Request, RequestStatus, SamplingParams
 from cadence.sched.output import RequestDelta
 from cadence.wording import counted
@@ -104,6 +104,13 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return self._in_flight
+
+    def census(self) -> QueueCensus:
+        """The waiting requests by tenant and priority, the running ones by tenant, and the free KV
+        blocks still caching a prefix. Walks the queues: call it from a stats hook (this engine's
+        thread, between steps), now and then, not every step."""
+        sched = self.core.scheduler
+        return QueueCensus.of(sched.waiting, sched.running, self.core.kv.count_cached_free_blocks())
 
     # -- the asyncio side ---------------------------------------------------------------------------
 
