@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from cadence.config import EngineConfig, ServerConfig
 from cadence.kv.block_pool import BlockPool
 from cadence.metrics.dashboard import (
     CENSUS_EVERY_S,
@@ -18,6 +19,7 @@ from cadence.metrics.dashboard import (
 )
 from cadence.metrics.stats import FinishedRequestStats, IterationStats, QueueCensus, SchedulerStats
 from cadence.sched.output import RequestMetrics
+from cadence.server.dashboard import make_recorder
 
 
 class FakeClock:
@@ -91,7 +93,8 @@ def test_percentiles_over_many_samples_use_an_even_subset():
     rec = DashboardRecorder(clock=FakeClock())
     n = 3 * MAX_LATENCY_SAMPLES
     samples = [("a", i / n) for i in range(n)]
-    rec.record_step(IterationStats(num_generation_tokens=n, token_latencies=samples), None)
+    for i in range(0, n, 13):  # steps of 13 tokens: the subset is taken across the steps' lists
+        rec.record_step(IterationStats(num_generation_tokens=13, token_latencies=samples[i:i + 13]), None)
     itl = rec.snapshot()["latency"]["itl"]
     assert itl["count"] == n  # every sample counted, percentiles within one stride of exact
     assert itl["p50"] == pytest.approx(0.5, abs=3 / n + 1e-9)
@@ -237,3 +240,13 @@ def test_cached_free_blocks_are_the_free_ones_still_findable_by_hash():
     assert pool.count_cached_free_blocks() == 1
     assert pool.allocate(6) is not None  # takes every free block, the cached one included
     assert pool.count_cached_free_blocks() == 0
+
+
+def test_a_server_over_a_local_engine_counts_its_queues_and_a_fleet_ingress_does_not():
+    config = EngineConfig.from_options(max_num_seqs=7, max_num_batched_tokens=300)
+    census = CensusSource(QueueCensus())
+    local = make_recorder(SimpleNamespace(engine=SimpleNamespace(config=config), census=census), ServerConfig())
+    ingress = make_recorder(SimpleNamespace(engine=SimpleNamespace(config=config)), ServerConfig())
+    for rec in (local, ingress):
+        assert rec.limits == Limits(300, 7)
+    assert local.snapshot()["source"] == "engine" and ingress.snapshot()["source"] == "ingress"
