@@ -18,7 +18,10 @@ and two Python objects per generated token were most of its cost. Standard libra
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from cadence.request import FinishReason, SamplingParams
 
@@ -246,3 +249,25 @@ class IterationStats:
     first_token_latencies: list[tuple[str, float]] = field(default_factory=list)  # (tenant, ttft)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+
+@dataclass(frozen=True)
+class QueueCensus:
+    """Who waits and runs, and what the KV cache keeps: counted by walking the queues, so taken
+    now and then (the dashboard's, while one is watched), never every step."""
+
+    waiting_by_tenant: dict[str, int] = field(default_factory=dict)
+    waiting_by_priority: dict[int, int] = field(default_factory=dict)
+    running_by_tenant: dict[str, int] = field(default_factory=dict)
+    num_cached_free_blocks: int = 0  # free blocks still holding a prefix a later hit can reuse
+
+    @classmethod
+    def of(cls, waiting: Iterable[Any], running: Iterable[Any], num_cached_free_blocks: int) -> QueueCensus:
+        """From the requests (anything with `tenant` and `priority`) waiting and running."""
+        by_tenant: Counter[str] = Counter()
+        by_priority: Counter[int] = Counter()
+        for r in waiting:
+            by_tenant[r.tenant] += 1
+            by_priority[r.priority] += 1
+        running_by_tenant = Counter(r.tenant for r in running)
+        return cls(dict(by_tenant), dict(by_priority), dict(running_by_tenant), num_cached_free_blocks)

@@ -8,10 +8,9 @@ import httpx
 import pytest
 from test_metrics import samples
 
+from cadence.boundary import FinishedRequestStats, IterationStats, RequestMetrics, SchedulerStats
 from cadence.cli import build_parser, serve_configs
 from cadence.metrics.prometheus import PrometheusExporter
-from cadence.boundary import FinishedRequestStats, IterationStats, SchedulerStats
-from cadence.boundary import RequestMetrics
 
 VLLM_NAMES = [
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

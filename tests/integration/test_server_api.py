@@ -230,6 +230,8 @@ def test_openapi_schema_documents_every_route(client, server):
         "/health",
         "/ready",
         "/metrics",
+        "/dashboard",
+        "/dashboard/data",
         "/tokenize",
         "/detokenize",
     ):

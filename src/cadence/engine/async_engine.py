@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from cadence.boundary import IterationStats, RequestDelta, SchedulerStats
+from cadence.boundary import IterationStats, QueueCensus, RequestDelta, SchedulerStats
 from cadence.clock import Clock, RealClock
 from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
@@ -103,6 +103,13 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return self._in_flight
+
+    def census(self) -> QueueCensus:
+        """The waiting requests by tenant and priority, the running ones by tenant, and the free KV
+        blocks still caching a prefix. Walks the queues: call it from a stats hook (this engine's
+        thread, between steps), now and then, not every step."""
+        sched = self.core.scheduler
+        return QueueCensus.of(sched.waiting, sched.running, self.core.kv.count_cached_free_blocks())
 
     # -- the asyncio side ---------------------------------------------------------------------------
 

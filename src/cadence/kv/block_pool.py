@@ -76,6 +76,11 @@ class BlockPool:
         """Blocks findable by hash, used or free."""
         return len(self._by_hash)
 
+    def count_cached_free_blocks(self) -> int:
+        """Free blocks still findable by hash (a prefix hit would take them back before they are
+        reused). Walks the hash index: for an occasional read, not for every step."""
+        return sum(1 for block in self._by_hash.values() if block.ref_cnt == 0)
+
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks

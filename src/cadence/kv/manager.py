@@ -76,6 +76,10 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def count_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (see `BlockPool.count_cached_free_blocks`)."""
+        return self.pool.count_cached_free_blocks()
+
     @property
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size

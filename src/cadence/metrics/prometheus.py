@@ -154,6 +154,8 @@ class PrometheusExporter:
         self.slo_ttft = slo_ttft
         self.slo_itl = slo_itl
         self.tenant = TenantLabels(max_tenant_labels)
+        # Also told of each refusal (the dashboard's rates); called from the HTTP side.
+        self.rejection_listeners: list[Callable[[str, int], None]] = []
         self._define()
         # --metrics-compat vllm: the same measurements again under vLLM's names (None: off).
         self.vllm = VllmMetrics(self.registry, vllm_model_name) if vllm_model_name is not None else None
@@ -292,6 +294,8 @@ class PrometheusExporter:
         """A refused generation request, as the server answers it: its own refusals (invalid input,
         tenant quota, draining) and the engine's (queue full, too long for the KV cache, deadline)."""
         _inc(self.rejected.labels(reason), count)
+        for listener in self.rejection_listeners:
+            listener(reason, count)
 
     def record_spans_dropped(self, reason: str, count: int) -> None:
         """Trace spans lost (`reason`: queue_full, export_failed); called from any thread."""

@@ -3,7 +3,8 @@
 second signal that ends every request at once.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health (liveness), /ready (readiness),
-/metrics (Prometheus), /tokenize, /detokenize, and FastAPI's /openapi.json and /docs.
+/metrics (Prometheus), /dashboard and /dashboard/data (the live dashboard, server/dashboard.py),
+/tokenize, /detokenize, and FastAPI's /openapi.json and /docs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from cadence.config import EngineConfig, ServerConfig
 from cadence.engine.async_engine import AsyncEngine
 from cadence.errors import CadenceError, ErrorKind
 from cadence.metrics.prometheus import PrometheusExporter
+from cadence.server.dashboard import PAGE_PATH, add_dashboard_routes, make_recorder
 from cadence.server.engine_client import EngineClient
 from cadence.server.errors import (
     ERROR_TABLE,
@@ -63,7 +65,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cadence.server")
 
-OPEN_PATHS = frozenset({"/health", "/ping"})  # liveness answers without a key: orchestrators probe it bare
+# Liveness answers without a key (orchestrators probe it bare), and so does the dashboard's page,
+# which holds no data: the JSON it polls needs the key (server/dashboard.py).
+OPEN_PATHS = frozenset({"/health", "/ping", PAGE_PATH})
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 429, 500, 503)
 }
@@ -234,14 +238,18 @@ def create_app(
         vllm_model_name=engine.model_name if "vllm" in server_config.metrics_compat else None,
     )
     engine.stats_hooks.append(exporter.record_step)
+    dashboard = make_recorder(engine, server_config)
+    engine.stats_hooks.append(dashboard.record_step)
+    exporter.rejection_listeners.append(dashboard.record_rejection)
     exporter.watch_engine(lambda: engine.is_healthy)
     tracer = make_tracer(server_config, exporter)
     serving = OpenAIServing(engine, server_config, exporter, tracer)
     app = FastAPI(title="cadence", version="0.1.0", description="An OpenAI-compatible LLM server.")
     app.state.engine, app.state.serving, app.state.exporter = engine, serving, exporter
-    app.state.tracer = tracer
+    app.state.tracer, app.state.dashboard = tracer, dashboard
     install_error_handlers(app)
     _add_routes(app, engine, serving, exporter, render_metrics)
+    add_dashboard_routes(app, engine, dashboard)
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     # POST routes that read a JSON body (a health probe such as /ping takes none)
     json_paths = frozenset(r.path for r in app.routes if isinstance(r, APIRoute) and "POST" in (r.methods or ())) - OPEN_PATHS
