@@ -1,7 +1,7 @@
 """A real fleet on this machine: the three routers side by side, the simulator beside each, and
 the cost of the Ray ingress.
 
-    .venv/bin/python benchmarks/bench_fleet.py routers [--seeds 0,1,2] [--rate 1.5] [--out results/fleet]
+    .venv/bin/python benchmarks/bench_fleet.py routers [--calibrate] [--seeds 0,1,2] [--rate 1.5] [--out results/fleet_routers]
     .venv/bin/python benchmarks/bench_fleet.py overhead [--rounds 3] [--out results/fleet_overhead]
 
 `routers`: a workload of prompt families (each family's requests open with the same long prefix,
@@ -257,6 +257,8 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8019)
     p.add_argument("--sim-only", action="store_true",
                    help="routers: keep the real runs already under --out, simulate again (another --profile)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="routers: calibrate a one-thread profile first (a few minutes) and simulate with it")
     p.add_argument("--profile", default=str(ROOT / "src/cadence/sim/profiles/default.json"))
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -264,6 +266,10 @@ def main() -> int:
     out = Path(args.out or ROOT / f"results/fleet_{args.mode}")
     out.mkdir(parents=True, exist_ok=True)
     wait_port_free(args.port)
+    if args.calibrate and args.mode == "routers":
+        # Step times on a shared machine depend on what else runs: calibrate under today's conditions.
+        args.profile = str(out / "profile.json")
+        _run([*CADENCE, "calibrate", "--num-threads", "1", "--out", args.profile])
     routers(args, out) if args.mode == "routers" else overhead(args, out)
     return 0
 

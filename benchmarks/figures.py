@@ -383,6 +383,15 @@ def fmt_sim_fidelity_ratios(out: Path) -> str:
     return _table(("load", "TTFT p50 / p90", "ITL p50 / p90", "E2E p50 / p90"), ("---",) * 4, rows, compact=True)
 
 
+def fmt_fleet_routers(out: Path) -> str:
+    """bench_fleet.py routers: every run's row, then each server's medians over the seeds."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_fleet import routers_summary, routers_table
+
+    rows = _json(out / "rows.json")
+    return routers_table(rows) + "\n\n" + routers_summary(rows)
+
+
 def fmt_sim_scale(out: Path) -> str:
     """`cadence sim` commands timed by `run` (CPU seconds of the whole command), a row per command."""
     rows = []
@@ -479,6 +488,15 @@ FIGURES: tuple[Figure, ...] = (
            12, True, fmt_stdout_block, marked=False),
     Figure("server-overhead", "docs/server.md", "Performance", (f"{PY} benchmarks/bench_server_overhead.py",),
            6, True, fmt_stdout_block, marked=False),
+    Figure("fleet-routers", "docs/fleet.md", "Measured on this machine",
+           (f"{PY} benchmarks/bench_fleet.py routers --calibrate --out results/fleet_routers",), 30, True,
+           fmt_fleet_routers, reads="results/fleet_routers"),
+    Figure("fleet-overhead", "docs/fleet.md", "Measured on this machine",
+           (f"{PY} benchmarks/bench_fleet.py overhead --rounds 3 --out results/fleet_overhead",), 8, True,
+           fmt_stdout_block, marked=False),
+    Figure("tracing-cost", "docs/observability.md", "Traces",
+           (f"{PY} benchmarks/bench_tracing.py --concurrencies 8,32 --rounds 2 --out results/tracing",), 10, True,
+           fmt_stdout_block, marked=False),
 )
 BY_NAME = {f.name: f for f in FIGURES}
 QUICK_MINUTES = 3  # --quick: the entries that take at most this long

@@ -6,6 +6,8 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.clock import VirtualClock
@@ -229,3 +231,19 @@ def test_calibration_steps_give_each_request_its_own_blocks() -> None:
     assert len(set(flat)) == len(flat) and all(0 <= b < 1000 for b in flat)
     assert [r.start_pos for r in out.scheduled] == [100, 39, 16] and not out.scheduled[0].sample
     assert StepFeatures.from_output(out).decode_padded == 2 * 40
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(FEATURE_SETS)),
+    rows=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 90_000), st.booleans()), min_size=1, max_size=24),
+    scale=st.floats(1e-9, 1e-3),
+)
+def test_sim_executor_inline_cost_equals_the_model(name: str, rows: list[tuple[int, int, bool]], scale: float) -> None:
+    """The simulator's flat per-step sum (written inline for speed) is StepFeatures . weights for
+    any batch and every feature set: the two copies of the feature arithmetic cannot drift apart."""
+    model = StepCostModel(name, {n: scale * (i + 1) for i, n in enumerate(FEATURE_SETS[name])})
+    out = _out(*(_sr(f"r{k}", n, start, sample=sample or n == 1) for k, (n, start, sample) in enumerate(rows)))
+    ex = SimExecutor(model)
+    ex.execute(out)
+    assert ex.last_step_cost == pytest.approx(model.cost(out), rel=1e-9)
