@@ -33,6 +33,7 @@ from cadence.boundary import (
     IterationStats,
     ModelOutput,
     RequestDelta,
+    RequestSnapshot,
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
@@ -49,7 +50,13 @@ from cadence.sched.admission import AdmissionControl, check_ids
 from cadence.sched.plan import StepPlan, split_rows
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
-from cadence.sched.records import final_delta, finished_stats, scheduled_request, token_delta
+from cadence.sched.records import (
+    final_delta,
+    finished_stats,
+    request_snapshot,
+    scheduled_request,
+    token_delta,
+)
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -125,6 +132,13 @@ class Scheduler:
         self.waiting.add(request)
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+
+    def snapshot(self, request_id: str) -> RequestSnapshot | None:
+        """An unfinished request's state, its place in the queue and why it waits; None if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return request_snapshot(req, self.waiting.position(req), self.wait_info(request_id))
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self, now: float) -> SchedulerOutput:
