@@ -61,3 +61,15 @@ def test_a_request_behind_the_sequence_cap_says_why(server_factory) -> None:
         assert after["state"] == "finished" and after["finish_reason"] == "length" and after["output_tokens"] == 3
         aborted = client.get(f"/v1/requests/{holder}").json()
         assert aborted["state"] == "finished" and aborted["finish_reason"] == "abort"
+
+
+def test_finished_requests_are_kept_a_bounded_number(server_factory, monkeypatch) -> None:
+    import cadence.engine.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "FINISHED_KEEP", 2)
+    live = server_factory()
+    body = {"prompt": "hi", "max_tokens": 1, "ignore_eos": True}
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        ids = [client.post("/v1/completions", json=body).headers["x-request-id"] for _ in range(3)]
+        found = [client.get(f"/v1/requests/{rid}").status_code for rid in ids]
+    assert found == [404, 200, 200]  # the oldest was forgotten

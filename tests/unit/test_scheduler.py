@@ -474,3 +474,30 @@ def test_wait_reason_none_for_running_and_unknown() -> None:
     assert h.s.wait_info(a.request_id) is None
     assert h.s.wait_info("nope") is None
     assert h.s.wait_stop is None  # nothing waits
+
+
+def test_snapshot_states_and_queue_positions() -> None:
+    h = harness(num_blocks=8, block_size=4, max_num_batched_tokens=8, policy="priority")
+    a = h.add(make_request(prompt_len=12, max_tokens=20, priority=0))
+    low = h.add(make_request(prompt_len=12, max_tokens=20, priority=5))
+    high = h.add(make_request(prompt_len=12, max_tokens=20, priority=1))
+    assert [h.s.snapshot(r.request_id).queue_position for r in (a, low, high)] == [0, 2, 1]  # type: ignore[union-attr]
+    h.step()  # a takes the whole budget: 8 of its 12 prompt tokens
+    snap = h.s.snapshot(a.request_id)
+    assert snap is not None and snap.state == "prefilling" and snap.queue_position is None and snap.wait is None
+    assert snap.num_computed_prompt_tokens == 8 and snap.num_output_tokens == 0
+    assert h.s.snapshot(high.request_id).queue_position == 0  # type: ignore[union-attr]
+    h.step()
+    assert h.s.snapshot(a.request_id).state == "decoding"  # type: ignore[union-attr]
+    assert h.s.force_preempt(a.request_id)
+    snap = h.s.snapshot(a.request_id)
+    assert snap is not None and snap.state == "preempted" and snap.num_preemptions == 1 and snap.queue_position == 0
+    assert snap.num_computed_prompt_tokens == 0 and snap.num_output_tokens == 1
+    assert h.s.snapshot("nope") is None
+
+
+def test_fair_share_positions_count_within_the_tenant() -> None:
+    h = harness(policy="fair", max_num_seqs=1)
+    h.add(make_request(tenant="a", max_tokens=8))
+    a2, b1, a3 = h.add(make_request(tenant="a")), h.add(make_request(tenant="b")), h.add(make_request(tenant="a"))
+    assert [h.s.snapshot(r.request_id).queue_position for r in (a2, b1, a3)] == [1, 0, 2]  # type: ignore[union-attr]
