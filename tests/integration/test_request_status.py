@@ -48,11 +48,26 @@ def test_a_request_behind_the_sequence_cap_says_why(server_factory) -> None:
         assert body["state"] == "waiting" and body["queue_position"] == 0
         assert body["wait_reason"] == "max_num_seqs", body
         assert body["output_tokens"] == 0 and body["prompt_tokens_computed"] == 0
+        third = threading.Thread(target=lambda: done.setdefault("third", httpx.post(
+            f"{live.url}/v1/completions", json=short_body, timeout=60)))
+        third.start()
+        while len(waiting_ids(live)) < 2:
+            assert time.monotonic() < end, "the third request never queued"
+            time.sleep(0.005)
+        last = waiting_ids(live)[1]
+        behind = client.get(f"/v1/requests/{last}").json()
+        while behind["wait_reason"] == "not_reached":
+            assert time.monotonic() < end, behind
+            behind = client.get(f"/v1/requests/{last}").json()
+        assert behind["wait_reason"] == "behind" and behind["waiting_behind"] == rid, behind
+        assert behind["queue_position"] == 1
         held = client.get(f"/v1/requests/{holder}").json()
         assert held["state"] in ("prefilling", "decoding") and held["wait_reason"] is None
         assert held["queue_position"] is None
     # Leaving the stream aborts the holder: the second request runs and answers with its id.
     second.join(60)
+    third.join(60)
+    assert done["third"].status_code == 200
     response = done["r"]
     assert response.status_code == 200, response.text
     assert response.json()["id"] == response.headers["x-request-id"] == rid

@@ -59,6 +59,7 @@ from cadence.sched.records import (
 )
 
 _RUNNING = RequestStatus.RUNNING
+_NO_TENANTS: frozenset[str] = frozenset()
 
 
 class Scheduler:
@@ -92,9 +93,10 @@ class Scheduler:
         self._stats = IterationStats()
         self._step = 0
         self._now = 0.0
-        # Why the latest step admitted no further: one record per step, each waiting request's own
-        # reason derived from it on demand (`wait_info`), never by walking the queue.
-        self.wait_stop: WaitStop | None = None
+        # Why the latest step admitted no further, as `WaitStop`'s fields (a tuple: this is set every
+        # step); each waiting request's own reason is derived from it on demand (`wait_info`), never
+        # by walking the queue.
+        self._wait_stop: tuple[int, WaitReason, str | None, frozenset[str]] | None = None
         # Counts what changes the state between steps (requests added or ended from outside).
         self.revision = 0
 
@@ -259,11 +261,16 @@ class Scheduler:
     def _record_stop(self, stop: tuple[WaitReason, str | None] | None) -> None:
         """Keep why this step admitted no further (nothing when nothing waits)."""
         if stop is None or not self.waiting:
-            self.wait_stop = None
+            self._wait_stop = None
             return
         cap = self.config.tenant_max_running
-        capped = frozenset(t for t, k in self._tenant_running.items() if k >= cap) if cap is not None else frozenset()
-        self.wait_stop = WaitStop(self._step, stop[0], stop[1], capped)
+        capped = frozenset(t for t, k in self._tenant_running.items() if k >= cap) if cap is not None else _NO_TENANTS
+        self._wait_stop = (self._step, stop[0], stop[1], capped)
+
+    @property
+    def wait_stop(self) -> WaitStop | None:
+        """Why the latest step admitted no further (None if nothing was left waiting)."""
+        return WaitStop(*self._wait_stop) if self._wait_stop is not None else None
 
     def wait_info(self, request_id: str) -> WaitInfo | None:
         """Why a waiting (or preempted) request was not admitted in the latest step, derived from
