@@ -8,7 +8,9 @@ the exporters read them. None of them is the mutable `Request`:
   `ModelOutput` (with `TokenLogprobs`);
 - a request's progress, for its stream: `RequestDelta`, with `RequestMetrics` on the last one;
 - plain data for exporters (Prometheus, the benchmark, the simulator's report): `SchedulerStats`
-  (gauges after a step), `IterationStats` (what a step did) and `FinishedRequestStats`.
+  (gauges after a step), `IterationStats` (what a step did) and `FinishedRequestStats`;
+- why a request waits (`WaitReason`, `WaitStop`, `WaitInfo`) and one request's state as a client
+  may see it (`RequestSnapshot`).
 
 An executor that is a `DecodeBatchExecutor` (the simulator's) gets a step's plain decodes as one
 `DecodeBatch` instead of a `ScheduledRequest` each, and the engine reports their tokens as a list
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from cadence.request import FinishReason, SamplingParams
@@ -271,3 +274,60 @@ class QueueCensus:
             by_priority[r.priority] += 1
         running_by_tenant = Counter(r.tenant for r in running)
         return cls(dict(by_tenant), dict(by_priority), dict(running_by_tenant), num_cached_free_blocks)
+
+
+# ---------------------------------------------------------------- why a request waits
+class WaitReason(str, Enum):
+    """Why a waiting (or preempted) request was not admitted in a step."""
+
+    TOKEN_BUDGET = "token_budget"  # the step's max_num_batched_tokens was spent
+    MAX_NUM_SEQS = "max_num_seqs"  # the sequence cap is reached and no running request yields its seat
+    KV_BLOCKS = "kv_blocks"  # too few free KV blocks, and no running request yields its blocks
+    TENANT_QUOTA = "tenant_max_running"  # its tenant already runs tenant_max_running requests
+    BEHIND = "behind"  # the policy ranks another waiting request first, and that one was not admitted
+    PARTIAL_PREFILL_CAP = "max_num_partial_prefills"  # it would start one partial prefill too many
+    STATIC_BATCH = "static_batch"  # static batching: the running batch has not finished
+    NOT_REACHED = "not_reached"  # queued since the last step: not considered yet
+
+
+@dataclass(frozen=True)
+class WaitStop:
+    """Why a step's admission stopped: `reason`, and `request_id` the first request it could not
+    admit (None when the reason holds for every waiting request: budget spent, static batch).
+    `capped_tenants`: tenants at their tenant_max_running cap after the step."""
+
+    step: int
+    reason: WaitReason
+    request_id: str | None = None
+    capped_tenants: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class WaitInfo:
+    """Why one request was not admitted in step `step`; with `BEHIND`, `behind` is the request
+    ahead of it that was not admitted either."""
+
+    step: int
+    reason: WaitReason
+    behind: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    """One request's state, plain data for a client: `state` is waiting, prefilling, decoding,
+    preempted or finished; `queue_position` counts from 0 at the head of its queue (None unless
+    waiting)."""
+
+    request_id: str
+    tenant: str
+    state: str
+    queue_position: int | None
+    wait: WaitInfo | None
+    num_prompt_tokens: int
+    num_computed_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+    priority: int = 0
+    finish_reason: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None

@@ -264,6 +264,7 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or token that ended it
     error: str | None = None
     retry_after: float | None = None  # seconds, for a request that ended refused (evicted)
+    queued_step: int = 0  # the first scheduler step that may admit it (since it last joined the queue)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

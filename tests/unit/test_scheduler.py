@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 from fakes import FakeExecutor, generate_alone, make_request
 
-from cadence.boundary import ModelOutput, RequestDelta, SchedulerOutput
+from cadence.boundary import ModelOutput, RequestDelta, SchedulerOutput, WaitReason
 from cadence.config import CacheConfig, SchedulerConfig
 from cadence.errors import AdmissionError, ErrorKind
 from cadence.kv.manager import KVCacheManager
@@ -345,3 +345,159 @@ def test_prefix_hit_on_admission_sets_cached_tokens() -> None:
     assert h.final(second).num_cached_tokens == 12
     assert h.tokens(second) == h.tokens(first)
     assert h.ex.violations == []
+
+
+# ----------------------------------------------------------------------------- why a request waits
+def reason(h: Harness, req: Request) -> tuple[WaitReason, str | None]:
+    info = h.s.wait_info(req.request_id)
+    assert info is not None, f"{req.request_id} is not waiting"
+    return info.reason, info.behind
+
+
+def test_wait_reason_token_budget() -> None:
+    h = harness(max_num_batched_tokens=16)
+    h.add(make_request(prompt_len=40))
+    b = h.add(make_request(prompt_len=8))
+    h.step()
+    assert reason(h, b) == (WaitReason.TOKEN_BUDGET, None)
+
+
+def test_wait_reason_token_budget_unchunked() -> None:
+    h = harness(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    h.add(make_request(prompt_len=12))
+    b = h.add(make_request(prompt_len=8))  # needs 8, 4 left: waits for a step with room
+    h.step()
+    assert reason(h, b) == (WaitReason.TOKEN_BUDGET, None)
+
+
+def test_wait_reason_sequence_cap_and_behind() -> None:
+    h = harness(max_num_seqs=1)
+    h.add(make_request())
+    b, c = h.add(make_request()), h.add(make_request())
+    h.step()
+    assert reason(h, b) == (WaitReason.MAX_NUM_SEQS, None)
+    assert reason(h, c) == (WaitReason.BEHIND, b.request_id)
+    assert h.s.wait_stop is not None and h.s.wait_stop.request_id == b.request_id
+
+
+def test_wait_reason_kv_blocks() -> None:
+    h = harness(num_blocks=8, block_size=4)
+    h.add(make_request(prompt_len=24, max_tokens=4))  # 6 of the 8 blocks
+    b = h.add(make_request(prompt_len=12, max_tokens=4))  # needs 3
+    h.step()
+    assert reason(h, b) == (WaitReason.KV_BLOCKS, None)
+
+
+def test_wait_reason_tenant_quota() -> None:
+    h = harness(max_num_seqs=2, tenant_max_running=1)
+    h.add(make_request(tenant="a"))
+    a2 = h.add(make_request(tenant="a"))
+    h.add(make_request(tenant="b"))
+    c = h.add(make_request(tenant="c"))
+    h.step()
+    assert reason(h, a2) == (WaitReason.TENANT_QUOTA, None)  # skipped, though ahead of c
+    assert reason(h, c) == (WaitReason.MAX_NUM_SEQS, None)
+
+
+def test_wait_reason_tenant_quota_only() -> None:
+    h = harness(tenant_max_running=1)
+    h.add(make_request(tenant="a"))
+    a2 = h.add(make_request(tenant="a"))
+    h.step()
+    assert reason(h, a2) == (WaitReason.TENANT_QUOTA, None)
+    assert h.s.wait_stop is not None and h.s.wait_stop.reason is WaitReason.TENANT_QUOTA
+
+
+def test_wait_reason_behind_higher_priority() -> None:
+    h = harness(max_num_seqs=1, policy="priority")
+    h.add(make_request(priority=0))
+    low = h.add(make_request(priority=5))
+    high = h.add(make_request(priority=1))  # arrives later, ranks first
+    h.step()
+    assert reason(h, high) == (WaitReason.MAX_NUM_SEQS, None)
+    assert reason(h, low) == (WaitReason.BEHIND, high.request_id)
+
+
+def test_wait_reason_behind_earlier_deadline() -> None:
+    h = harness(max_num_seqs=1, policy="deadline")
+    h.add(make_request(max_tokens=20, deadline=h.now + 1.0))
+    late = h.add(make_request(deadline=h.now + 50.0))
+    soon = h.add(make_request(deadline=h.now + 5.0))
+    h.step()
+    assert reason(h, soon) == (WaitReason.MAX_NUM_SEQS, None)
+    assert reason(h, late) == (WaitReason.BEHIND, soon.request_id)
+
+
+def test_wait_reason_partial_prefill_cap() -> None:
+    h = harness(max_num_batched_tokens=64, long_prefill_token_threshold=8, max_num_partial_prefills=1)
+    h.add(make_request(prompt_len=40))
+    b = h.add(make_request(prompt_len=40))  # budget left, but it would be a second partial prefill
+    h.step()
+    assert reason(h, b) == (WaitReason.PARTIAL_PREFILL_CAP, None)
+
+
+def test_wait_reason_static_batch() -> None:
+    h = harness(scheduler="static", max_num_seqs=1)
+    h.add(make_request(max_tokens=8))
+    b = h.add(make_request())
+    h.step()
+    h.step()  # the batch is running: nothing is considered
+    assert reason(h, b) == (WaitReason.STATIC_BATCH, None)
+
+
+def test_wait_reason_not_reached_until_a_step() -> None:
+    h = harness(max_num_seqs=1)
+    h.add(make_request(max_tokens=8))
+    h.step()
+    b = h.add(make_request())
+    assert reason(h, b) == (WaitReason.NOT_REACHED, None)
+    h.step()
+    assert reason(h, b) == (WaitReason.MAX_NUM_SEQS, None)
+
+
+def test_wait_reason_of_a_preempted_request() -> None:
+    h = harness(num_blocks=8, block_size=4)
+    h.add(make_request(prompt_len=12, max_tokens=20))
+    b = h.add(make_request(prompt_len=12, max_tokens=20))
+    for _ in range(40):
+        h.step()
+        if b.status is RequestStatus.PREEMPTED:
+            break
+    assert b.status is RequestStatus.PREEMPTED
+    assert reason(h, b) == (WaitReason.KV_BLOCKS, None)  # its blocks are gone: it waits for new ones
+
+
+def test_wait_reason_none_for_running_and_unknown() -> None:
+    h = harness()
+    a = h.add(make_request(max_tokens=8))
+    h.step()
+    assert h.s.wait_info(a.request_id) is None
+    assert h.s.wait_info("nope") is None
+    assert h.s.wait_stop is None  # nothing waits
+
+
+def test_snapshot_states_and_queue_positions() -> None:
+    h = harness(num_blocks=8, block_size=4, max_num_batched_tokens=8, policy="priority")
+    a = h.add(make_request(prompt_len=12, max_tokens=20, priority=0))
+    low = h.add(make_request(prompt_len=12, max_tokens=20, priority=5))
+    high = h.add(make_request(prompt_len=12, max_tokens=20, priority=1))
+    assert [h.s.snapshot(r.request_id).queue_position for r in (a, low, high)] == [0, 2, 1]  # type: ignore[union-attr]
+    h.step()  # a takes the whole budget: 8 of its 12 prompt tokens
+    snap = h.s.snapshot(a.request_id)
+    assert snap is not None and snap.state == "prefilling" and snap.queue_position is None and snap.wait is None
+    assert snap.num_computed_prompt_tokens == 8 and snap.num_output_tokens == 0
+    assert h.s.snapshot(high.request_id).queue_position == 0  # type: ignore[union-attr]
+    h.step()
+    assert h.s.snapshot(a.request_id).state == "decoding"  # type: ignore[union-attr]
+    assert h.s.force_preempt(a.request_id)
+    snap = h.s.snapshot(a.request_id)
+    assert snap is not None and snap.state == "preempted" and snap.num_preemptions == 1 and snap.queue_position == 0
+    assert snap.num_computed_prompt_tokens == 0 and snap.num_output_tokens == 1
+    assert h.s.snapshot("nope") is None
+
+
+def test_fair_share_positions_count_within_the_tenant() -> None:
+    h = harness(policy="fair", max_num_seqs=1)
+    h.add(make_request(tenant="a", max_tokens=8))
+    a2, b1, a3 = h.add(make_request(tenant="a")), h.add(make_request(tenant="b")), h.add(make_request(tenant="a"))
+    assert [h.s.snapshot(r.request_id).queue_position for r in (a2, b1, a3)] == [1, 0, 2]  # type: ignore[union-attr]

@@ -26,17 +26,19 @@ import contextlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from cadence.boundary import IterationStats, QueueCensus, RequestDelta, SchedulerStats
+from cadence.boundary import IterationStats, QueueCensus, RequestDelta, RequestSnapshot, SchedulerStats
 from cadence.clock import Clock, RealClock
 from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
 from cadence.engine.watchdog import STALL_FACTOR, StepPace, Watchdog
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.request import DEFAULT_POLICY, Request, RequestPolicy, RequestStatus, SamplingParams
+from cadence.sched.records import request_snapshot
 from cadence.wording import counted
 
 if TYPE_CHECKING:
@@ -47,6 +49,22 @@ log = logging.getLogger("cadence.engine")
 StatsHook = Callable[[IterationStats | None, SchedulerStats | None], None]
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # after this many failed steps in a row the loop is declared dead
 _IDLE_WAIT_S = 0.5  # how long an idle engine thread sleeps before looking at its flags again
+FINISHED_KEEP = 1024  # finished requests whose state a client may still ask for...
+FINISHED_KEEP_S = 300.0  # ...for this long after they end
+STATUS_TIMEOUT_S = 10.0  # a status question unanswered this long (the engine stuck in a step) is a 503
+
+
+@dataclass
+class StatusItem:
+    """A client asks for a request's state (`tenant`: only if it is that tenant's; None: any)."""
+
+    request_id: str
+    tenant: str | None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+Inbox = AddItem | AbortItem | StatusItem
 
 
 class AsyncEngine:
@@ -62,10 +80,13 @@ class AsyncEngine:
         self.stats_hooks: list[StatsHook] = [stats_hook] if stats_hook else []
         self.drain_rate = DrainRate(self.clock)
         self._proc = OutputProcessor(engine.tokenizer)
-        self._inbox: list[AddItem | AbortItem] = []
+        self._inbox: list[Inbox] = []
         self._wake = threading.Condition()
         self._groups: dict[str, Group] = {}  # engine thread only
         self._owner: dict[str, Group] = {}  # sub-request id -> group; engine thread only
+        self._members: dict[str, list[Request]] = {}  # group id -> its engine requests; engine thread only
+        # Recently ended groups, oldest first: (engine-clock time ended, each choice's last state).
+        self._ended: OrderedDict[str, tuple[float, tuple[RequestSnapshot, ...]]] = OrderedDict()
         self._in_flight = 0  # groups admitted and not yet finished (read from the loop side)
         self._stop = False
         self._draining = False
@@ -110,6 +131,22 @@ class AsyncEngine:
         thread, between steps), now and then, not every step."""
         sched = self.core.scheduler
         return QueueCensus.of(sched.waiting, sched.running, self.core.kv.count_cached_free_blocks())
+
+    async def request_status(self, request_id: str, tenant: str | None = None) -> tuple[RequestSnapshot, ...] | None:
+        """The state of a client request (one snapshot per choice), in flight or ended within the
+        last FINISHED_KEEP_S seconds (the last FINISHED_KEEP); None if unknown or, with `tenant`,
+        another tenant's. Answered by the engine thread between steps."""
+        if not self.is_healthy:
+            raise CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {self.dead_reason}")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._post(StatusItem(request_id, tenant, loop, future))
+        try:
+            result: tuple[RequestSnapshot, ...] | None = await asyncio.wait_for(future, STATUS_TIMEOUT_S)
+        except TimeoutError:
+            raise CadenceError(ErrorKind.UNAVAILABLE, "the engine did not answer within "
+                               f"{STATUS_TIMEOUT_S:g} s (a long step)") from None
+        return result
 
     # -- the asyncio side ---------------------------------------------------------------------------
 
@@ -166,7 +203,7 @@ class AsyncEngine:
         if self._draining:
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
 
-    def _post(self, item: AddItem | AbortItem) -> None:
+    def _post(self, item: Inbox) -> None:
         with self._wake:
             self._inbox.append(item)
             self._wake.notify()
@@ -176,11 +213,11 @@ class AsyncEngine:
             queue.put_nowait(item)
 
     @staticmethod
-    def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-        if future.done():  # cancelled meanwhile: the client left while waiting for admission
+    def _resolve(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
+        if future.done():  # cancelled meanwhile: the client left while waiting for an answer
             return
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
 
@@ -300,16 +337,71 @@ class AsyncEngine:
         group.open_ids.discard(sub_id)
         if not group.open_ids and self._groups.pop(group.request_id, None) is not None:
             self._in_flight -= 1
+            self._retire(group.request_id)
 
-    def _apply(self, inbox: list[AddItem | AbortItem]) -> None:
+    def _apply(self, inbox: list[Inbox]) -> None:
         for item in inbox:
             try:
                 if isinstance(item, AddItem):
                     self._admit(item)
-                else:
+                elif isinstance(item, AbortItem):
                     self._abort(item)
+                else:
+                    self._answer_status(item)
             except Exception:
                 log.exception("applying %s failed", type(item).__name__)
+
+    # -- request status (the engine thread) ---------------------------------------------------------
+
+    def _answer_status(self, item: StatusItem) -> None:
+        try:
+            snaps = self._status(item.request_id, item.tenant)
+        except Exception as exc:
+            log.exception("request status failed")
+            error = CadenceError(ErrorKind.INTERNAL, f"request status failed: {type(exc).__name__}")
+            self._call(item.loop, self._resolve, item.future, error)
+            return
+        self._call(item.loop, self._resolve, item.future, None, snaps)
+
+    def _status(self, request_id: str, tenant: str | None) -> tuple[RequestSnapshot, ...] | None:
+        members = self._members.get(request_id)
+        if members is not None:
+            if tenant is not None and members[0].tenant != tenant:
+                return None
+            sched = self.core.scheduler
+            return tuple(self._client_view(sched.snapshot(r.request_id) or request_snapshot(r), tenant)
+                         for r in members)
+        self._forget_ended()
+        ended = self._ended.get(request_id)
+        if ended is None or tenant is not None and ended[1][0].tenant != tenant:
+            return None
+        return ended[1]
+
+    def _client_view(self, snap: RequestSnapshot, tenant: str | None) -> RequestSnapshot:
+        """The request it waits behind named by its client request id, and only if the caller may
+        see that one (its own tenant's, or any caller without a tenant)."""
+        wait = snap.wait
+        if wait is None or wait.behind is None:
+            return snap
+        group = self._owner.get(wait.behind)
+        members = self._members.get(group.request_id) if group is not None else None
+        visible = members is not None and group is not None and (tenant is None or members[0].tenant == tenant)
+        behind = group.request_id if visible and group is not None else None
+        return replace(snap, wait=replace(wait, behind=behind))
+
+    def _retire(self, group_id: str) -> None:
+        """A group ended: keep its choices' last state a while for clients that ask after the end."""
+        members = self._members.pop(group_id, None)
+        if members is None:
+            return
+        self._ended[group_id] = (self.clock.now(), tuple(request_snapshot(r) for r in members))
+        self._ended.move_to_end(group_id)
+        self._forget_ended()
+
+    def _forget_ended(self) -> None:
+        ended, oldest = self._ended, self.clock.now() - FINISHED_KEEP_S
+        while ended and (len(ended) > FINISHED_KEEP or next(iter(ended.values()))[0] < oldest):
+            ended.popitem(last=False)
 
     def _admit(self, add: AddItem) -> None:
         group = add.group
@@ -326,6 +418,7 @@ class AsyncEngine:
             self._owner[req.request_id] = group
         group.open_ids = set(group.sub_ids)
         self._groups[group.request_id] = group
+        self._members[group.request_id] = list(add.requests)
         self._in_flight += 1
         self._call(group.loop, self._resolve, add.future, None)
 
@@ -357,6 +450,7 @@ class AsyncEngine:
             try:
                 self.core.abort_requests(ids)
             finally:
+                self._retire(group.request_id)
                 # Whoever still reads this stream must not wait forever.
                 error = item.error or CadenceError(ErrorKind.UNAVAILABLE, "request aborted")
                 self._call(group.loop, self._deliver, [(group.queue, error)])
@@ -379,11 +473,13 @@ class AsyncEngine:
             pending, self._inbox = self._inbox, []
         self._refuse_pending(pending, reason)
 
-    def _refuse_pending(self, pending: list[AddItem | AbortItem], reason: str) -> None:
+    def _refuse_pending(self, pending: list[Inbox], reason: str) -> None:
         for item in pending:
+            err = CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {reason}")
             if isinstance(item, AddItem):
-                err = CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {reason}")
                 self._call(item.group.loop, self._resolve, item.future, err)
+            elif isinstance(item, StatusItem):
+                self._call(item.loop, self._resolve, item.future, err)
 
     # -- stalls (the watchdog's thread) -------------------------------------------------------------
 

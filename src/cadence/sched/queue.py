@@ -136,6 +136,13 @@ class RequestQueue(ABC):
         `bounds`. Changes nothing; see `Overflow`. By default: refuse them, whoever sent them."""
         return Overflow()
 
+    def position(self, request: Request) -> int | None:
+        """How many waiting requests the policy ranks ahead of `request` (None if it is not
+        waiting). Walks the queue: for a client's occasional question, never per step."""
+        if request.request_id not in self._requests:
+            return None
+        return next(i for i, r in enumerate(self) if r is request)
+
     def __len__(self) -> int:
         return len(self._requests)
 
@@ -364,6 +371,13 @@ class FairQueue(RequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         return iter([r for line in self._lines.values() for r in line.values()])
+
+    def position(self, request: Request) -> int | None:
+        """Within its tenant's line: the order between tenants follows their service, step by step."""
+        line = self._lines.get(request.tenant)
+        if line is None or request.request_id not in line:
+            return None
+        return next(i for i, rid in enumerate(line) if rid == request.request_id)
 
     def overflow(self, arrivals: Sequence[Request], bounds: Sequence[QueueBound]) -> Overflow:
         """Fair share of the queue itself: each backlogged tenant (and the arrivals') is entitled

@@ -18,10 +18,12 @@ from cadence.boundary import (
     FinishedRequestStats,
     RequestDelta,
     RequestMetrics,
+    RequestSnapshot,
     ScheduledRequest,
     TokenLogprobs,
+    WaitInfo,
 )
-from cadence.request import Request
+from cadence.request import Request, RequestStatus
 
 _new = object.__new__
 # Column getters for `decode_batch`: map() with these runs the per-row loop in C.
@@ -153,4 +155,34 @@ def finished_stats(req: Request) -> FinishedRequestStats:
         req.num_output_tokens,
         req.num_cached_tokens,
         request_metrics(req),
+    )
+
+
+def request_state(req: Request) -> str:
+    """waiting, preempted, prefilling (the prompt, or recomputing after a preemption), decoding
+    or finished."""
+    if req.is_finished:
+        return "finished"
+    if req.status is RequestStatus.RUNNING:
+        return "prefilling" if req.num_computed_tokens < req.num_tokens - 1 else "decoding"
+    return "preempted" if req.status is RequestStatus.PREEMPTED else "waiting"
+
+
+def request_snapshot(req: Request, position: int | None = None, wait: WaitInfo | None = None) -> RequestSnapshot:
+    """A request's state as plain data (read it on the thread that steps the scheduler)."""
+    reason = req.finish_reason
+    return RequestSnapshot(
+        request_id=req.request_id,
+        tenant=req.tenant,
+        state=request_state(req),
+        queue_position=position,
+        wait=wait,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_computed_prompt_tokens=min(req.num_computed_tokens, req.num_prompt_tokens),
+        num_output_tokens=req.num_output_tokens,
+        num_preemptions=req.num_preemptions,
+        priority=req.priority,
+        finish_reason=reason.value if reason is not None else None,
+        arrival_time=req.arrival_time,
+        first_token_time=req.first_token_time,
     )

@@ -33,10 +33,14 @@ from cadence.boundary import (
     IterationStats,
     ModelOutput,
     RequestDelta,
+    RequestSnapshot,
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
     TokenLogprobs,
+    WaitInfo,
+    WaitReason,
+    WaitStop,
 )
 from cadence.config import CacheConfig, SchedulerConfig
 from cadence.errors import AdmissionError
@@ -46,9 +50,16 @@ from cadence.sched.admission import AdmissionControl, check_ids
 from cadence.sched.plan import StepPlan, split_rows
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
-from cadence.sched.records import final_delta, finished_stats, scheduled_request, token_delta
+from cadence.sched.records import (
+    final_delta,
+    finished_stats,
+    request_snapshot,
+    scheduled_request,
+    token_delta,
+)
 
 _RUNNING = RequestStatus.RUNNING
+_NO_TENANTS: frozenset[str] = frozenset()
 
 
 class Scheduler:
@@ -82,6 +93,10 @@ class Scheduler:
         self._stats = IterationStats()
         self._step = 0
         self._now = 0.0
+        # Why the latest step admitted no further, as `WaitStop`'s fields (a tuple: this is set every
+        # step); each waiting request's own reason is derived from it on demand (`wait_info`), never
+        # by walking the queue.
+        self._wait_stop: tuple[int, WaitReason, str | None, frozenset[str]] | None = None
         # Counts what changes the state between steps (requests added or ended from outside).
         self.revision = 0
 
@@ -114,10 +129,18 @@ class Scheduler:
         if self._salt_with_tenant and request.cache_salt is None:
             request.cache_salt = request.tenant
         request.status = RequestStatus.WAITING
+        request.queued_step = self._step + 1
         self.requests[request.request_id] = request
         self.waiting.add(request)
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+
+    def snapshot(self, request_id: str) -> RequestSnapshot | None:
+        """An unfinished request's state, its place in the queue and why it waits; None if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return request_snapshot(req, self.waiting.position(req), self.wait_info(request_id))
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self, now: float) -> SchedulerOutput:
@@ -129,8 +152,10 @@ class Scheduler:
         may_admit = not self.is_static or not self.running
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
-        if may_admit:
-            self._schedule_waiting(plan)
+        stop: tuple[WaitReason, str | None] | None = (
+            self._schedule_waiting(plan) if may_admit else (WaitReason.STATIC_BATCH, None)
+        )
+        self._record_stop(stop)
         prefix = self.kv.pop_prefix_stats()
         self._stats.prefix_cache_queries += prefix.queries
         self._stats.prefix_cache_hits += prefix.hits
@@ -195,21 +220,26 @@ class Scheduler:
         cap = self.config.tenant_max_running
         return (lambda r: self._tenant_running[r.tenant] < cap) if cap is not None else None
 
-    def _schedule_waiting(self, plan: StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> tuple[WaitReason, str | None] | None:
+        """Admit waiting requests in the policy's order while they fit; returns why it stopped
+        (and the request it stopped at, if one), or None once nothing waits."""
         eligible = self.eligible()
-        while self.waiting and (plan.budget > 0 or self.is_static):
+        while self.waiting:
+            if plan.budget <= 0 and not self.is_static:
+                return WaitReason.TOKEN_BUDGET, None
             req = self.waiting.peek(eligible)
             if req is None:
-                return
+                return WaitReason.TENANT_QUOTA, None  # every request left is of a capped tenant
             seat_victim = None
             if len(self.running) >= self.config.max_num_seqs:
                 seat_victim = self.preemption.victim_for(req, self.running)
                 if seat_victim is None:
-                    return
+                    return WaitReason.MAX_NUM_SEQS, req.request_id
             computed, num_cached = self.kv.get_computed_blocks(req)
             n = self._admission_chunk(req, num_cached, plan)
             if n == 0 and not self.is_static:
-                return
+                partial = plan.budget > 0 and self.chunk(req, num_cached, plan.budget) > 0
+                return WaitReason.PARTIAL_PREFILL_CAP if partial else WaitReason.TOKEN_BUDGET, req.request_id
             if seat_victim is not None:
                 self._preempt(seat_victim, plan)
             # Static batches reserve the whole prompt now, so members never wait for blocks mid-prefill.
@@ -217,15 +247,47 @@ class Scheduler:
             while self.kv.allocate_slots(req, reserve, computed) is None:
                 victim = self.preemption.victim_for(req, self.running)
                 if victim is None:
-                    return
+                    return WaitReason.KV_BLOCKS, req.request_id
                 self._preempt(victim, plan)
             self._admit(req, num_cached, n, plan)
+        return None
 
     def _admission_chunk(self, req: Request, num_cached: int, plan: StepPlan) -> int:
         n = self.chunk(req, num_cached, plan.budget) if plan.budget > 0 else 0
         if 0 < n < req.num_tokens - num_cached and self._num_partial(plan) >= self.config.max_num_partial_prefills:
             return 0  # would start one more partial prefill than allowed
         return n
+
+    def _record_stop(self, stop: tuple[WaitReason, str | None] | None) -> None:
+        """Keep why this step admitted no further (nothing when nothing waits)."""
+        if stop is None or not self.waiting:
+            self._wait_stop = None
+            return
+        cap = self.config.tenant_max_running
+        capped = frozenset(t for t, k in self._tenant_running.items() if k >= cap) if cap is not None else _NO_TENANTS
+        self._wait_stop = (self._step, stop[0], stop[1], capped)
+
+    @property
+    def wait_stop(self) -> WaitStop | None:
+        """Why the latest step admitted no further (None if nothing was left waiting)."""
+        return WaitStop(*self._wait_stop) if self._wait_stop is not None else None
+
+    def wait_info(self, request_id: str) -> WaitInfo | None:
+        """Why a waiting (or preempted) request was not admitted in the latest step, derived from
+        that step's `wait_stop`; None if it is not waiting."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is _RUNNING:
+            return None
+        stop = self.wait_stop
+        if stop is None or req.queued_step > stop.step:
+            return WaitInfo(self._step, WaitReason.NOT_REACHED)
+        if stop.request_id == request_id:
+            return WaitInfo(stop.step, stop.reason)
+        if req.tenant in stop.capped_tenants:  # not admissible whatever else held it
+            return WaitInfo(stop.step, WaitReason.TENANT_QUOTA)
+        if stop.request_id is None:
+            return WaitInfo(stop.step, stop.reason)
+        return WaitInfo(stop.step, WaitReason.BEHIND, stop.request_id)
 
     def _num_partial(self, plan: StepPlan) -> int:
         """Running requests that will still be mid-prefill after this step."""
@@ -252,6 +314,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
+        victim.queued_step = self._step  # the admission of this very step may take it back
         plan.preempted.append(victim.request_id)
         self._stats.num_preemptions += 1
         self.waiting.push_front(victim)
@@ -488,6 +551,7 @@ class Scheduler:
         self.revision += 1
         plan = StepPlan(budget=0)
         self._preempt(req, plan)
+        req.queued_step = self._step + 1  # between steps: the next one is the first to see it
         self._preempted_ids.extend(plan.preempted)
         return True
 

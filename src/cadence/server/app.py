@@ -4,6 +4,7 @@ second signal that ends every request at once.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health (liveness), /ready (readiness),
 /metrics (Prometheus), /dashboard and /dashboard/data (the live dashboard, server/dashboard.py),
+/v1/requests/{request_id} (a request's state and why it waits, server/request_status.py),
 /tokenize, /detokenize, and FastAPI's /openapi.json and /docs.
 """
 
@@ -56,6 +57,7 @@ from cadence.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from cadence.server.request_status import add_request_status_route
 from cadence.server.serving import OpenAIServing
 from cadence.server.stopping import STOPPED_MESSAGE, StopGuard
 from cadence.wording import counted
@@ -250,6 +252,7 @@ def create_app(
     install_error_handlers(app)
     _add_routes(app, engine, serving, exporter, render_metrics)
     add_dashboard_routes(app, engine, dashboard)
+    add_request_status_route(app, engine, _ERRORS)
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     # POST routes that read a JSON body (a health probe such as /ping takes none)
     json_paths = frozenset(r.path for r in app.routes if isinstance(r, APIRoute) and "POST" in (r.methods or ())) - OPEN_PATHS

@@ -215,10 +215,10 @@ class OpenAIServing:
                     self._sse(job, fmt, first, stream, done, usage, trace),
                     done,
                     media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": job.request_id},
                 )
             try:
-                return JSONResponse(await self._collect(fmt, first, stream, usage))
+                return JSONResponse(await self._collect(fmt, first, stream, usage), headers={"X-Request-Id": job.request_id})
             finally:
                 await stream.aclose()
         except BaseException as e:
