@@ -159,3 +159,16 @@ def test_tenants_priorities_and_deadlines_reach_the_replicas(fleet) -> None:
     assert metric(after, name, tenant="alice") - metric(before, name, tenant="alice") == 1
     assert late.status_code == 408, late.text
     assert late.json()["error"]["code"] == "deadline_exceeded" or "deadline" in late.json()["error"]["message"]
+
+
+def test_request_status_asks_the_replica_that_served_it(fleet) -> None:
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+        status = c.get(f"/v1/requests/{rid}")
+        assert status.status_code == 200, status.text
+        body = status.json()
+        assert body["id"] == rid and body["state"] == "finished" and body["output_tokens"] == 3
+        assert status.headers["x-cadence-replica"] == r.headers["x-cadence-replica"]
+        assert c.get("/v1/requests/cmpl-not-a-request").status_code == 404

@@ -32,6 +32,7 @@ log = logging.getLogger("cadence.fleet")
 REPLICA_HEADER = b"x-cadence-replica"
 BUSY_RETRY_AFTER_S = 1.0  # Retry-After when Serve's own queue for the replicas is full
 METRICS_TIMEOUT_S = 10.0
+PLACED_KEEP = 4096  # requests whose replica the ingress remembers, for GET /v1/requests/{id}
 
 # Per HTTP request: a slot the client fills with the replica's name for the middleware to send.
 _REPLICA_SLOT: ContextVar[dict[str, str] | None] = ContextVar("cadence_replica_slot", default=None)
@@ -181,6 +182,7 @@ class FleetClient:
         self._block_size = info.block_size
         self._hash_chain = block_hashers(info.hash_algo)[1]
         self._live: dict[str, FleetStream] = {}
+        self._placed: collections.OrderedDict[str, str] = collections.OrderedDict()  # request id -> replica
         self._draining = False
 
     # -- state --------------------------------------------------------------------------------------
@@ -244,6 +246,9 @@ class FleetClient:
             raise refusal_error(first)
         assert isinstance(first, Admitted), type(first)
         _note_replica(first.replica)
+        self._placed[request_id] = first.replica
+        while len(self._placed) > PLACED_KEEP:
+            self._placed.popitem(last=False)
         total = len(prompts) * params.n
         sub_ids = [request_id] if total == 1 else [f"{request_id}-{k}" for k in range(total)]
         stream = FleetStream(gen, request_id, sub_ids, self._closed)
@@ -268,6 +273,24 @@ class FleetClient:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._draining = True  # (the replicas are Serve's to stop)
+
+    async def request_status(self, request_id: str, tenant: str | None = None) -> Any:
+        """A request's snapshots, from the replica that served it (the last PLACED_KEEP placed are
+        remembered); None when this ingress did not place it or its replica is gone."""
+        from cadence.fleet.state import replica_ids
+
+        replica = self._placed.get(request_id)
+        if replica is None or replica not in replica_ids():
+            return None
+        _note_replica(replica)
+        try:
+            return await asyncio.wait_for(
+                self._handle.request_status.remote(request_id, tenant, Target(replica)), METRICS_TIMEOUT_S)
+        except CadenceError:
+            raise
+        except Exception as e:  # the replica is restarting: what it knew went with it
+            log.warning("replica %s: no request status (%s)", replica, type(e).__name__)
+            return None
 
     # -- the replicas' metrics ----------------------------------------------------------------------
 

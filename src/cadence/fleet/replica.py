@@ -109,6 +109,10 @@ class CadenceReplica:
                 continue
         return self._digest
 
+    async def request_status(self, request_id: str, tenant: str | None, target: Target | None = None) -> Any:
+        """The engine's snapshots of a request this replica served (`GET /v1/requests/{id}`)."""
+        return await self.engine.request_status(request_id, tenant)
+
     def check_health(self) -> None:
         if not self.engine.is_healthy:
             raise RuntimeError(f"the engine loop is not running: {self.engine.dead_reason}")

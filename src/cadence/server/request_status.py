@@ -27,7 +27,7 @@ def add_request_status_route(app: FastAPI, engine: EngineClient, responses: dict
     @app.get("/v1/requests/{request_id}", responses=responses)
     async def request_status(request_id: str, raw: Request) -> JSONResponse:
         lookup = getattr(engine, "request_status", None)
-        if lookup is None:  # an engine that cannot say (a fleet's client)
+        if lookup is None:  # an engine client that cannot say
             raise APIError(ErrorKind.NOT_FOUND, _NOT_FOUND, param="request_id")
         snaps = None
         if len(request_id) <= MAX_REQUEST_ID_CHARS:
