@@ -68,11 +68,6 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    @property
-    def has_ready(self) -> bool:
-        """The next `__anext__` returns (or raises) without waiting."""
-        return not (self._open == 0 or self._closed) and not self._group.queue.empty()
-
     async def __anext__(self) -> StreamDelta:
         if self._open == 0 or self._closed:
             raise StopAsyncIteration

@@ -10,7 +10,6 @@ put in the response's `X-Cadence-Replica` header (`ReplicaHeaderMiddleware`).
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from collections.abc import Sequence
 from contextvars import ContextVar
@@ -20,7 +19,7 @@ from typing import Any
 from cadence.config import EngineConfig
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.fleet.protocol import Admitted, Deltas, Failed, GenerateCall, Refused, Target
+from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
 from cadence.fleet.replica import ReplicaInfo, refusal_error
 from cadence.kv.hashing import block_hashers
 from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
@@ -94,7 +93,6 @@ class FleetStream:
         self._closed = False
         self._error: CadenceError | None = None
         self._on_close = on_close
-        self._pending: collections.deque[StreamDelta] = collections.deque()  # the rest of a `Deltas`
 
     @property
     def request_id(self) -> str:
@@ -107,16 +105,6 @@ class FleetStream:
         return self
 
     async def __anext__(self) -> StreamDelta:
-        if self._pending and self._error is None:
-            return self._delivered(self._pending.popleft())
-        return self._delivered(await self._next_item())
-
-    def _delivered(self, item: StreamDelta) -> StreamDelta:
-        if item.finished:
-            self._open -= 1
-        return item
-
-    async def _next_item(self) -> StreamDelta:
         from ray.exceptions import RayError
 
         if self._closed and self._error is None:
@@ -144,9 +132,8 @@ class FleetStream:
         if isinstance(item, Failed):
             self._close()
             raise CadenceError(ErrorKind(item.kind), item.message)
-        if isinstance(item, Deltas):
-            self._pending.extend(item.items[1:])
-            return item.items[0]
+        if item.finished:
+            self._open -= 1
         return item
 
     def fail(self, error: CadenceError) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 
@@ -38,17 +37,6 @@ class Refused:
     retry_after: float | None
     admission: bool  # an AdmissionError (a refusal before any work) rather than another error
     replica: str
-
-
-@dataclass(frozen=True)
-class Deltas:
-    """Several deltas at once: those the engine had ready when the replica sent the first. One Ray
-    message carries them, so a stream whose reader falls behind catches up in fewer messages."""
-
-    items: tuple[Any, ...]  # StreamDelta, in order
-
-
-MAX_DELTAS_PER_MESSAGE = 64
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,7 @@ from typing import Any
 
 from cadence.config import EngineConfig
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.fleet.protocol import (
-    MAX_DELTAS_PER_MESSAGE,
-    Admitted,
-    Deltas,
-    Failed,
-    GenerateCall,
-    Refused,
-    Target,
-)
+from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
 from cadence.routing import DIGEST_LIMIT, ReplicaStats, fingerprints
 
 log = logging.getLogger("cadence.fleet")
@@ -73,20 +65,11 @@ class CadenceReplica:
         except CadenceError as e:
             yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)
             return
-        batch: list[Any] = []
         try:
             yield Admitted(self.name)
             async for delta in stream:
-                # What the engine already has for this request goes in the same message: one Ray
-                # message a token costs the ingress more than the token costs the engine.
-                batch = [delta]
-                while stream.has_ready and len(batch) < MAX_DELTAS_PER_MESSAGE:
-                    batch.append(await anext(stream))
-                yield batch[0] if len(batch) == 1 else Deltas(tuple(batch))
-                batch = []
+                yield delta
         except CadenceError as e:
-            if batch:  # deltas the client has not seen come before the error
-                yield Deltas(tuple(batch))
             yield Failed(e.kind.value, str(e))
         finally:
             await stream.aclose()  # (a no-op once every choice finished; else the request is aborted)
