@@ -10,6 +10,7 @@ put in the response's `X-Cadence-Replica` header (`ReplicaHeaderMiddleware`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Sequence
 from contextvars import ContextVar
