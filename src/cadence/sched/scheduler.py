@@ -17,12 +17,14 @@ With `batch_decodes` (set when the executor accepts a `DecodeBatch`), plain deco
 a `RequestDelta` each. Every decision is the same either way: only the records differ, and
 `update` still walks the step in scheduling order (the order requests finish in is the order
 their blocks return to the pool).
+
+What is not a decision lives in the bases: `introspect.py` (why requests wait, snapshots, gauges)
+and `skip.py` (the bookkeeping of steps a driver such as the simulator's fast-forward runs at once).
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -33,36 +35,27 @@ from cadence.boundary import (
     IterationStats,
     ModelOutput,
     RequestDelta,
-    RequestSnapshot,
     ScheduledRequest,
     SchedulerOutput,
-    SchedulerStats,
     TokenLogprobs,
-    WaitInfo,
     WaitReason,
-    WaitStop,
 )
 from cadence.config import CacheConfig, SchedulerConfig
 from cadence.errors import AdmissionError
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, RequestStatus
 from cadence.sched.admission import AdmissionControl, check_ids
+from cadence.sched.introspect import SchedulerIntrospection
 from cadence.sched.plan import StepPlan, split_rows
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
-from cadence.sched.records import (
-    final_delta,
-    finished_stats,
-    request_snapshot,
-    scheduled_request,
-    token_delta,
-)
+from cadence.sched.records import final_delta, finished_stats, scheduled_request, token_delta
+from cadence.sched.skip import SkippedSteps
 
 _RUNNING = RequestStatus.RUNNING
-_NO_TENANTS: frozenset[str] = frozenset()
 
 
-class Scheduler:
+class Scheduler(SchedulerIntrospection, SkippedSteps):
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager, max_model_len: int, *,
                  batch_decodes: bool = False) -> None:
         config.validate()
@@ -93,10 +86,7 @@ class Scheduler:
         self._stats = IterationStats()
         self._step = 0
         self._now = 0.0
-        # Why the latest step admitted no further, as `WaitStop`'s fields (a tuple: this is set every
-        # step); each waiting request's own reason is derived from it on demand (`wait_info`), never
-        # by walking the queue.
-        self._wait_stop: tuple[int, WaitReason, str | None, frozenset[str]] | None = None
+        self._wait_stop = None  # why the latest step admitted no further (introspect.py)
         # Counts what changes the state between steps (requests added or ended from outside).
         self.revision = 0
 
@@ -134,13 +124,6 @@ class Scheduler:
         self.waiting.add(request)
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, request.request_id))
-
-    def snapshot(self, request_id: str) -> RequestSnapshot | None:
-        """An unfinished request's state, its place in the queue and why it waits; None if unknown."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
-        return request_snapshot(req, self.waiting.position(req), self.wait_info(request_id))
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self, now: float) -> SchedulerOutput:
@@ -257,37 +240,6 @@ class Scheduler:
         if 0 < n < req.num_tokens - num_cached and self._num_partial(plan) >= self.config.max_num_partial_prefills:
             return 0  # would start one more partial prefill than allowed
         return n
-
-    def _record_stop(self, stop: tuple[WaitReason, str | None] | None) -> None:
-        """Keep why this step admitted no further (nothing when nothing waits)."""
-        if stop is None or not self.waiting:
-            self._wait_stop = None
-            return
-        cap = self.config.tenant_max_running
-        capped = frozenset(t for t, k in self._tenant_running.items() if k >= cap) if cap is not None else _NO_TENANTS
-        self._wait_stop = (self._step, stop[0], stop[1], capped)
-
-    @property
-    def wait_stop(self) -> WaitStop | None:
-        """Why the latest step admitted no further (None if nothing was left waiting)."""
-        return WaitStop(*self._wait_stop) if self._wait_stop is not None else None
-
-    def wait_info(self, request_id: str) -> WaitInfo | None:
-        """Why a waiting (or preempted) request was not admitted in the latest step, derived from
-        that step's `wait_stop`; None if it is not waiting."""
-        req = self.requests.get(request_id)
-        if req is None or req.status is _RUNNING:
-            return None
-        stop = self.wait_stop
-        if stop is None or req.queued_step > stop.step:
-            return WaitInfo(self._step, WaitReason.NOT_REACHED)
-        if stop.request_id == request_id:
-            return WaitInfo(stop.step, stop.reason)
-        if req.tenant in stop.capped_tenants:  # not admissible whatever else held it
-            return WaitInfo(stop.step, WaitReason.TENANT_QUOTA)
-        if stop.request_id is None:
-            return WaitInfo(stop.step, stop.reason)
-        return WaitInfo(stop.step, WaitReason.BEHIND, stop.request_id)
 
     def _num_partial(self, plan: StepPlan) -> int:
         """Running requests that will still be mid-prefill after this step."""
@@ -605,78 +557,3 @@ class Scheduler:
         st.step, st.now = self._step, now
         self._close_stats()
         return self.last_iteration_stats
-
-    # ------------------------------------------------------------------ steps run all at once
-    # For a driver that applies several planned steps at once (the simulator's fast-forward,
-    # sim/fast_forward.py): what it reads here, and the bookkeeping of those steps.
-    @property
-    def step_count(self) -> int:
-        return self._step
-
-    @property
-    def next_deadline(self) -> float:
-        """The earliest pending deadline (inf if none)."""
-        return self._deadlines[0][0] if self._deadlines else math.inf
-
-    @property
-    def has_pending_deltas(self) -> bool:
-        """Whether finishes decided between steps (evictions, deadlines) wait to go out."""
-        return bool(self._pending_deltas)
-
-    @property
-    def open_stats(self) -> IterationStats:
-        """The counters of the step in progress."""
-        return self._stats
-
-    def forget_finished(self) -> None:
-        """A step's output carried the ids of the requests finished so far."""
-        self._finished_ids.clear()
-
-    def skip_steps(self, num_steps: int, now: float, num_computed: int) -> None:
-        """`num_steps` steps, the last starting at `now`, ran outside `schedule` and `update`,
-        computing `num_computed` tokens; the first one's output carried the ids pending."""
-        self._num_live_tokens += num_computed
-        self._step += num_steps
-        self._now = now
-        self._finished_ids.clear()
-        self._preempted_ids.clear()
-
-    def close_skipped_steps(self, went_on: list[str], num_sampled: int) -> None:
-        """Close the skipped steps' stats as one record, `num_sampled` tokens generated; `went_on`
-        is the last one's `last_decoded`."""
-        self.last_decoded = went_on
-        stats = self._stats
-        stats.step, stats.now = self._step, self._now
-        stats.num_generation_tokens += num_sampled
-        self._close_stats()
-
-    # ------------------------------------------------------------------ state
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_usage=self.kv.usage,
-            num_live_tokens=self._num_live_tokens,
-            num_free_blocks=self.kv.num_free_blocks,
-            num_total_blocks=self.kv.num_blocks,
-        )
-
-    def check_integrity(self) -> None:
-        """KV refcounts match the running requests' tables; bookkeeping agrees with itself."""
-        self.kv.check_integrity(self.running, published=True)
-        assert all(r.status is _RUNNING for r in self.running)
-        assert len(self.running) + len(self.waiting) == len(self.requests)
-        assert sum(self._tenant_running.values()) == len(self.running)
-        assert self._num_live_tokens == sum(r.num_computed_tokens for r in self.running)
-
