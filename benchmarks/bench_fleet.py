@@ -29,14 +29,13 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from cadence.bench.launch import served
 from cadence.workload import Workload, WorkloadRequest, write_jsonl
@@ -67,18 +66,6 @@ def _run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def wait_port_free(port: int, timeout: float = 120.0) -> None:
-    """A fleet's HTTP proxy is a Ray process of its own, which can outlive `cadence serve` by a few
-    seconds: the next server must not mistake it for itself."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) != 0:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"port {port} still answers {timeout:.0f} s after its server stopped")
-
-
 def _summary(path: Path) -> dict:
     return json.loads((path / "summary.json").read_text())
 
@@ -87,10 +74,10 @@ def _cache_counters(port: int) -> tuple[float, float]:
     """(looked-up, found) prompt tokens of the server's prefix cache, summed over the fleet."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     got = {"cadence:prefix_cache_query_tokens_total": 0.0, "cadence:prefix_cache_hit_tokens_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in got and "replica=" not in line:
-            got[name] += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:  # (a fleet's also come per replica: the summed ones only)
+            if sample.name in got and "replica" not in sample.labels:
+                got[sample.name] += sample.value
     return got["cadence:prefix_cache_query_tokens_total"], got["cadence:prefix_cache_hit_tokens_total"]
 
 
@@ -133,7 +120,6 @@ def serve_and_bench(name: str, seed: int, args: argparse.Namespace, load: list[s
         _run([*CADENCE, "bench", *load, "--base-url", f"http://127.0.0.1:{args.port}", "--no-progress",
               "--label", f"{name} seed {seed}", "--out", str(real)])
         q1, h1 = _cache_counters(args.port)
-    wait_port_free(args.port)
     (real / "hit.json").write_text(json.dumps({"hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else None}))
 
 
@@ -225,7 +211,6 @@ def overhead(args: argparse.Namespace, out: Path) -> None:
                 _run([*CADENCE, "bench", "--base-url", f"http://127.0.0.1:{args.port}", "--endpoint", "chat",
                       "--workload", "chat", "--concurrency", "8", "--num-requests", str(args.num_requests),
                       "--seed", str(rnd), "--no-progress", "--out", str(d)])
-            wait_port_free(args.port)
             tps[name].append(_summary(d)["overall"]["output_token_throughput"])
         print(f"round {rnd}: plain {tps['plain'][-1]:.1f} tok/s, fleet of 1 {tps['fleet-1'][-1]:.1f} tok/s, "
               f"ratio {tps['fleet-1'][-1] / tps['plain'][-1]:.2f}", flush=True)
@@ -265,7 +250,6 @@ def main() -> int:
     args.slo = args.slo or ["ttft=2", "itl=0.2"]
     out = Path(args.out or ROOT / f"results/fleet_{args.mode}")
     out.mkdir(parents=True, exist_ok=True)
-    wait_port_free(args.port)
     if args.calibrate and args.mode == "routers":
         # Step times on a shared machine depend on what else runs: calibrate under today's conditions.
         args.profile = str(out / "profile.json")

@@ -43,3 +43,19 @@ def test_served_gives_up_after_its_timeout(tmp_path: Path) -> None:
         served(sleeper, f"http://127.0.0.1:{_free_port()}/", tmp_path / "log", timeout=1),
     ):
         pass
+
+
+def test_served_does_not_start_while_another_server_holds_its_port(tmp_path: Path) -> None:
+    # A server that outlives its stop (a fleet's Ray proxy) would otherwise answer for the next one.
+    marker = tmp_path / "started"
+    cmd = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with (
+            pytest.raises(RuntimeError, match=f"127.0.0.1:{port} is still taken after 1 s"),
+            served(cmd, f"http://127.0.0.1:{port}/health", tmp_path / "log", timeout=1),
+        ):
+            pass
+    assert not marker.exists()  # the new server was never started

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -29,7 +31,12 @@ def served(
     append: bool = False,
     timeout: float = 300.0,
 ) -> Iterator[subprocess.Popen]:
-    """Run `cmd` with its output in `log_path`; yield once `ready_url` answers 200; stop it on exit."""
+    """Run `cmd` with its output in `log_path`; yield once `ready_url` answers 200; stop it on exit.
+
+    First waits until nothing listens on `ready_url`'s port: the server stopped before may still
+    hold it (a fleet's HTTP proxy is a Ray process of its own, which can outlive `cadence serve`
+    by seconds), and the new one must not take its answer for its own."""
+    wait_port_free(ready_url, timeout)
     with open(log_path, "a" if append else "w") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env), cwd=cwd, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -38,6 +45,18 @@ def served(
         yield proc
     finally:
         stop(proc)
+
+
+def wait_port_free(url: str, timeout: float) -> None:
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, port)) != 0:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{host}:{port} is still taken after {timeout:.0f} s: another server listens there")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log_path: str | Path, timeout: float) -> None:
