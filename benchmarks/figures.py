@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cadence.host_load import cpu_model
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "figures"
 MARK_OPEN = "<!-- figure: {} -->"
@@ -521,15 +523,7 @@ def shell_command(cmd: str, python: str = sys.executable) -> str:
 
 
 def machine() -> dict[str, str]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"arch": platform.machine(), "cpu": cpu, "cores": str(os.cpu_count())}
+    return {"arch": platform.machine(), "cpu": cpu_model() or "unknown", "cores": str(os.cpu_count())}
 
 
 def load_average() -> str:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from cadence.boundary import ModelOutput, SchedulerOutput
+from cadence.host_load import cpu_model
 
 PROFILE_FORMAT = 1
 # Base quantities every feature set is linear in; the fitted model folds into one weight per base.
@@ -128,14 +129,7 @@ _FIELDS = ("prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_c
 
 def machine_info() -> dict[str, Any]:
     """What the profile was measured on: enough to tell whether it applies to another machine."""
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model() or platform.processor() or ""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     # The load average at calibration: timings taken on a busy machine are slower and noisier.
     return {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu,
