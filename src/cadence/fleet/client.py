@@ -31,7 +31,7 @@ log = logging.getLogger("cadence.fleet")
 
 REPLICA_HEADER = b"x-cadence-replica"
 BUSY_RETRY_AFTER_S = 1.0  # Retry-After when Serve's own queue for the replicas is full
-METRICS_TIMEOUT_S = 10.0
+REPLICA_CALL_TIMEOUT_S = 10.0  # a call to one replica (its metrics, a request's status)
 PLACED_KEEP = 4096  # requests whose replica the ingress remembers, for GET /v1/requests/{id}
 
 # Per HTTP request: a slot the client fills with the replica's name for the middleware to send.
@@ -273,7 +273,7 @@ class FleetClient:
         _note_replica(replica)
         try:
             return await asyncio.wait_for(
-                self._handle.request_status.remote(request_id, tenant, Target(replica)), METRICS_TIMEOUT_S)
+                self._handle.request_status.remote(request_id, tenant, Target(replica)), REPLICA_CALL_TIMEOUT_S)
         except CadenceError:
             raise
         except Exception as e:  # the replica is restarting: what it knew went with it
@@ -291,7 +291,7 @@ class FleetClient:
         # different replicas waiting (for seconds) while it routes the others.
         for rid in replica_ids():
             try:
-                replicas[rid] = await asyncio.wait_for(self._handle.metrics.remote(Target(rid)), METRICS_TIMEOUT_S)
+                replicas[rid] = await asyncio.wait_for(self._handle.metrics.remote(Target(rid)), REPLICA_CALL_TIMEOUT_S)
             except Exception as e:  # a replica restarting: its last counters stand in for it (below)
                 log.warning("replica %s: no metrics (%s)", rid, type(e).__name__)
         # A replica that died (or did not answer) keeps its last counters in the sums: a counter
