@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import enum
+import json as _json
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -88,6 +89,46 @@ def _token_key(k: object) -> int:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's `StructuredOutputsParams`): exactly one
+    of a JSON schema (`json`, kept as canonical JSON text so that equal schemas share one compiled
+    grammar), any JSON object (`json_object`), a regular expression, a list of choices, or a
+    grammar. Checked here for shape only; whether the grammar library accepts it is checked when
+    it is compiled, before the request reaches the engine."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, (dict, bool)):
+            object.__setattr__(self, "json", _json.dumps(self.json, sort_keys=True, separators=(",", ":")))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        _check(sum(given) == 1, "structured_outputs", "give exactly one of json, json_object, regex, choice, grammar")
+        _check(self.json is None or isinstance(self.json, str), "structured_outputs.json",
+               "must be a JSON schema (an object or its JSON text)")
+        _check(isinstance(self.json_object, bool), "structured_outputs.json_object", "must be True or False")
+        _check(self.regex is None or isinstance(self.regex, str), "structured_outputs.regex", "must be a string")
+        _check(self.grammar is None or isinstance(self.grammar, str), "structured_outputs.grammar",
+               "must be a string")
+        _check(self.choice is None or (len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice)),
+               "structured_outputs.choice", "must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction (ValueError names the field).
 
@@ -115,6 +156,7 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept lists/dicts from callers but store hashable tuples; anything else is refused here,
@@ -193,6 +235,8 @@ class SamplingParams:
                    f"must list 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
             _check(all(is_int(t) and t >= 0 for t in ids), "allowed_token_ids", "must be non-negative token ids")
         _check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
 
@@ -212,7 +256,7 @@ class SamplingParams:
     def plain_decode(self) -> bool:
         """True when a decode step needs only the last token and returns only the next one: no
         history and no logprobs, so it can travel in a `DecodeBatch` row. Cached like `needs_history`."""
-        return not self.needs_history and self.logprobs is None
+        return not self.needs_history and self.logprobs is None and self.structured_outputs is None
 
 
 @dataclass(frozen=True)
