@@ -10,6 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from cadence.boundary import FinishedRequestStats, IterationStats, RequestMetrics, SchedulerStats
+from cadence.engine.thread_times import PHASES, EngineThreadTimes
 from cadence.metrics.prometheus import PrometheusExporter, meets_slo
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
@@ -119,12 +120,14 @@ def test_two_exporters_do_not_collide():
 
 def test_every_metric_is_documented_and_named_by_convention():
     exp = PrometheusExporter()
+    exp.watch_thread_times(lambda: EngineThreadTimes().as_dict())
     names = {fam.name for fam in text_string_to_metric_families(exp.render()[0].decode())}
     doc = DOCS.read_text()
     assert len(names) >= 16
     for name in names:
         # A unit suffix on every name but the one state without a unit (1 or 0).
-        assert re.fullmatch(r"cadence:[a-z0-9_]+_(seconds|ratio|requests|tokens|spans)|cadence:engine_healthy", name), name
+        assert re.fullmatch(r"cadence:[a-z0-9_]+_(seconds|ratio|requests|tokens|spans|steps)|cadence:engine_healthy",
+                            name), name
         assert f"`{name}" in doc, f"{name} is missing from docs/metrics.md"
 
 
@@ -255,3 +258,32 @@ def test_finishes_between_steps_are_counted_when_the_engine_goes_idle(server):
     assert _poll_finished(url, "idle-abort", 1) == 1
     after = httpx.get(url + "/metrics").text
     assert samples(after)[("cadence:running_requests", ())] == 0
+
+
+def test_engine_thread_times_account_for_its_uptime_and_its_work(server):
+    """The phases are measured back to back, so they add up to the thread's running time; the
+    forward passes of real requests show in `execute`, and each step's output reaches the HTTP side."""
+    start = samples(httpx.get(server.url + "/metrics").text)
+    t0 = time.monotonic()
+    for _ in range(3):
+        r = httpx.post(server.url + "/v1/completions",
+                       json={"prompt": "Hello there", "max_tokens": 8, "ignore_eos": True, "stream": True})
+        assert r.status_code == 200
+    s = samples(httpx.get(server.url + "/metrics").text)
+    elapsed = time.monotonic() - t0
+
+    def grew(name, labels=()):
+        return s[(name, labels)] - start.get((name, labels), 0.0)
+
+    phase = {p: grew("cadence:engine_thread_seconds_total", (("phase", p),)) for p in PHASES}
+    assert set(phase) == {"idle", "inbox", "schedule_update", "execute", "detokenize", "publish"}
+    # Every phase is a share of the time that passed (the last pass may be open at either scrape).
+    assert sum(phase.values()) <= elapsed + 0.6
+    assert sum(phase.values()) >= elapsed - 0.6
+    assert phase["execute"] > 0 and phase["schedule_update"] > 0 and phase["detokenize"] > 0
+    assert grew("cadence:engine_steps_total") >= 3 * 8
+    busy = sum(v for p, v in phase.items() if p != "idle")
+    assert 0 < grew("cadence:engine_thread_busy_cpu_seconds_total") <= busy + 0.05
+    handed = grew("cadence:engine_handoff_steps_total")
+    assert handed >= 3 * 8
+    assert 0 <= grew("cadence:engine_handoff_delay_seconds_total") / handed < 1.0

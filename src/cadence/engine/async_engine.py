@@ -35,6 +35,7 @@ from cadence.boundary import IterationStats, QueueCensus, RequestDelta, RequestS
 from cadence.clock import Clock, RealClock
 from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
+from cadence.engine.thread_times import EngineThreadTimes, StepTimer
 from cadence.engine.watchdog import STALL_FACTOR, StepPace, Watchdog
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.request import DEFAULT_POLICY, Request, RequestPolicy, RequestStatus, SamplingParams
@@ -80,6 +81,7 @@ class AsyncEngine:
         self.stats_hooks: list[StatsHook] = [stats_hook] if stats_hook else []
         self.drain_rate = DrainRate(self.clock)
         self._proc = OutputProcessor(engine.tokenizer)
+        self.thread_times = EngineThreadTimes()  # where the engine thread's time goes (/metrics)
         self._inbox: list[Inbox] = []
         self._wake = threading.Condition()
         self._groups: dict[str, Group] = {}  # engine thread only
@@ -124,6 +126,9 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return self._in_flight
+
+    def engine_thread_times(self) -> dict[str, float]:
+        return self.thread_times.as_dict()
 
     def census(self) -> QueueCensus:
         """The waiting requests by tenant and priority, the running ones by tenant, and the free KV
@@ -208,7 +213,11 @@ class AsyncEngine:
             self._inbox.append(item)
             self._wake.notify()
 
-    def _deliver(self, batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    def _deliver(self, batch: list[tuple[asyncio.Queue, Any]], sent: float | None = None) -> None:
+        if sent is not None:  # how long the batch waited for this loop (its thread, or the GIL)
+            times = self.thread_times
+            times.handoff += time.perf_counter() - sent
+            times.handoffs += 1
         for queue, item in batch:
             queue.put_nowait(item)
 
@@ -246,6 +255,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         failures = 0
+        timer = StepTimer(self.thread_times)
         while True:
             self._watchdog.beat = time.monotonic()
             if self._dead is not None:  # the watchdog declared this thread stalled
@@ -258,13 +268,15 @@ class AsyncEngine:
                     self._wake.wait(_IDLE_WAIT_S)
                 inbox, self._inbox = self._inbox, []
                 stop = self._stop
+            timer.mark("idle")
             self._apply(inbox)
+            timer.mark("inbox")
             if stop:
                 return
             if not self.core.has_unfinished_requests():
                 continue
             try:
-                self._step()
+                self._step(timer)
                 failures = 0
             except Exception as exc:  # the core could not step: fail what is in flight, maybe die
                 failures += 1
@@ -275,8 +287,10 @@ class AsyncEngine:
                     self._die(f"{failures} consecutive step failures, last: {type(exc).__name__}: {exc}")
                     return
 
-    def _step(self) -> None:
+    def _step(self, timer: StepTimer) -> None:
         deltas = self.core.step()
+        self.thread_times.steps += 1
+        timer.split("execute", self.core.last_stats.step_time, "schedule_update")
         try:
             out, stopped = self._proc.process(deltas)
         except Exception as exc:  # detokenization failed: fail this step's requests, keep the loop
@@ -285,16 +299,20 @@ class AsyncEngine:
             self._finish_in_core(ids, RequestStatus.FINISHED_ERROR)
             self._send_errors(ids, CadenceError(ErrorKind.INTERNAL, f"output processing failed: {exc}"))
             self._run_hooks()  # the step ran: its tokens and finishes still count
+            timer.mark("publish")
             return
+        timer.mark("detokenize")
         if stopped:
             attach_final_metrics(out, self._finish_in_core(stopped, RequestStatus.FINISHED_STOPPED))
         it = self._run_hooks()
         self._dispatch(out)
+        timer.mark("publish")
         if it is not None and it.num_prompt_tokens == 0 and it.num_generation_tokens == 0 and not out:
             # Requests exist but none could run (all blocked): yield the CPU rather than spin.
             with self._wake:
                 if not self._inbox:
                     self._wake.wait(0.002)
+            timer.mark("idle")
 
     def _flush_idle_stats(self) -> None:
         """Report what ended between steps (an abort, a stop string) once nothing is left to run:
@@ -329,8 +347,9 @@ class AsyncEngine:
             per_loop.setdefault(group.loop, []).append((group.queue, d))
             if d.finished:
                 self._close_sub(group, d.request_id)
+        sent = time.perf_counter()
         for loop, batch in per_loop.items():
-            self._call(loop, self._deliver, batch)
+            self._call(loop, self._deliver, batch, sent)
 
     def _close_sub(self, group: Group, sub_id: str) -> None:
         self._owner.pop(sub_id, None)

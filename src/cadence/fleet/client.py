@@ -196,6 +196,9 @@ class FleetClient:
     def num_in_flight(self) -> int:
         return len(self._live)
 
+    def engine_thread_times(self) -> None:
+        return None  # each replica exports its own engine thread's times
+
     # -- requests -----------------------------------------------------------------------------------
 
     def chain(self, prompt: Sequence[int], cache_salt: str | None) -> tuple[int, ...]:

@@ -50,6 +50,7 @@ class CadenceReplica:
         self.exporter = PrometheusExporter(
             vllm_model_name=self.engine.model_name if "vllm" in metrics_compat else None)
         self.engine.stats_hooks.append(self.exporter.record_step)
+        self.exporter.watch_thread_times(self.engine.engine_thread_times)
         self._digest: frozenset[int] = frozenset()
         log.info("replica %s serving %s", self.name, self.engine.model_name)
 

@@ -16,7 +16,7 @@ are counted as "other", so a client inventing tenants cannot grow the series wit
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -28,7 +28,9 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from cadence.boundary import FinishedRequestStats, IterationStats, SchedulerStats
@@ -242,6 +244,10 @@ class PrometheusExporter:
         for reason in ("queue_full", "export_failed"):  # at 0 from the start, so rate() and alerts see them
             self.trace_spans_dropped.labels(reason)
 
+    def watch_thread_times(self, read: Callable[[], Mapping[str, float]]) -> None:
+        """Export the engine thread's time totals (`EngineThreadTimes.as_dict`), read at each scrape."""
+        self.registry.register(_ThreadTimesCollector(read))
+
     def watch_engine(self, is_healthy: Callable[[], bool]) -> None:
         """Read the engine's health at each scrape (a stall is seen by no step, so no step reports it)."""
         self.engine_healthy.set_function(lambda: 1.0 if is_healthy() else 0.0)
@@ -306,6 +312,41 @@ class PrometheusExporter:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _ThreadTimesCollector(Collector):
+    """The engine thread's running totals as counters: no work per step, one read per scrape."""
+
+    PHASES = ("idle", "inbox", "schedule_update", "execute", "detokenize", "publish")
+
+    def __init__(self, read: Callable[[], Mapping[str, float]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        t = self._read()
+        phases = CounterMetricFamily(
+            "cadence:engine_thread_seconds",
+            "Wall time of the engine thread by phase: idle, inbox (admission), schedule_update, execute "
+            "(forward and sampling), detokenize, publish (metrics, hand-off to the HTTP side).",
+            labels=("phase",),
+        )
+        for phase in self.PHASES:
+            phases.add_metric((phase,), t[phase])
+        yield phases
+        yield CounterMetricFamily(
+            "cadence:engine_thread_busy_cpu_seconds",
+            "CPU time of the engine thread over its busy phases; below their wall time when the thread "
+            "waited for a core or the GIL.",
+            value=t["busy_cpu"],
+        )
+        yield CounterMetricFamily("cadence:engine_steps", "Engine steps run.", value=t["steps"])
+        yield CounterMetricFamily(
+            "cadence:engine_handoff_delay_seconds",
+            "Summed delay between the engine thread handing a step's output over and the HTTP side running it.",
+            value=t["handoff"],
+        )
+        yield CounterMetricFamily("cadence:engine_handoff_steps", "Steps whose output was handed to the HTTP side.",
+                                  value=t["handoffs"])
 
 
 def _inc(counter: Counter, amount: float) -> None:

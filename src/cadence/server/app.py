@@ -244,6 +244,8 @@ def create_app(
     engine.stats_hooks.append(dashboard.record_step)
     exporter.rejection_listeners.append(dashboard.record_rejection)
     exporter.watch_engine(lambda: engine.is_healthy)
+    if engine.engine_thread_times() is not None:
+        exporter.watch_thread_times(lambda: engine.engine_thread_times() or {})
     tracer = make_tracer(server_config, exporter)
     serving = OpenAIServing(engine, server_config, exporter, tracer)
     app = FastAPI(title="cadence", version="0.1.0", description="An OpenAI-compatible LLM server.")

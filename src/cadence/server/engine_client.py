@@ -65,6 +65,11 @@ class EngineClient(Protocol):
     @property
     def num_in_flight(self) -> int: ...
 
+    def engine_thread_times(self) -> dict[str, float] | None:
+        """The local engine thread's time totals (`EngineThreadTimes`), None where the engines are
+        elsewhere (a fleet's replicas export their own)."""
+        ...
+
     async def submit(
         self,
         prompts: Sequence[list[int]],
