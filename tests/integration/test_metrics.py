@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -287,3 +288,9 @@ def test_engine_thread_times_account_for_its_uptime_and_its_work(server):
     handed = grew("cadence:engine_handoff_steps_total")
     assert handed >= 3 * 8
     assert 0 <= grew("cadence:engine_handoff_delay_seconds_total") / handed < 1.0
+
+
+def test_the_engine_thread_is_named_where_the_os_shows_it(server):
+    """top -H and /proc show which thread is the engine's (benchmarks/serving_breakdown.py reads it)."""
+    names = {Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task")}
+    assert "cadence-engine" in names

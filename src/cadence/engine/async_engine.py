@@ -35,7 +35,7 @@ from cadence.boundary import IterationStats, QueueCensus, RequestDelta, RequestS
 from cadence.clock import Clock, RealClock
 from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
-from cadence.engine.thread_times import EngineThreadTimes, StepTimer
+from cadence.engine.thread_times import EngineThreadTimes, StepTimer, name_os_thread
 from cadence.engine.watchdog import STALL_FACTOR, StepPace, Watchdog
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.request import DEFAULT_POLICY, Request, RequestPolicy, RequestStatus, SamplingParams
@@ -255,6 +255,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         failures = 0
+        name_os_thread("cadence-engine")
         timer = StepTimer(self.thread_times)
         while True:
             self._watchdog.beat = time.monotonic()

@@ -1,0 +1,165 @@
+"""Where a served run's time goes, at several loads: what the simulator sees and what it does not.
+
+    .venv/bin/python benchmarks/serving_breakdown.py [--workload chat] [--num-requests 100] [--seeds 0]
+        [--fractions 0.3,0.6,0.85] [--profile src/cadence/sim/profiles/default.json] [--out results/breakdown]
+
+For each load (a fraction of the workload's simulated saturation, as in sim_fidelity.py) a fresh
+`cadence serve` (one torch thread) is driven by `cadence bench` at that Poisson rate, and the run
+is timed from the inside:
+- the engine thread's wall time by phase (`cadence:engine_thread_seconds_total`): execute (the
+  forward pass the cost model prices), schedule/update, detokenize, publish, inbox, idle;
+- its CPU time beside its busy wall time: the difference is time it was ready but did not run
+  (no free core, or the GIL held by the HTTP thread);
+- the delay of each step's output to the HTTP side's event loop;
+- the CPU time of every thread of the server (the HTTP thread is the main one) and of the client,
+  read from /proc, as a share of the run's wall time on this machine's cores.
+
+It prints one table per seed and load, and keeps each run's figures in --out/breakdown.json.
+The server, the client and this script share the machine; run it on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from cadence.bench.launch import served
+
+ROOT = Path(__file__).resolve().parent.parent
+CADENCE = [sys.executable, "-m", "cadence.cli"]
+PHASES = ("execute", "schedule_update", "detokenize", "publish", "inbox", "idle")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The engine-thread counters of one /metrics scrape, by sample name and phase."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name.startswith("cadence:engine_") or s.name in ("cadence:generation_tokens_total",
+                                                                  "cadence:prompt_tokens_total"):
+                out[s.name + (":" + s.labels["phase"] if "phase" in s.labels else "")] = s.value
+    return out
+
+
+def thread_cpu(pgid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of every thread of every process in the server's session, by
+    thread name (`python` is a process's main thread: the HTTP event loop in the server)."""
+    out: dict[str, float] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                fields = stat[stat.rindex(")") + 2:].split()
+                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+        except (OSError, ValueError):
+            continue  # a thread or process that ended meanwhile
+    return out
+
+
+def saturation(args: argparse.Namespace, seed: int, out: Path) -> float:
+    d = out / f"saturation_{seed}"
+    subprocess.run([*CADENCE, "sim", "--workload", args.workload, "--num-requests", "400", "--rate", "1000",
+                    "--seed", str(seed), "--profile", args.profile, "--out", str(d), "--num-threads", "1"],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads((d / "summary.json").read_text())["overall"]["request_throughput"]
+
+
+def one_run(args: argparse.Namespace, seed: int, rate: float, out: Path) -> dict:
+    url = f"http://127.0.0.1:{args.port}"
+    cmd = [*CADENCE, "serve", "--num-threads", "1", "--port", str(args.port)]
+    with served(cmd, url + "/ready", out / f"serve_{seed}_{rate:.3f}.log", cwd=ROOT, timeout=120) as proc:
+        m0, c0 = scrape(url), thread_cpu(proc.pid)
+        r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        real = out / f"real_{seed}_{rate:.3f}"
+        subprocess.run([*CADENCE, "bench", "--workload", args.workload, "--num-requests", str(args.num_requests),
+                        "--rate", f"{rate:.4f}", "--seed", str(seed), "--base-url", url, "--no-progress",
+                        "--out", str(real)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        wall = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        m1, c1 = scrape(url), thread_cpu(proc.pid)
+    d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
+    summary = json.loads((real / "summary.json").read_text())["overall"]
+    return {
+        "seed": seed, "rate": rate, "wall_s": wall,
+        "phases_s": {p: d[f"cadence:engine_thread_seconds_total:{p}"] for p in PHASES},
+        "engine_busy_cpu_s": d["cadence:engine_thread_busy_cpu_seconds_total"],
+        "steps": d["cadence:engine_steps_total"],
+        "handoff_mean_s": d["cadence:engine_handoff_delay_seconds_total"] / max(d["cadence:engine_handoff_steps_total"], 1),
+        "tokens_out": d["cadence:generation_tokens_total"], "tokens_in": d["cadence:prompt_tokens_total"],
+        "server_thread_cpu_s": {k: c1[k] - c0.get(k, 0.0) for k in c1 if c1[k] - c0.get(k, 0.0) > 0.005},
+        "client_cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
+        "real": {m: summary[m] for m in ("ttft", "itl", "e2e")},
+    }
+
+
+def table(frac: float, r: dict) -> str:
+    wall, ph = r["wall_s"], r["phases_s"]
+    busy = sum(v for k, v in ph.items() if k != "idle")
+    cpu = r["server_thread_cpu_s"]
+    engine_cpu = cpu.get("cadence-engine", 0.0)
+    http_cpu = cpu.get("python", 0.0)
+    other = sum(v for k, v in cpu.items() if k not in ("cadence-engine", "python"))
+    cores = os.cpu_count() or 1
+    lines = [f"seed {r['seed']}, load {frac:.0%} ({r['rate']:.3f} req/s), {wall:.1f} s, {r['steps']:.0f} steps, "
+             f"{r['tokens_out']:.0f} tokens out",
+             "| engine thread | s | % of wall | per step (ms) |", "|---|---|---|---|"]
+    for p in PHASES:
+        lines.append(f"| {p} | {ph[p]:.2f} | {ph[p] / wall:.1%} | {1000 * ph[p] / max(r['steps'], 1):.2f} |")
+    lines.append(f"| busy, of it on a core | {r['engine_busy_cpu_s']:.2f} of {busy:.2f} | "
+                 f"{r['engine_busy_cpu_s'] / max(busy, 1e-9):.1%} on a core | |")
+    lines += ["", "| CPU | s | share of the machine |", "|---|---|---|"]
+    for name, v in (("engine thread", engine_cpu), ("HTTP thread", http_cpu), ("other server threads", other),
+                    ("client (cadence bench)", r["client_cpu_s"])):
+        lines.append(f"| {name} | {v:.2f} | {v / (wall * cores):.1%} |")
+    lines.append(f"| all | {engine_cpu + http_cpu + other + r['client_cpu_s']:.2f} | "
+                 f"{(engine_cpu + http_cpu + other + r['client_cpu_s']) / (wall * cores):.1%} |")
+    lines.append(f"\nhand-off to the HTTP thread: {1000 * r['handoff_mean_s']:.2f} ms a step; real TTFT p50/p90 "
+                 f"{1000 * r['real']['ttft']['p50']:.0f}/{1000 * r['real']['ttft']['p90']:.0f} ms, ITL p50/p90 "
+                 f"{1000 * r['real']['itl']['p50']:.1f}/{1000 * r['real']['itl']['p90']:.1f} ms")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="chat")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--fractions", default="0.3,0.6,0.85")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--port", type=int, default=8019)
+    p.add_argument("--profile", default=str(ROOT / "src/cadence/sim/profiles/default.json"))
+    p.add_argument("--out", default=str(ROOT / "results/breakdown"))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        sat = saturation(args, seed, out)
+        print(f"seed {seed}: simulated saturation {sat:.3f} req/s", flush=True)
+        for frac in (float(f) for f in args.fractions.split(",")):
+            r = one_run(args, seed, frac * sat, out)
+            r["fraction"] = frac
+            runs.append(r)
+            print(table(frac, r) + "\n", flush=True)
+    (out / "breakdown.json").write_text(json.dumps({"workload": args.workload, "cpus": os.cpu_count(),
+                                                    "load_average_end": os.getloadavg()[0], "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
