@@ -357,8 +357,17 @@ def fmt_stdout_block(out: Path, with_command: bool = False) -> str:
     return "```\n" + "\n".join(parts) + "\n```"
 
 
+def _fidelity_groups(out: Path) -> dict[str, list[tuple[float, float, dict, dict]]]:
+    """sim_fidelity.py's --out: a folder per workload and seed (WORKLOAD_seedSEED), each with the
+    saturation run and a real_RATE / sim_RATE pair per load."""
+    dirs = sorted(d for d in out.iterdir() if (d / "saturation").is_dir())
+    return {d.name: _fidelity_runs(d) for d in dirs}
+
+
 def _fidelity_runs(out: Path) -> list[tuple[float, float, dict, dict]]:
-    """sim_fidelity.py's --out: the saturation run and a real_RATE / sim_RATE pair per load."""
+    """One group of sim_fidelity.py's --out (the first, given the whole --out)."""
+    if not (out / "saturation").is_dir():
+        out = next(d for d in sorted(out.iterdir()) if (d / "saturation").is_dir())
     sat = _json(out / "saturation" / "summary.json")["overall"]["request_throughput"]
     rows = []
     for real in sorted(out.glob("real_*"), key=lambda d: float(d.name[5:])):
@@ -373,6 +382,14 @@ def fmt_sim_fidelity(out: Path) -> str:
     from sim_fidelity import table
 
     return table(_fidelity_runs(out))
+
+
+def fmt_sim_fidelity_summary(out: Path) -> str:
+    """Every group's cells counted: within 15% at p50/p90, and sim/real's median and spread."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sim_fidelity import summary
+
+    return summary(_fidelity_groups(out))
 
 
 def fmt_sim_fidelity_ratios(out: Path) -> str:

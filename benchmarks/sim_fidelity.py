@@ -1,15 +1,21 @@
-"""Simulator fidelity: `cadence sim` against a real `cadence bench` run, same workload, same load.
+"""Simulator fidelity: `cadence sim` against real `cadence bench` runs, same workload, same load.
 
     .venv/bin/python benchmarks/sim_fidelity.py [--calibrate] [--num-requests 120] [--fractions 0.3,0.6,0.85]
-        [--profile src/cadence/sim/profiles/default.json] [--out results/sim_fidelity]
+        [--workloads chat] [--seeds 0] [--profile src/cadence/sim/profiles/default.json]
+        [--record-validation] [--out results/sim_fidelity]
 
 1. Saturation is the simulated request throughput of the workload when every request arrives at
    once (the engine is never idle; the tail is short next to the run for a few hundred requests).
-2. For each fraction of it, a fresh `cadence serve` (default model, one torch thread, as
-   calibrated; fresh so that no prefix cache carries over between loads) is benchmarked with `cadence bench` at that Poisson rate, and `cadence sim` runs the same workload
-   (same seed: same sizes, same arrival times) with the same engine options.
-3. The table gives p50 and p90 of TTFT, ITL and end-to-end latency, real and simulated, and the
-   ratio sim/real. JSON summaries of every run are kept under --out.
+2. For each workload, seed and fraction of its saturation, a fresh `cadence serve` (default
+   model, one torch thread, as calibrated; fresh so that no prefix cache carries over between
+   loads) is benchmarked with `cadence bench` at that Poisson rate, and `cadence sim` runs the
+   same workload (same seed: same sizes, same arrival times) with the same engine options.
+3. Each group (workload, seed) prints p50, p90 and p99 of TTFT, ITL and end-to-end latency, real
+   and simulated, and sim/real. The summary over every group counts the p50/p90 cells within 15%
+   and gives the median and the 10th-90th percentile spread of sim/real per metric (p99 reported,
+   not counted). `--record-validation` writes that spread into the profile (`validation`), where
+   `cadence sim` and `cadence sim plan` read it (cadence.sim.fidelity). Every run's summaries and
+   the server's /metrics at the end are kept under --out/WORKLOAD_seedSEED/.
 
 The server, the client and this script share the machine; run it on a quiet one.
 """
@@ -30,6 +36,7 @@ from cadence.bench.launch import served
 ROOT = Path(__file__).resolve().parent.parent
 CADENCE = [sys.executable, "-m", "cadence.cli"]
 METRICS = [("ttft", "p50"), ("ttft", "p90"), ("itl", "p50"), ("itl", "p90"), ("e2e", "p50"), ("e2e", "p90")]
+REPORTED = [(m, q) for m in ("ttft", "itl", "e2e") for q in ("p50", "p90", "p99")]
 
 
 def _run(cmd: list[str]) -> None:
@@ -50,6 +57,7 @@ def saturation(args: argparse.Namespace, out: Path) -> float:
 
 
 def one_load(args: argparse.Namespace, rate: float, out: Path) -> tuple[dict, dict]:
+    """One real run and its simulation; `args.workload` and `args.seed` name the group."""
     common = ["--workload", args.workload, "--num-requests", str(args.num_requests), "--rate", f"{rate:.4f}",
               "--seed", str(args.seed)]
     real, sim = out / f"real_{rate:.3f}", out / f"sim_{rate:.3f}"
@@ -61,11 +69,11 @@ def one_load(args: argparse.Namespace, rate: float, out: Path) -> tuple[dict, di
     return _summary(real), _summary(sim)
 
 
-def table(rows: list[tuple[float, float, dict, dict]]) -> str:
+def table(rows: list[tuple[float, float, dict, dict]], metrics: list[tuple[str, str]] = METRICS) -> str:
     head = "| load | rate (req/s) | metric | real (ms) | sim (ms) | sim/real |\n|---|---|---|---|---|---|"
     lines = [head]
     for frac, rate, real, sim in rows:
-        for m, q in METRICS:
+        for m, q in metrics:
             a, b = real["overall"][m][q], sim["overall"][m][q]
             ratio = f"{b / a:.2f}" if a and b is not None else "n/a"
             lines.append(f"| {frac:.0%} | {rate:.3f} | {m} {q} | {_ms(a)} | {_ms(b)} | {ratio} |")
@@ -76,17 +84,68 @@ def _ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v * 1000:.1f}"
 
 
+def ratios(groups: dict[str, list[tuple[float, float, dict, dict]]]) -> dict[str, list[float]]:
+    """sim/real of every cell, by percentile key (ttft_p50, ...), over every group and load."""
+    out: dict[str, list[float]] = {}
+    for rows in groups.values():
+        for _, _, real, sim in rows:
+            for m, q in REPORTED:
+                a, b = real["overall"][m][q], sim["overall"][m][q]
+                if a and b is not None:
+                    out.setdefault(f"{m}_{q}", []).append(b / a)
+    return out
+
+
+def summary(groups: dict[str, list[tuple[float, float, dict, dict]]]) -> str:
+    """Cells within 15% over the gated percentiles, and each percentile's median and spread."""
+    from cadence.sim.fidelity import GATED_QUANTILES, WITHIN, RatioSpread
+
+    by_key = ratios(groups)
+    spreads = {k: RatioSpread.of(v) for k, v in by_key.items()}
+    gated = [s for k, s in spreads.items() if int(k.rpartition("_p")[2]) in GATED_QUANTILES]
+    within, cells = sum(s.within for s in gated), sum(s.cells for s in gated)
+    lines = [f"{within} of {cells} p50/p90 cells within {WITHIN:.0%} ({within / max(cells, 1):.0%}) over "
+             f"{len(groups)} workload x seed groups",
+             "| metric | median sim/real | 10th-90th percentile | min-max | within 15% |", "|---|---|---|---|---|"]
+    for k, s in spreads.items():
+        r = by_key[k]
+        lines.append(f"| {k.replace('_', ' ')}{'' if int(k.rpartition('_p')[2]) in GATED_QUANTILES else ' (not gated)'}"
+                     f" | {s.median:.2f} | {s.low:.2f}-{s.high:.2f} | {min(r):.2f}-{max(r):.2f} | {s.within}/{s.cells} |")
+    return "\n".join(lines)
+
+
+def record_validation(profile: str, groups: dict[str, list[tuple[float, float, dict, dict]]],
+                      args: argparse.Namespace) -> None:
+    """Write the sim/real spread into the profile's `validation` block."""
+    import datetime
+
+    from cadence.host_load import cpu_model
+    from cadence.sim.fidelity import RatioSpread, Validation
+
+    spreads = {k: RatioSpread.of(v) for k, v in ratios(groups).items()}
+    v = Validation(spreads, datetime.date.today().isoformat(), f"{cpu_model()}, {os.cpu_count()} cores",
+                   tuple(args.workloads.split(",")), tuple(int(x) for x in args.seeds.split(",")),
+                   tuple(float(f) for f in args.fractions.split(",")))
+    path = Path(profile)
+    doc = json.loads(path.read_text())
+    doc["validation"] = v.as_dict()
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote the validation into {path}: {v.describe()}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="chat")
+    p.add_argument("--workloads", "--workload", default="chat", help="comma-separated built-in workloads")
+    p.add_argument("--seeds", "--seed", default="0", help="comma-separated seeds")
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--saturation-requests", type=int, default=400)
     p.add_argument("--fractions", default="0.3,0.6,0.85")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8017)
     p.add_argument("--profile", default=str(ROOT / "src/cadence/sim/profiles/default.json"))
     p.add_argument("--out", default=str(ROOT / "results/sim_fidelity"))
     p.add_argument("--calibrate", action="store_true", help="calibrate a fresh profile first (about 4 minutes)")
+    p.add_argument("--record-validation", action="store_true",
+                   help="write the sim/real spread into the profile (read by `cadence sim` and `sim plan`)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,8 +153,27 @@ def main() -> int:
         # Step times on a shared machine depend on what else runs: calibrate under today's conditions.
         args.profile = str(out / "profile.json")
         _run([*CADENCE, "calibrate", "--num-threads", "1", "--out", args.profile])
+    groups: dict[str, list[tuple[float, float, dict, dict]]] = {}
+    for workload in args.workloads.split(","):
+        for seed in (int(x) for x in args.seeds.split(",")):
+            args.workload, args.seed = workload, seed
+            name = f"{workload}_seed{seed}"
+            groups[name] = run_group(args, out / name)
+    text = (f"profile: {args.profile}\n{args.num_requests} requests per load, load average "
+            f"{os.getloadavg()[0]:.2f} at the end\n\n" + "\n\n".join(
+                f"{name}\n" + table(rows, REPORTED) for name, rows in groups.items()) + "\n\n" + summary(groups))
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+    if args.record_validation:
+        record_validation(args.profile, groups, args)
+    return 0
+
+
+def run_group(args: argparse.Namespace, out: Path) -> list[tuple[float, float, dict, dict]]:
+    """Saturation, then each load on a fresh server, for one workload and seed."""
+    out.mkdir(parents=True, exist_ok=True)
     sat = saturation(args, out)
-    print(f"simulated saturation: {sat:.3f} req/s", flush=True)
+    print(f"{args.workload}, seed {args.seed}: simulated saturation {sat:.3f} req/s", flush=True)
     rows = []
     for frac in (float(f) for f in args.fractions.split(",")):
         # A fresh server per load: the same seed sends the same prompts, and a warm prefix cache
@@ -104,12 +182,8 @@ def main() -> int:
         with served(cmd, f"http://127.0.0.1:{args.port}/ready", out / f"serve_{frac:g}.log", cwd=ROOT, timeout=120):
             real, sim = one_load(args, frac * sat, out)
         rows.append((frac, frac * sat, real, sim))
-        print(table(rows[-1:]), flush=True)
-    text = (f"profile: {args.profile}\nsaturation (simulated): {sat:.3f} req/s, {args.num_requests} requests of "
-            f"{args.workload} per load, load average {os.getloadavg()[0]:.2f} at the end\n\n" + table(rows))
-    (out / "table.md").write_text(text + "\n")
-    print(text)
-    return 0
+        print(table(rows[-1:], REPORTED), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -230,14 +230,20 @@ def test_static_sweep_table(tmp_path: Path) -> None:
 def test_fidelity_tables(tmp_path: Path) -> None:
     """sim_fidelity.py's --out: saturation/, then real_RATE/ and sim_RATE/ per load (both made here
     by the simulator: the formatter reads summaries, whoever wrote them)."""
-    common = ["--workload", "chat", "--num-requests", "20", "--seed", "0"]
-    _sim(tmp_path / "saturation", *common, "--rate", "1000")
-    for rate in ("0.500", "1.000"):
-        _sim(tmp_path / f"real_{rate}", *common, "--rate", rate)
-        _sim(tmp_path / f"sim_{rate}", *common, "--rate", rate, "--max-num-seqs", "16")
+    for seed in ("0", "1"):
+        group = tmp_path / f"chat_seed{seed}"
+        common = ["--workload", "chat", "--num-requests", "20", "--seed", seed]
+        _sim(group / "saturation", *common, "--rate", "1000")
+        for rate in ("0.500", "1.000"):
+            _sim(group / f"real_{rate}", *common, "--rate", rate)
+            _sim(group / f"sim_{rate}", *common, "--rate", rate, "--max-num-seqs", "16")
     long, short = fig.fmt_sim_fidelity(tmp_path), fig.fmt_sim_fidelity_ratios(tmp_path)
     assert _head(long) == _head(_block("sim-fidelity")) and len(long.splitlines()) == 2 + 2 * 6
     assert _head(short) == _head(_block("sim-fidelity-ratios")) and len(short.splitlines()) == 2 + 2
+    total = fig.fmt_sim_fidelity_summary(tmp_path)
+    # 2 groups x 2 loads x 6 gated cells; a row per percentile of TTFT, ITL and E2E (p99 not gated).
+    assert total.splitlines()[0].split(" p50/p90")[0].endswith(" of 24")
+    assert len(total.splitlines()) == 3 + 9 and "| ttft p99 (not gated) |" in total
 
 
 def test_served_table_from_bench_serve_results(tmp_path: Path) -> None:

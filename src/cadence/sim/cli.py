@@ -22,6 +22,7 @@ from typing import Any
 from cadence.cli import add_engine_args, engine_config_from_args
 from cadence.config import EngineConfig
 from cadence.routing import ROUTERS
+from cadence.sim.fidelity import Validation, band
 
 _TARGET_DEFAULTS = dict(base_url="(simulated)", endpoint="completions", api_key=None, tokenizer="none",
                         request_timeout=600.0, no_exact_output=False, temperature=None, top_p=None, no_progress=True,
@@ -187,13 +188,37 @@ def run_sim(args: argparse.Namespace) -> int:
             "replica_stats": [{"index": r.index, "requests": r.requests, "steps": r.steps, "busy_s": r.busy_s,
                                "preemptions": r.preemptions, "prefix_cache_query_tokens": r.prefix_cache_queries,
                                "prefix_cache_hit_tokens": r.prefix_cache_hits} for r in res.replicas]}
+    validation = Validation.from_profile(model.metadata)
+    if validation is not None:
+        meta["fidelity"] = validation.describe()
     summary = report.summarize(res.records, cfg.slos, meta)
     print(report.format_table(summary))
     print(_replica_table(res))
+    print(_band_lines(summary, validation))
     if args.out:
         for f in write_outputs(BenchResult(res.records, summary, time.time()), args.out):
             print(f"wrote {f}")
     return 0 if summary["overall"]["completed"] else 1
+
+
+def _band_lines(summary: dict, validation: Validation | None) -> str:
+    """Where the real percentiles likely lie, from the profile's validation (sim/real spread)."""
+    if validation is None:
+        return ("fidelity: the profile carries no validation, so no error band "
+                "(benchmarks/sim_fidelity.py --record-validation measures one)")
+    lines = [f"fidelity: {validation.describe()}", "real likely (from the 10th-90th percentile of sim/real):"]
+    for metric in ("ttft", "itl", "e2e"):
+        cells = []
+        for q in (50, 90, 99):
+            value = summary["overall"][metric].get(f"p{q}")
+            spread = validation.spread_for(metric, q)
+            if value is None or spread is None:
+                continue
+            lo, hi = band(value, spread)
+            cells.append(f"p{q} {value * 1e3:.0f} ms -> {lo * 1e3:.0f}-{hi * 1e3:.0f} ms")
+        if cells:
+            lines.append(f"  {metric:<5}" + "; ".join(cells))
+    return "\n".join(lines)
 
 
 def _profile_line(model: Any) -> str:

@@ -5,6 +5,11 @@ until the SLOs hold, then by bisection between the last count that failed and th
 held (latency falls as replicas are added, so the boundary is where the two meet). The cheapest
 configuration is the one with the fewest replicas; ties go to the lower p95 TTFT.
 
+When the cost profile carries a validation (sim/real ratios measured against real runs, see
+`cadence.sim.fidelity`), the cheapest configuration is searched once more with each objective
+tightened by how optimistic the simulator was at the low end of those ratios: the raw count is
+what the simulator says, the safe count what still holds if the real run is that far off.
+
 Requests the engine refuses outright (400: longer than max_model_len) cannot be helped by more
 replicas: they are reported, not counted against the SLOs. Any other failure (429 from a full
 queue, a passed deadline) fails the configuration unless `max_error_rate` allows it.
@@ -14,12 +19,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cadence.bench import report
 from cadence.config import EngineConfig, option_flags
 from cadence.executor.cost_model import StepCostModel, StepFeatures
+from cadence.sim.fidelity import Validation, safe_bound
 from cadence.sim.simulator import SimOptions, Simulator
 from cadence.wording import counted
 from cadence.workload import Workload
@@ -67,6 +73,7 @@ class Trial:
     requests: int
     meets: bool
     wall_s: float
+    margin: bool = False  # judged against the objectives tightened by the profile's validation
 
 
 @dataclass
@@ -76,6 +83,9 @@ class PlanResult:
     best: Trial | None = None
     floor: dict[str, float] = field(default_factory=dict)  # unloaded prefill time percentiles
     notes: list[str] = field(default_factory=list)
+    validation: Validation | None = None
+    safe_objectives: list[Objective] = field(default_factory=list)  # tightened by the validation
+    safe: Trial | None = None  # the cheapest configuration's count under safe_objectives
 
 
 def unloaded_ttft(workload: Workload, config: EngineConfig, model: StepCostModel) -> list[float]:
@@ -114,10 +124,11 @@ def evaluate(workload: Workload, config: EngineConfig, model: StepCostModel, rep
     return Trial(options, replicas, values, len(res.records) - len(servable), failed, len(res.records), meets, res.wall_s)
 
 
-def min_replicas(run, max_replicas: int) -> tuple[Trial | None, list[Trial]]:
-    """Smallest n in [1, max_replicas] with run(n).meets, by doubling then bisection."""
+def min_replicas(run, max_replicas: int, start: int = 1) -> tuple[Trial | None, list[Trial]]:
+    """Smallest n in [start, max_replicas] with run(n).meets, by doubling then bisection; every
+    count below `start` is known to fail."""
     trials: list[Trial] = []
-    lo, hi, n = 0, None, 1  # lo: largest known failing count
+    lo, hi, n = start - 1, None, start  # lo: largest known failing count
     while n <= max_replicas:
         t = run(n)
         trials.append(t)
@@ -148,7 +159,7 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
     """Search the grid of engine options x replica counts; see the module docstring."""
     if not objectives:
         raise ValueError("--slo: give at least one objective, e.g. --slo ttft_p95=1.0")
-    result = PlanResult(list(objectives))
+    result = PlanResult(list(objectives), validation=Validation.from_profile(model.metadata))
     floor = unloaded_ttft(workload, config, model)
     result.floor = {f"ttft_p{q}": report.percentile(floor, q) for q in report.PERCENTILES}
     for o in objectives:
@@ -175,7 +186,40 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
             result.best = best
     if result.best is None:
         result.notes.append(f"no configuration met the SLOs with up to {max_replicas} replicas")
+    elif result.validation is not None:
+        _search_safe(result, workload, config, model, router=router, max_replicas=max_replicas,
+                     max_model_len=max_model_len, seed=seed, max_error_rate=max_error_rate, progress=progress)
     return result
+
+
+def _search_safe(result: PlanResult, workload: Workload, config: EngineConfig, model: StepCostModel, *,
+                 router: str, max_replicas: int, max_model_len: int | None, seed: int, max_error_rate: float,
+                 progress: Any) -> None:
+    """The cheapest configuration's count under objectives tightened by the profile's validation.
+    It is at least the raw count: a count that misses an objective misses a tighter one too."""
+    assert result.best is not None and result.validation is not None
+    v = result.validation
+    result.safe_objectives = [Objective(o.metric, o.q, safe_bound(o.bound, v.spread_for(o.metric, o.q)))
+                              for o in result.objectives]
+    best = result.best
+    if all(s.bound == o.bound for s, o in zip(result.safe_objectives, result.objectives, strict=True)):
+        result.safe = best  # the simulator was not optimistic on these metrics: nothing to add
+        return
+    opts = best.options
+    cfg = config.replace(**opts) if opts else config
+
+    def run(n: int) -> Trial:
+        t = replace(evaluate(workload, cfg, model, n, result.safe_objectives, router=router,
+                             max_model_len=max_model_len, seed=seed, max_error_rate=max_error_rate, options=opts),
+                    margin=True)
+        if progress is not None:
+            progress(t)
+        return t
+
+    result.safe, trials = min_replicas(run, max_replicas, start=best.replicas)
+    result.trials += trials
+    if result.safe is None:
+        result.notes.append(f"with the validation's margin no count up to {max_replicas} meets the SLOs")
 
 
 def _cheaper(a: Trial, b: Trial, objectives: list[Objective]) -> bool:
@@ -185,6 +229,8 @@ def _cheaper(a: Trial, b: Trial, objectives: list[Objective]) -> bool:
 
 def format_trial(t: Trial, objectives: list[Objective]) -> str:
     opts = " ".join(f"{k}={v}" for k, v in t.options.items()) or "(engine options as given)"
+    if t.margin:
+        opts += " +margin"
     vals = "".join(f"{'n/a' if t.values[o.key] is None else format(t.values[o.key], '.3f'):>12}" for o in objectives)
     return f"{opts:<48}{t.replicas:>9}{vals}{t.failed:>8}{'yes' if t.meets else 'no':>6}{t.wall_s:>8.1f}"
 
@@ -214,4 +260,20 @@ def format_plan(result: PlanResult, with_table: bool = True) -> str:
         opts = " ".join(" ".join(option_flags(k, v)) for k, v in b.options.items())
         lines.append(f"cheapest: {b.replicas} replica{'s' if b.replicas > 1 else ''}{(' with ' + opts) if opts else ''} "
                      "(" + ", ".join(f"{o.key} {b.values[o.key]:.3f}s" for o in objs) + ")")
+        lines.append(_safe_line(result))
     return "\n".join(lines)
+
+
+def _safe_line(result: PlanResult) -> str:
+    """The count with the validation's margin, or why there is none."""
+    v = result.validation
+    if v is None:
+        return ("safe: no margin: the profile carries no validation, so the count assumes the simulator is exact "
+                "(benchmarks/sim_fidelity.py --record-validation measures it)")
+    tightened = ", ".join(f"{s.key} <= {s.bound:.3g}s simulated" for s, o in
+                          zip(result.safe_objectives, result.objectives, strict=True) if s.bound < o.bound)
+    if result.safe is None:
+        return f"safe: none found ({tightened}); {v.describe()}"
+    n = result.safe.replicas
+    why = f"with {tightened}" if tightened else "the simulator was not optimistic on these metrics"
+    return f"safe: {n} replica{'s' if n > 1 else ''} ({why}); {v.describe()}"

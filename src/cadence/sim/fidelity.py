@@ -1,0 +1,113 @@
+"""How far the simulator is from real runs, as a profile records it, and what that means for a plan.
+
+`benchmarks/sim_fidelity.py --record-validation` runs real `cadence bench` runs beside simulated
+ones (several workloads, seeds and loads) and writes what it found into the cost profile as a
+`validation` block: for each latency percentile (`ttft_p50`, `itl_p90`, ...) the sim/real ratios'
+median and spread over every cell. A ratio below 1 means the simulator was optimistic.
+
+Two readers:
+- `cadence sim` prints the band beside its percentiles: a simulated p90 TTFT of 300 ms with
+  sim/real between 0.8 and 1.0 says the real one is likely 300 to 375 ms.
+- `cadence sim plan` tightens each objective by the pessimistic end of its ratio (the 10th
+  percentile of the cells) and searches again, so it prints both the raw replica count and a safe
+  one that still holds if the real run is as far off as the worst tenth of the validation cells.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+WITHIN = 0.15  # a cell is "within" when sim/real is in [1 - WITHIN, 1 + WITHIN]
+GATED_QUANTILES = (50, 90)  # the percentiles the goal counts; p99 is reported, not gated
+
+
+@dataclass(frozen=True)
+class RatioSpread:
+    """The sim/real ratios of one percentile over the validation cells."""
+
+    median: float
+    low: float  # 10th percentile of the ratios: the optimistic end
+    high: float  # 90th percentile: the pessimistic end
+    cells: int
+    within: int  # cells within WITHIN of 1
+
+    @classmethod
+    def of(cls, ratios: Iterable[float]) -> RatioSpread:
+        r = sorted(ratios)
+        if not r:
+            raise ValueError("no ratios")
+        return cls(statistics.median(r), _quantile(r, 0.1), _quantile(r, 0.9), len(r),
+                   sum(1 for x in r if abs(x - 1.0) <= WITHIN))
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"median": self.median, "low": self.low, "high": self.high, "cells": self.cells, "within": self.within}
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default)."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """A profile's `validation` block: the spread of sim/real per percentile key, and where it ran."""
+
+    spreads: Mapping[str, RatioSpread]
+    date: str
+    machine: str
+    workloads: tuple[str, ...]
+    seeds: tuple[int, ...]
+    loads: tuple[float, ...]
+
+    @classmethod
+    def from_profile(cls, metadata: Mapping[str, Any]) -> Validation | None:
+        v = metadata.get("validation")
+        if not isinstance(v, dict) or not isinstance(v.get("ratios"), dict):
+            return None
+        spreads = {k: RatioSpread(**s) for k, s in v["ratios"].items()}
+        return cls(spreads, str(v.get("date", "?")), str(v.get("machine", "?")), tuple(v.get("workloads", ())),
+                   tuple(v.get("seeds", ())), tuple(v.get("loads", ())))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"date": self.date, "machine": self.machine, "workloads": list(self.workloads),
+                "seeds": list(self.seeds), "loads": list(self.loads),
+                "ratios": {k: s.as_dict() for k, s in self.spreads.items()}}
+
+    def spread_for(self, metric: str, q: int) -> RatioSpread | None:
+        """The spread measured for `metric` at percentile `q`, or the nearest percentile above it
+        that was measured (p95 reads p99 where there is one, else p90)."""
+        measured = sorted(int(k.rpartition("_p")[2]) for k in self.spreads if k.startswith(metric + "_p"))
+        if not measured:
+            return None
+        above = [m for m in measured if m >= q]
+        return self.spreads[f"{metric}_p{above[0] if above else measured[-1]}"]
+
+    def gated_within(self) -> tuple[int, int]:
+        """(cells within WITHIN, cells) over the gated percentiles."""
+        keys = [k for k in self.spreads if int(k.rpartition("_p")[2]) in GATED_QUANTILES]
+        return sum(self.spreads[k].within for k in keys), sum(self.spreads[k].cells for k in keys)
+
+    def describe(self) -> str:
+        within, cells = self.gated_within()
+        return (f"validated {self.date} on {self.machine}: {within} of {cells} p50/p90 cells within "
+                f"{WITHIN:.0%} ({', '.join(self.workloads)}; seeds {', '.join(map(str, self.seeds))}; "
+                f"loads {', '.join(f'{x:.0%}' for x in self.loads)})")
+
+
+def safe_bound(bound: float, spread: RatioSpread | None) -> float:
+    """The simulated value that keeps the real one under `bound` when the simulator is as
+    optimistic as the low end of its validation (unchanged where it was not optimistic)."""
+    if spread is None or spread.low >= 1.0:
+        return bound
+    return bound * spread.low
+
+
+def band(value: float, spread: RatioSpread) -> tuple[float, float]:
+    """Where the real value likely lies, given a simulated `value` and the ratios' spread."""
+    return value / max(spread.high, 1e-9), value / max(spread.low, 1e-9)
