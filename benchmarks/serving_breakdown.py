@@ -40,15 +40,48 @@ PHASES = ("execute", "schedule_update", "detokenize", "publish", "inbox", "idle"
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+HISTOGRAMS = ("cadence:time_to_first_token_seconds_bucket", "cadence:inter_token_latency_seconds_bucket")
+
+
 def scrape(url: str) -> dict[str, float]:
-    """The engine-thread counters of one /metrics scrape, by sample name and phase."""
+    """The engine-thread counters of one /metrics scrape, by sample name and phase, and the
+    engine-side TTFT and ITL histograms' buckets (summed over tenants) by name and bound."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         for s in fam.samples:
             if s.name.startswith("cadence:engine_") or s.name in ("cadence:generation_tokens_total",
                                                                   "cadence:prompt_tokens_total"):
                 out[s.name + (":" + s.labels["phase"] if "phase" in s.labels else "")] = s.value
+            elif s.name in HISTOGRAMS:
+                key = f"{s.name}:{s.labels['le']}"
+                out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+def histogram_quantile(d: dict[str, float], name: str, q: float) -> float | None:
+    """Prometheus's histogram_quantile over the scrape difference `d`: linear within the bucket."""
+    buckets = sorted((float(k.rpartition(":")[2]), v) for k, v in d.items() if k.startswith(name + ":"))
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank, prev_bound, prev_count = q * buckets[-1][1], 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return prev_bound
+            return prev_bound + (bound - prev_bound) * (rank - prev_count) / max(count - prev_count, 1e-9)
+        prev_bound, prev_count = bound, count
+    return None
+
+
+def simulate(args: argparse.Namespace, seed: int, rate: float, out: Path) -> dict:
+    """The same workload, seed and rate through `cadence sim`: its busy time, steps and percentiles."""
+    d = out / f"sim_{seed}_{rate:.3f}"
+    subprocess.run([*CADENCE, "sim", "--workload", args.workload, "--num-requests", str(args.num_requests),
+                    "--rate", f"{rate:.4f}", "--seed", str(seed), "--profile", args.profile, "--num-threads", "1",
+                    "--out", str(d)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    s = json.loads((d / "summary.json").read_text())
+    rep = s["meta"]["replica_stats"][0]
+    return {"busy_s": rep["busy_s"], "steps": rep["steps"], **{m: s["overall"][m] for m in ("ttft", "itl", "e2e")}}
 
 
 def thread_cpu(pgid: int) -> dict[str, float]:
@@ -105,6 +138,10 @@ def one_run(args: argparse.Namespace, seed: int, rate: float, out: Path) -> dict
         "server_thread_cpu_s": {k: c1[k] - c0.get(k, 0.0) for k in c1 if c1[k] - c0.get(k, 0.0) > 0.005},
         "client_cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
         "real": {m: summary[m] for m in ("ttft", "itl", "e2e")},
+        "engine_side": {m: {f"p{q}": histogram_quantile(d, f"cadence:{name}_bucket", q / 100) for q in (50, 90, 99)}
+                        for m, name in (("ttft", "time_to_first_token_seconds"),
+                                        ("itl", "inter_token_latency_seconds"))},
+        "sim": simulate(args, seed, rate, out),
     }
 
 
@@ -129,9 +166,17 @@ def table(frac: float, r: dict) -> str:
         lines.append(f"| {name} | {v:.2f} | {v / (wall * cores):.1%} |")
     lines.append(f"| all | {engine_cpu + http_cpu + other + r['client_cpu_s']:.2f} | "
                  f"{(engine_cpu + http_cpu + other + r['client_cpu_s']) / (wall * cores):.1%} |")
-    lines.append(f"\nhand-off to the HTTP thread: {1000 * r['handoff_mean_s']:.2f} ms a step; real TTFT p50/p90 "
-                 f"{1000 * r['real']['ttft']['p50']:.0f}/{1000 * r['real']['ttft']['p90']:.0f} ms, ITL p50/p90 "
-                 f"{1000 * r['real']['itl']['p50']:.1f}/{1000 * r['real']['itl']['p90']:.1f} ms")
+    sim = r["sim"]
+    lines.append(f"\nhand-off to the HTTP thread: {1000 * r['handoff_mean_s']:.2f} ms a step")
+    lines.append(f"engine busy {busy:.2f} s in {r['steps']:.0f} steps ({1000 * busy / max(r['steps'], 1):.2f} ms a step); "
+                 f"simulated {sim['busy_s']:.2f} s in {sim['steps']} steps ({1000 * sim['busy_s'] / max(sim['steps'], 1):.2f} "
+                 f"ms a step): sim/real busy {sim['busy_s'] / max(busy, 1e-9):.2f}")
+    lines += ["", "| ms | client | engine side | simulated |", "|---|---|---|---|"]
+    for m in ("ttft", "itl"):
+        for q in ("p50", "p90", "p99"):
+            eng = r["engine_side"][m][q]
+            lines.append(f"| {m} {q} | {1000 * r['real'][m][q]:.1f} | {'n/a' if eng is None else f'{1000 * eng:.1f}'} "
+                         f"| {1000 * sim[m][q]:.1f} |")
     return "\n".join(lines)
 
 
