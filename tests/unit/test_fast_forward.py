@@ -23,9 +23,10 @@ from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError
 from cadence.executor.cost_model import _FEW_STEPS, DecodeRun, SimExecutor, StepCostModel
-from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, SamplingParams
-from cadence.sched.queue import FairQueue, RequestQueue
+from cadence.sched.queue import FairQueue
+from cadence.sim import fast_forward
+from cadence.sim.bulk_steps import account_decodes
 from cadence.sim.fast_forward import FastForward, blocks_allocated, first_allocations, steps_within
 from cadence.sim.simulator import SimOptions, SimResult, Simulator
 from cadence.workload import Workload, WorkloadRequest, assign_arrivals, builtin_workload
@@ -269,8 +270,8 @@ def test_a_joining_prompt_whose_last_block_is_cached_already(max_tokens: int, mo
     matches a prompt's last block): the bulk path declines and the calls go one by one, chunk
     steps, join step and decodes."""
     bulk = []
-    step_blocks = KVCacheManager.step_blocks
-    monkeypatch.setattr(KVCacheManager, "step_blocks", lambda self, *a: bulk.append(step_blocks(self, *a)) or bulk[-1])
+    step_blocks = fast_forward.step_blocks
+    monkeypatch.setattr(fast_forward, "step_blocks", lambda *a: bulk.append(step_blocks(*a)) or bulk[-1])
     prompt = list(range(101, 113))  # three blocks of 4
 
     def engine() -> EngineCore:
@@ -357,8 +358,10 @@ def test_fair_share_accounts_decodes_in_bulk_exactly() -> None:
     bulk, single = FairQueue({"a": 3.0, "b": 0.7}), FairQueue({"a": 3.0, "b": 0.7})
     for q in (bulk, single):
         q.counters.update({"a": 0.1, "c": 1e9})
-    bulk.account_decodes(reqs, 37)
-    RequestQueue.account_decodes(single, reqs, 37)  # the definition: one account() per token
+    account_decodes(bulk, reqs, 37)
+    for _ in range(37):  # the definition: one account() per token
+        for r in reqs:
+            single.account(r, 0, 1)
     assert bulk.counters == single.counters and set(bulk.counters) == {"a", "b", "c"}
 
 

@@ -18,8 +18,7 @@ a `RequestDelta` each. Every decision is the same either way: only the records d
 `update` still walks the step in scheduling order (the order requests finish in is the order
 their blocks return to the pool).
 
-What is not a decision lives in the bases: `introspect.py` (why requests wait, snapshots, gauges)
-and `skip.py` (the bookkeeping of steps a driver such as the simulator's fast-forward runs at once).
+What is not a decision lives in the base, `introspect.py` (why requests wait, snapshots, gauges).
 """
 
 from __future__ import annotations
@@ -50,12 +49,11 @@ from cadence.sched.plan import StepPlan, split_rows
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
 from cadence.sched.records import final_delta, finished_stats, scheduled_request, token_delta
-from cadence.sched.skip import SkippedSteps
 
 _RUNNING = RequestStatus.RUNNING
 
 
-class Scheduler(SchedulerIntrospection, SkippedSteps):
+class Scheduler(SchedulerIntrospection):
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager, max_model_len: int, *,
                  batch_decodes: bool = False) -> None:
         config.validate()
@@ -557,3 +555,30 @@ class Scheduler(SchedulerIntrospection, SkippedSteps):
         st.step, st.now = self._step, now
         self._close_stats()
         return self.last_iteration_stats
+
+    def steps_ran_outside(self, num_steps: int, last_start: float, *, num_computed: int, num_prompt_tokens: int,
+                          num_sampled: int, first_token_latencies: Sequence[tuple[str, float]] = (),
+                          went_on: list[str], finished_ids: Sequence[str] = ()) -> None:
+        """`num_steps` steps ran without `schedule` and `update`, the last starting at `last_start`:
+        a driver that knew them ahead changed the requests, the KV manager and the queue as they
+        would have, and called `finish` for the requests they ended. This moves the scheduler's
+        own counters on as those steps would have (`num_computed` tokens computed, of them
+        `num_prompt_tokens` prompt tokens, `num_sampled` tokens generated), closes their stats as
+        one record, lists `went_on` as `last_decoded` and `finished_ids` (those ended in the last
+        step) as not yet reported; the ids pending before them went out with the first one.
+
+        Its one caller is the simulator's fast-forward (sim/fast_forward.py); it stays here
+        because the counters it moves are private to the scheduler, which keeps them in step
+        with its requests (`check_integrity`)."""
+        self._num_live_tokens += num_computed
+        self._step += num_steps
+        self._now = last_start
+        self._finished_ids[:] = finished_ids
+        self._preempted_ids.clear()
+        self.last_decoded = went_on
+        stats = self._stats
+        stats.step, stats.now = self._step, self._now
+        stats.num_prompt_tokens += num_prompt_tokens
+        stats.num_generation_tokens += num_sampled
+        stats.first_token_latencies += first_token_latencies
+        self._close_stats()
