@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 from fakes import FakeExecutor
 
-from cadence.boundary import DecodeBatch, ScheduledRequest, SchedulerOutput
+from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.clock import VirtualClock
 from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
@@ -43,7 +43,7 @@ MODEL = StepCostModel("padded+knee16k", {"const": 0.004, "prefill_tokens": 2e-5,
 def _engine(**options) -> EngineCore:
     clock = VirtualClock()
     config = EngineConfig.from_options(**options)
-    return EngineCore(config, SimExecutor(MODEL, clock=clock), clock=clock, max_model_len=256)
+    return EngineCore(config, SimExecutor(MODEL, clock=clock), clock=clock, max_model_len=256, decode_ids=True)
 
 
 _FAST_FORWARDS: dict[int, FastForward] = {}
@@ -183,12 +183,15 @@ def test_a_planned_stretch_applies_only_on_the_state_it_was_planned_on() -> None
 
 
 def test_only_an_executor_costing_decode_runs_on_the_core_clock_fast_forwards() -> None:
-    """The simulator's executor is checked once, by its protocol; one on another clock, or a
-    plain executor, gets no fast-forward."""
+    """The simulator's executor is checked once, by its protocol; one on another clock, a plain
+    executor, or a core that reports plain decodes as deltas, gets no fast-forward."""
     assert _ff(_engine()) is not None
     other = EngineCore(EngineConfig.from_options(), SimExecutor(MODEL, clock=VirtualClock()), clock=VirtualClock(),
-                       max_model_len=256)
+                       max_model_len=256, decode_ids=True)
     assert FastForward.of(other) is None
+    clock = VirtualClock()
+    deltas = EngineCore(EngineConfig.from_options(), SimExecutor(MODEL, clock=clock), clock=clock, max_model_len=256)
+    assert FastForward.of(deltas) is None
     plain = EngineCore(EngineConfig.from_options(num_kv_blocks=8), FakeExecutor(), max_model_len=64)
     assert FastForward.of(plain) is None
 
@@ -342,10 +345,9 @@ def test_decode_run_costs_are_what_execute_charges() -> None:
         run = DecodeRun(n, sum(starts), max(starts, default=0), steps, chunk, chunk_start, sampled)
         costs = ex.decode_run_costs(run)
         for j, cost in enumerate(costs):
-            batch = DecodeBatch(request_ids=tuple(f"r{i}" for i in range(n)), start_pos=tuple(s + j for s in starts))
+            decodes = tuple(ScheduledRequest(f"r{i}", (7,), s + j, (), True, SamplingParams()) for i, s in enumerate(starts))
             prompt = ScheduledRequest("p", (7,) * chunk, chunk_start + j * chunk, (), bool(sampled), SamplingParams())
-            records = (prompt,) if chunk else ()
-            ex.execute(SchedulerOutput(step=j, scheduled=records, decodes=batch, decodes_before=(n,) * len(records)))
+            ex.execute(SchedulerOutput(step=j, scheduled=(*decodes, prompt) if chunk else decodes))
             assert ex.last_step_cost == cost
         assert len(costs) == run.num_steps
         if run.num_steps > _FEW_STEPS:  # the numpy path

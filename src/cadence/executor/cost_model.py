@@ -89,7 +89,7 @@ class StepFeatures:
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> StepFeatures:
         pt = ps = ds = sm = dc = dmax = pa = 0
-        for r in out.rows():
+        for r in out.scheduled:
             n = len(r.token_ids)
             if n == 1:
                 ds += 1
@@ -306,12 +306,9 @@ class SimExecutor:
     modelled cost added to the virtual clock (when given one), so the engine core reads the time
     after the step just as it would after a real forward pass.
 
-    It takes plain decodes as one `DecodeBatch`: their features are sums and a max over a column.
     It also costs a `DecodeRun` (steps of the same plain decodes) in one call: the simulator
     fast-forwards such stretches without building a step each (see sim/fast_forward.py).
     Every plain decode samples `token_id`."""
-
-    accepts_decode_batch = True  # a DecodeBatchExecutor
 
     def __init__(self, cost_model: StepCostModel, *, clock: Any | None = None,
                  token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None) -> None:
@@ -341,15 +338,7 @@ class SimExecutor:
         # tests/unit/test_cost_model.py compares the two past every knee.
         pt = ps = ds = dc = dmax = pa = 0
         tok = self.token_id
-        batch = scheduler_output.decodes
-        if batch.request_ids:  # decode rows of context start + 1, all sampled
-            starts = batch.start_pos
-            ds = len(starts)
-            dc = sum(starts) + ds
-            dmax = max(starts) + 1
-            sampled = dict.fromkeys(batch.request_ids, tok)
-        else:
-            sampled = {}
+        sampled: dict[str, int] = {}
         for r in scheduler_output.scheduled:
             n = len(r.token_ids)
             if n == 1:

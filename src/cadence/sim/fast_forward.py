@@ -142,6 +142,8 @@ class FastForward:
     def __init__(self, core: EngineCore, executor: DecodeRunExecutor) -> None:
         if executor.clock is not core.clock:
             raise ValueError("the executor must advance the engine core's own clock")
+        if not core.decode_ids:
+            raise ValueError("the engine core must report plain decodes as ids (decode_ids): a stretch makes no delta for them")
         self.core = core
         self.executor = executor
         self._planned: DecodeStretch | None = None
@@ -149,9 +151,10 @@ class FastForward:
 
     @classmethod
     def of(cls, core: EngineCore) -> FastForward | None:
-        """The fast-forward of `core`, or None where its executor costs no decode runs on its clock."""
+        """The fast-forward of `core`, or None where its executor costs no decode runs on its clock
+        or it reports plain decodes as deltas (`decode_ids` off)."""
         ex = core.executor
-        if not isinstance(ex, DecodeRunExecutor) or ex.clock is not core.clock:
+        if not isinstance(ex, DecodeRunExecutor) or ex.clock is not core.clock or not core.decode_ids:
             return None
         return cls(core, ex)
 
