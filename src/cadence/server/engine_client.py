@@ -65,6 +65,8 @@ class EngineClient(Protocol):
     @property
     def num_in_flight(self) -> int: ...
 
+    # (The signature repeats `AsyncEngine.submit`'s and `FleetClient.submit`'s on purpose: a
+    # Protocol states the shape its implementations share.)
     async def submit(
         self,
         prompts: Sequence[list[int]],
