@@ -108,7 +108,6 @@ class StretchScheduler(Protocol):
     kv: KVCacheManager
     max_model_len: int
     is_static: bool
-    last_decoded: list[str]
 
     @property
     def step_count(self) -> int: ...
