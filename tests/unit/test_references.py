@@ -3,8 +3,10 @@
 - `records.scheduled_request` / `token_delta` (the instance dict filled directly) against
   `scheduled_request_reference` / `token_delta_reference` (the dataclass constructors);
 - `Scheduler._schedule_running` (`StepPlan.add` inlined, the chunk arithmetic and the
-  block allocation skipped for a decode that fits) against a scheduler whose running loop is
-  written plainly around `StepPlan.add`: every step's output and deltas are the same.
+  block allocation skipped for a decode that fits) and `Scheduler._update_rows` (a plain
+  decode's update written flat) against a scheduler whose running loop is written plainly around
+  `StepPlan.add` and whose update calls `_update_record` for every row: every step's output and
+  deltas are the same.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from fakes import FakeExecutor, make_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cadence.boundary import RequestDelta, ScheduledRequest
+from cadence.boundary import ModelOutput, RequestDelta, ScheduledRequest
 from cadence.errors import AdmissionError
 from cadence.request import Request, RequestStatus, SamplingParams
 from cadence.sched.plan import StepPlan
@@ -64,7 +66,19 @@ def test_token_delta_equals_its_reference(req: Request, token: int) -> None:
 
 class PlainScheduler(Scheduler):
     """The running loop written plainly: a chunk computed for every request, an allocation asked
-    for every step, and the row added through `StepPlan.add`."""
+    for every step, and the row added through `StepPlan.add`; and every row's update through
+    `_update_record` (with `decode_ids`, a plain decode's token delta then becomes its id)."""
+
+    def _update_rows(self, rows: tuple[ScheduledRequest, ...], model_output: ModelOutput, now: float,
+                     deltas: list[RequestDelta]) -> None:
+        for sr in rows:
+            req = self.requests.get(sr.request_id)
+            decode = (req is not None and req.last_token_time is not None and len(sr.token_ids) == 1 and sr.sample
+                      and sr.start_pos >= len(req.prompt_token_ids) and sr.sampling_params.plain_decode)
+            before = len(deltas)
+            self._update_record(sr, model_output, now, deltas)
+            if self._decode_ids and decode and len(deltas) == before + 1 and deltas[-1].finish_reason is None:
+                self.last_decoded.append(deltas.pop().request_id)
 
     def _schedule_running(self, plan: StepPlan) -> None:
         for req in list(self.running):

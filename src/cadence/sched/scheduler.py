@@ -294,11 +294,7 @@ class Scheduler(SchedulerIntrospection):
         listed in `last_decoded` rather than returned as deltas."""
         deltas, self._pending_deltas = self._pending_deltas, []
         self.last_decoded = []
-        if self._decode_ids:
-            self._update_decodes(out.scheduled, model_output, now, deltas)
-        else:
-            for sr in out.scheduled:
-                self._update_record(sr, model_output, now, deltas)
+        self._update_rows(out.scheduled, model_output, now, deltas)
         self._close_stats()
         return deltas
 
@@ -336,17 +332,17 @@ class Scheduler(SchedulerIntrospection):
         logprobs = model_output.logprobs
         deltas.append(self._append_token(req, token, logprobs.get(rid) if logprobs else None, now))
 
-    def _update_decodes(self, rows: tuple[ScheduledRequest, ...], model_output: ModelOutput, now: float,
-                        deltas: list[RequestDelta]) -> None:
+    def _update_rows(self, rows: tuple[ScheduledRequest, ...], model_output: ModelOutput, now: float,
+                     deltas: list[RequestDelta]) -> None:
         """`_update_record` for each row, but for a plain decode (one token, sampled, past the
-        prompt, of a request with plain sampling) what it and `_append_token` do written flat (a
-        simulation runs this for nearly every token), with the ids of the requests that go on
-        collected in `last_decoded` instead of a delta each."""
+        prompt, of a request with plain sampling) what it and `_append_token` do written flat (it
+        runs for nearly every token); with `decode_ids`, the ids of the plain decodes that go on
+        are collected in `last_decoded` instead of a delta each."""
         requests, cache, block_size = self.requests, self.kv.cache_computed_blocks, self.kv.block_size
         account = self.waiting.account if self.waiting.tracks_service else None
         latencies = self._stats.token_latencies
         max_len = self.max_model_len
-        went_on = self.last_decoded
+        went_on = self.last_decoded if self._decode_ids else None
         sampled = model_output.sampled_token_ids
         update_record = self._update_record
         num_computed = num_sampled = 0
@@ -383,13 +379,15 @@ class Scheduler(SchedulerIntrospection):
             req.last_token_time = now
             sp = req.sampling_params
             # Context after this token: start + 2 (the token fed, then the one just sampled).
-            if (len(outputs) < sp.max_tokens and start + 2 < max_len and token not in req.eos_token_ids
-                    and token not in sp.stop_token_ids):
-                went_on.append(rid)
-                continue
-            status, stop_reason = self.stop_status(req, token)
+            status, stop_reason = None, None
+            if not (len(outputs) < sp.max_tokens and start + 2 < max_len and token not in req.eos_token_ids
+                    and token not in sp.stop_token_ids):  # (most tokens end nothing: decided cheaply)
+                status, stop_reason = self.stop_status(req, token)
             if status is None:
-                went_on.append(rid)
+                if went_on is not None:
+                    went_on.append(rid)
+                else:
+                    deltas.append(token_delta(req, token, ()))
                 continue
             self.finish(req, status, now, stop_reason=stop_reason)
             deltas.append(final_delta(req, (token,)))
