@@ -24,9 +24,9 @@ from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError
 from cadence.executor.cost_model import _FEW_STEPS, DecodeRun, SimExecutor, StepCostModel
 from cadence.request import Request, SamplingParams
-from cadence.sched.queue import FairQueue
+from cadence.sched.queue import FairQueue, FCFSQueue
 from cadence.sim import fast_forward
-from cadence.sim.bulk_steps import account_decodes
+from cadence.sim.bulk_steps import account_decodes, peek_is_stable
 from cadence.sim.fast_forward import FastForward, blocks_allocated, first_allocations, steps_within
 from cadence.sim.simulator import SimOptions, SimResult, Simulator
 from cadence.workload import Workload, WorkloadRequest, assign_arrivals, builtin_workload
@@ -365,6 +365,39 @@ def test_fair_share_accounts_decodes_in_bulk_exactly() -> None:
         for r in reqs:
             single.account(r, 0, 1)
     assert bulk.counters == single.counters and set(bulk.counters) == {"a", "b", "c"}
+
+
+class _ServiceLog(FCFSQueue):
+    """A policy the bulk forms do not know, whose order would follow service: each call logged."""
+
+    tracks_service = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int, int]] = []
+
+    def account(self, request: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self.calls.append((request.request_id, num_prompt_tokens, num_output_tokens))
+
+
+def test_an_unknown_service_policy_is_accounted_call_by_call_and_never_stable() -> None:
+    reqs = [Request(f"q{i}", [1]) for i in range(3)]
+    log = _ServiceLog()
+    account_decodes(log, reqs, 4)
+    assert log.calls == [(r.request_id, 0, 1) for _ in range(4) for r in reqs]  # step by step, in order
+    assert not peek_is_stable(log)
+
+
+def test_the_queue_is_stable_unless_its_order_follows_service_between_tenants() -> None:
+    fcfs, fair = FCFSQueue(), FairQueue()
+    for i, tenant in enumerate("aab"):
+        fcfs.add(Request(f"f{i}", [1], tenant=tenant))
+    assert peek_is_stable(fcfs) and peek_is_stable(fair)
+    fair.add(Request("a0", [1], tenant="a"))
+    fair.add(Request("a1", [1], tenant="a"))
+    assert fair.tenants == ("a",) and peek_is_stable(fair)  # one tenant: FCFS within it
+    fair.add(Request("b0", [1], tenant="b"))
+    assert fair.tenants == ("a", "b") and not peek_is_stable(fair)
 
 
 # ----------------------------------------------------------------------------- the simulator
