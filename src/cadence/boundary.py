@@ -3,19 +3,15 @@
 The scheduler and the engine core fill them; the executor, the model, the stream, the server and
 the exporters read them. None of them is the mutable `Request`:
 
-- one step's plan and its results: `SchedulerOutput` (its rows as `ScheduledRequest` records and,
-  for an executor that takes them so, a `DecodeBatch` of plain decodes as columns) and
-  `ModelOutput` (with `TokenLogprobs`);
+- one step's plan and its results: `SchedulerOutput` (its rows as `ScheduledRequest` records)
+  and `ModelOutput` (with `TokenLogprobs`);
 - a request's progress, for its stream: `RequestDelta`, with `RequestMetrics` on the last one;
 - plain data for exporters (Prometheus, the benchmark, the simulator's report): `SchedulerStats`
   (gauges after a step), `IterationStats` (what a step did) and `FinishedRequestStats`;
 - why a request waits (`WaitReason`, `WaitStop`, `WaitInfo`) and one request's state as a client
   may see it (`RequestSnapshot`).
 
-An executor that is a `DecodeBatchExecutor` (the simulator's) gets a step's plain decodes as one
-`DecodeBatch` instead of a `ScheduledRequest` each, and the engine reports their tokens as a list
-of request ids instead of a `RequestDelta` each: a simulation's steps are mostly plain decodes,
-and two Python objects per generated token were most of its cost. Standard library only.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -60,46 +56,8 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
-class DecodeBatch:
-    """A step's plain decodes as columns: one record for all of them (see the module doc).
-
-    A plain decode feeds a request's last sampled token at `start_pos` (its context length minus
-    one) and samples, with no token history and no logprobs. Row i says what
-    `ScheduledRequest(request_ids[i], (token_ids[i],), start_pos[i], block_tables[i], True,
-    sampling_params[i], num_output_tokens[i], None, eos_token_ids[i])` would; `records()` builds
-    exactly those.
-    """
-
-    request_ids: tuple[str, ...] = ()
-    token_ids: tuple[int, ...] = ()
-    start_pos: tuple[int, ...] = ()
-    block_tables: tuple[tuple[int, ...], ...] = ()
-    sampling_params: tuple[SamplingParams, ...] = ()
-    num_output_tokens: tuple[int, ...] = ()
-    eos_token_ids: tuple[frozenset[int], ...] = ()
-
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
-    def records(self, lo: int = 0, hi: int | None = None) -> tuple[ScheduledRequest, ...]:
-        """Rows lo..hi as the `ScheduledRequest`s they stand for."""
-        rows = range(lo, len(self.request_ids) if hi is None else hi)
-        return tuple(
-            ScheduledRequest(self.request_ids[i], (self.token_ids[i],), self.start_pos[i], self.block_tables[i], True,
-                             self.sampling_params[i], self.num_output_tokens[i], None, self.eos_token_ids[i])
-            for i in rows
-        )
-
-
-NO_DECODES = DecodeBatch()
-
-
-@dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan. `scheduled` holds every scheduled request, in scheduling order, unless the
-    executor accepts a `DecodeBatch`: then the plain decodes are in `decodes` instead, and
-    `decodes_before[i]` says how many of them were scheduled before `scheduled[i]`; `rows()`
-    gives the whole step as records in scheduling order either way."""
+    """One step's plan: `scheduled` holds every scheduled request, in scheduling order."""
 
     step: int
     scheduled: tuple[ScheduledRequest, ...] = ()
@@ -108,29 +66,14 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    decodes: DecodeBatch = NO_DECODES
-    decodes_before: tuple[int, ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.decodes.request_ids
+        return not self.scheduled
 
     @property
     def num_scheduled(self) -> int:
-        return len(self.scheduled) + len(self.decodes.request_ids)
-
-    def rows(self) -> tuple[ScheduledRequest, ...]:
-        """Every scheduled request as a record, in scheduling order (plain decodes built from the batch)."""
-        if not self.decodes.request_ids:
-            return self.scheduled
-        out: list[ScheduledRequest] = []
-        done = 0
-        for sr, before in zip(self.scheduled, self.decodes_before, strict=True):
-            out += self.decodes.records(done, before)
-            out.append(sr)
-            done = before
-        out += self.decodes.records(done)
-        return tuple(out)
+        return len(self.scheduled)
 
 
 @dataclass(frozen=True)

@@ -255,7 +255,8 @@ class SamplingParams:
     @cached_property
     def plain_decode(self) -> bool:
         """True when a decode step needs only the last token and returns only the next one: no
-        history and no logprobs, so it can travel in a `DecodeBatch` row. Cached like `needs_history`."""
+        history and no logprobs, so its token may come back as an id rather than a delta and the
+        simulator may fast-forward it. Cached like `needs_history`."""
         return not self.needs_history and self.logprobs is None and self.structured_outputs is None
 
 

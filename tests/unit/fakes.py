@@ -35,8 +35,7 @@ class FakeExecutor:
 
     `script[request_id]` lists tokens to return for that request's outputs in order (then the
     deterministic function takes over); `fail_steps` makes execute raise on those step numbers;
-    `step_cost(out)` seconds are added to `clock` (when given) per execute. With
-    `accepts_decode_batch` it takes plain decodes as a `DecodeBatch`, as the simulator's executor does.
+    `step_cost(out)` seconds are added to `clock` (when given) per execute.
     """
 
     def __init__(
@@ -49,9 +48,7 @@ class FakeExecutor:
         step_cost: float = 0.01,
         cost_per_token: float = 0.0,
         verify_kv: bool = True,
-        accepts_decode_batch: bool = False,
     ) -> None:
-        self.accepts_decode_batch = accepts_decode_batch
         self.bytes_per_token = bytes_per_token
         self.script = dict(script or {})
         self.fail_steps = set(fail_steps)
@@ -79,7 +76,7 @@ class FakeExecutor:
         if out.step in self.fail_steps:
             raise RuntimeError(f"scripted failure at step {out.step}")
         sampled: dict[str, int] = {}
-        for sr in out.rows():
+        for sr in out.scheduled:
             if self.verify_kv:
                 self._write(sr.block_table, sr.start_pos, sr.token_ids, sr.request_id)
             if not sr.sample:
@@ -129,9 +126,10 @@ def make_request(
 
 
 def make_engine(
-    *, max_model_len: int = 4096, executor: FakeExecutor | None = None, **options
+    *, max_model_len: int = 4096, executor: FakeExecutor | None = None, decode_ids: bool = False, **options
 ) -> tuple[EngineCore, FakeExecutor, VirtualClock]:
-    """An EngineCore on a virtual clock with the integrity check after every step."""
+    """An EngineCore on a virtual clock with the integrity check after every step (`decode_ids`:
+    see `EngineCore`)."""
     options.setdefault("num_kv_blocks", 64)
     options.setdefault("block_size", 4)
     clock = VirtualClock(1.0)
@@ -139,7 +137,8 @@ def make_engine(
     if executor.clock is None:
         executor.clock = clock
     engine = EngineCore(
-        EngineConfig.from_options(**options), executor, clock=clock, max_model_len=max_model_len, check_integrity=True
+        EngineConfig.from_options(**options), executor, clock=clock, max_model_len=max_model_len, check_integrity=True,
+        decode_ids=decode_ids,
     )
     return engine, executor, clock
 

@@ -17,15 +17,16 @@ from collections import Counter
 import pytest
 from fakes import FakeExecutor
 
-from cadence.boundary import DecodeBatch, ScheduledRequest, SchedulerOutput
+from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.clock import VirtualClock
 from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
 from cadence.errors import AdmissionError
 from cadence.executor.cost_model import _FEW_STEPS, DecodeRun, SimExecutor, StepCostModel
-from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, SamplingParams
-from cadence.sched.queue import FairQueue, RequestQueue
+from cadence.sched.queue import FairQueue, FCFSQueue
+from cadence.sim import fast_forward
+from cadence.sim.bulk_steps import account_decodes, peek_is_stable
 from cadence.sim.fast_forward import FastForward, blocks_allocated, first_allocations, steps_within
 from cadence.sim.simulator import SimOptions, SimResult, Simulator
 from cadence.workload import Workload, WorkloadRequest, assign_arrivals, builtin_workload
@@ -42,7 +43,7 @@ MODEL = StepCostModel("padded+knee16k", {"const": 0.004, "prefill_tokens": 2e-5,
 def _engine(**options) -> EngineCore:
     clock = VirtualClock()
     config = EngineConfig.from_options(**options)
-    return EngineCore(config, SimExecutor(MODEL, clock=clock), clock=clock, max_model_len=256)
+    return EngineCore(config, SimExecutor(MODEL, clock=clock), clock=clock, max_model_len=256, decode_ids=True)
 
 
 _FAST_FORWARDS: dict[int, FastForward] = {}
@@ -182,12 +183,15 @@ def test_a_planned_stretch_applies_only_on_the_state_it_was_planned_on() -> None
 
 
 def test_only_an_executor_costing_decode_runs_on_the_core_clock_fast_forwards() -> None:
-    """The simulator's executor is checked once, by its protocol; one on another clock, or a
-    plain executor, gets no fast-forward."""
+    """The simulator's executor is checked once, by its protocol; one on another clock, a plain
+    executor, or a core that reports plain decodes as deltas, gets no fast-forward."""
     assert _ff(_engine()) is not None
     other = EngineCore(EngineConfig.from_options(), SimExecutor(MODEL, clock=VirtualClock()), clock=VirtualClock(),
-                       max_model_len=256)
+                       max_model_len=256, decode_ids=True)
     assert FastForward.of(other) is None
+    clock = VirtualClock()
+    deltas = EngineCore(EngineConfig.from_options(), SimExecutor(MODEL, clock=clock), clock=clock, max_model_len=256)
+    assert FastForward.of(deltas) is None
     plain = EngineCore(EngineConfig.from_options(num_kv_blocks=8), FakeExecutor(), max_model_len=64)
     assert FastForward.of(plain) is None
 
@@ -269,8 +273,8 @@ def test_a_joining_prompt_whose_last_block_is_cached_already(max_tokens: int, mo
     matches a prompt's last block): the bulk path declines and the calls go one by one, chunk
     steps, join step and decodes."""
     bulk = []
-    step_blocks = KVCacheManager.step_blocks
-    monkeypatch.setattr(KVCacheManager, "step_blocks", lambda self, *a: bulk.append(step_blocks(self, *a)) or bulk[-1])
+    step_blocks = fast_forward.step_blocks
+    monkeypatch.setattr(fast_forward, "step_blocks", lambda *a: bulk.append(step_blocks(*a)) or bulk[-1])
     prompt = list(range(101, 113))  # three blocks of 4
 
     def engine() -> EngineCore:
@@ -341,10 +345,9 @@ def test_decode_run_costs_are_what_execute_charges() -> None:
         run = DecodeRun(n, sum(starts), max(starts, default=0), steps, chunk, chunk_start, sampled)
         costs = ex.decode_run_costs(run)
         for j, cost in enumerate(costs):
-            batch = DecodeBatch(request_ids=tuple(f"r{i}" for i in range(n)), start_pos=tuple(s + j for s in starts))
+            decodes = tuple(ScheduledRequest(f"r{i}", (7,), s + j, (), True, SamplingParams()) for i, s in enumerate(starts))
             prompt = ScheduledRequest("p", (7,) * chunk, chunk_start + j * chunk, (), bool(sampled), SamplingParams())
-            records = (prompt,) if chunk else ()
-            ex.execute(SchedulerOutput(step=j, scheduled=records, decodes=batch, decodes_before=(n,) * len(records)))
+            ex.execute(SchedulerOutput(step=j, scheduled=(*decodes, prompt) if chunk else decodes))
             assert ex.last_step_cost == cost
         assert len(costs) == run.num_steps
         if run.num_steps > _FEW_STEPS:  # the numpy path
@@ -357,9 +360,44 @@ def test_fair_share_accounts_decodes_in_bulk_exactly() -> None:
     bulk, single = FairQueue({"a": 3.0, "b": 0.7}), FairQueue({"a": 3.0, "b": 0.7})
     for q in (bulk, single):
         q.counters.update({"a": 0.1, "c": 1e9})
-    bulk.account_decodes(reqs, 37)
-    RequestQueue.account_decodes(single, reqs, 37)  # the definition: one account() per token
+    account_decodes(bulk, reqs, 37)
+    for _ in range(37):  # the definition: one account() per token
+        for r in reqs:
+            single.account(r, 0, 1)
     assert bulk.counters == single.counters and set(bulk.counters) == {"a", "b", "c"}
+
+
+class _ServiceLog(FCFSQueue):
+    """A policy the bulk forms do not know, whose order would follow service: each call logged."""
+
+    tracks_service = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int, int]] = []
+
+    def account(self, request: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self.calls.append((request.request_id, num_prompt_tokens, num_output_tokens))
+
+
+def test_an_unknown_service_policy_is_accounted_call_by_call_and_never_stable() -> None:
+    reqs = [Request(f"q{i}", [1]) for i in range(3)]
+    log = _ServiceLog()
+    account_decodes(log, reqs, 4)
+    assert log.calls == [(r.request_id, 0, 1) for _ in range(4) for r in reqs]  # step by step, in order
+    assert not peek_is_stable(log)
+
+
+def test_the_queue_is_stable_unless_its_order_follows_service_between_tenants() -> None:
+    fcfs, fair = FCFSQueue(), FairQueue()
+    for i, tenant in enumerate("aab"):
+        fcfs.add(Request(f"f{i}", [1], tenant=tenant))
+    assert peek_is_stable(fcfs) and peek_is_stable(fair)
+    fair.add(Request("a0", [1], tenant="a"))
+    fair.add(Request("a1", [1], tenant="a"))
+    assert fair.tenants == ("a",) and peek_is_stable(fair)  # one tenant: FCFS within it
+    fair.add(Request("b0", [1], tenant="b"))
+    assert fair.tenants == ("a", "b") and not peek_is_stable(fair)
 
 
 # ----------------------------------------------------------------------------- the simulator

@@ -18,7 +18,7 @@ from array import array
 import pytest
 from fakes import FakeExecutor, make_engine, make_request, run_until_done
 
-from cadence.boundary import NO_DECODES, RequestDelta, ScheduledRequest, SchedulerOutput
+from cadence.boundary import RequestDelta, ScheduledRequest, SchedulerOutput
 from cadence.errors import AdmissionError
 from cadence.kv.hashing import hash_block, hash_full_blocks
 from cadence.kv.manager import KVCacheManager
@@ -146,20 +146,20 @@ def test_integrity_catches_a_filled_block_that_was_not_published() -> None:
 
 
 # ----------------------------------------------------------------------------- whole runs
-def _drive(seed: int, batch: bool = False, **options) -> tuple[list[SchedulerOutput], list[RequestDelta], Scheduler]:
+def _drive(seed: int, decode_ids: bool = False, **options) -> tuple[list[SchedulerOutput], list[RequestDelta], Scheduler]:
     """A random stream of adds, steps and aborts; every step's records checked against the reference.
 
-    With `batch`, the executor takes plain decodes as a `DecodeBatch`; the outputs come back with
-    every row as a record, and the deltas with one per plain decode, in the order the plain mode
-    gives them, so both modes compare (and fingerprint) alike."""
+    With `decode_ids`, the plain decodes that go on come back as ids (the simulator's mode); the
+    deltas come back with one per plain decode, in the order the plain mode gives them, so both
+    modes compare (and fingerprint) alike."""
     rng = random.Random(seed)
-    engine, ex, clock = make_engine(executor=FakeExecutor(accepts_decode_batch=batch), **options)
+    engine, ex, clock = make_engine(executor=FakeExecutor(), decode_ids=decode_ids, **options)
     sched = engine.scheduler
     plain_schedule = sched.schedule
 
     def checked_schedule(now: float) -> SchedulerOutput:
         out = plain_schedule(now)
-        for sr in out.rows():
+        for sr in out.scheduled:
             req = sched.requests[sr.request_id]
             assert sr == reference_record(req, sr.num_tokens, engine.kv.block_table(sr.request_id))
         return out
@@ -170,7 +170,7 @@ def _drive(seed: int, batch: bool = False, **options) -> tuple[list[SchedulerOut
 
     def step() -> list[RequestDelta]:
         got = engine.step()
-        return _with_plain_decodes(got, ex.outputs[-1] if ex.outputs else None, engine) if batch else got
+        return _with_plain_decodes(got, ex.outputs[-1] if ex.outputs else None, engine) if decode_ids else got
 
     live: list[str] = []
     for i in range(60):
@@ -193,18 +193,17 @@ def _drive(seed: int, batch: bool = False, **options) -> tuple[list[SchedulerOut
             break
         deltas += step()
     assert not engine.has_unfinished_requests() and not ex.violations
-    outputs = [dataclasses.replace(o, scheduled=o.rows(), decodes=NO_DECODES, decodes_before=()) for o in ex.outputs]
-    return outputs, deltas, sched
+    return ex.outputs, deltas, sched
 
 
 def _with_plain_decodes(got: list[RequestDelta], out: SchedulerOutput | None, engine) -> list[RequestDelta]:
-    """Batch mode: the step's deltas plus the plain decodes that went on (as the deltas the plain
+    """Decode ids: the step's deltas plus the plain decodes that went on (as the deltas the plain
     mode makes for them), in the plain mode's order: deltas decided inside schedule first, then
     one per row in scheduling order."""
     if not engine.last_decoded:
         return got
     assert out is not None
-    order = {sr.request_id: i for i, sr in enumerate(out.rows())}
+    order = {sr.request_id: i for i, sr in enumerate(out.scheduled)}
     reqs = engine.scheduler.requests
     plain = [token_delta(reqs[rid], reqs[rid].output_token_ids[-1], ()) for rid in engine.last_decoded]
     early = [d for d in got if d.request_id not in order]
@@ -261,31 +260,30 @@ def test_builtin_block_hashes_give_the_same_decisions(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
-def test_decode_batches_give_the_same_decisions_and_deltas(name: str) -> None:
-    """Batch mode (the simulator's executor) against the plain records: the same steps, block
-    tables and deltas, and so the fingerprint recorded for the plain mode."""
+def test_decode_ids_give_the_same_decisions_and_deltas(name: str) -> None:
+    """Decode ids (the simulator's mode) against deltas: the same steps, block tables and
+    deltas, and so the fingerprint recorded for the plain mode."""
     plain_outputs, plain_deltas, _ = _drive(7, **RUNS[name])
-    outputs, deltas, _ = _drive(7, batch=True, **RUNS[name])
+    outputs, deltas, _ = _drive(7, decode_ids=True, **RUNS[name])
     assert outputs == plain_outputs
     assert deltas == plain_deltas
     assert fingerprint(outputs, deltas) == EXPECTED[name]
 
 
-def test_batch_mode_batches_the_plain_decodes() -> None:
-    """In batch mode the plain decodes leave the records (else the test above proves little), and
-    requests with penalties or logprobs stay records."""
-    engine, ex, _ = make_engine(executor=FakeExecutor(accepts_decode_batch=True))
+def test_decode_ids_report_the_plain_decodes_as_ids() -> None:
+    """With decode ids the plain decodes that go on get no delta (else the test above proves
+    little), and requests with penalties or logprobs still do; every row is a record either way."""
+    engine, ex, _ = make_engine(decode_ids=True)
     a, b = make_request(max_tokens=6), make_request(params=SamplingParams(max_tokens=6, logprobs=2))
     c = make_request(params=SamplingParams(max_tokens=6, repetition_penalty=1.2))
     for r in (a, b, c):
         engine.add_request(r)
     deltas = engine.step() + engine.step()
     last = ex.outputs[-1]
-    assert last.decodes.request_ids == (a.request_id,) and engine.last_decoded == [a.request_id]
-    assert {sr.request_id for sr in last.scheduled} == {b.request_id, c.request_id}
+    assert engine.last_decoded == [a.request_id]
     assert [d.request_id for d in deltas[3:]] == [b.request_id, c.request_id]  # no delta for a's decode
-    assert [sr.request_id for sr in last.rows()] == [a.request_id, b.request_id, c.request_id]  # scheduling order
-    assert last.rows()[0].token_ids == (a.output_token_ids[0],) and last.num_scheduled == 3
+    assert [sr.request_id for sr in last.scheduled] == [a.request_id, b.request_id, c.request_id]  # scheduling order
+    assert last.scheduled[0].token_ids == (a.output_token_ids[0],) and last.num_scheduled == 3
 
 
 def test_runs_exercise_preemption_and_prefix_hits() -> None:

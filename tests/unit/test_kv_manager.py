@@ -213,13 +213,15 @@ def _pool_state(kv: KVCacheManager) -> tuple:
 @pytest.mark.parametrize("algo", ["sha256", "builtin"])
 @pytest.mark.parametrize("same_leftovers", [True, False])
 def test_step_blocks_equal_single_step_calls(seed: int, algo: str, same_leftovers: bool) -> None:
-    """`step_blocks` leaves the pool as per-step `allocate_slots(r, 1)` + `cache_computed_blocks(r)`
+    """The fast-forward's `step_blocks` (through `take_and_publish`) leaves the pool as per-step `allocate_slots(r, 1)` + `cache_computed_blocks(r)`
     would: the same block ids, published hashes (a duplicate stays unhashed), evictions and queue.
     Identical prompts decode side by side (they fill equal blocks in the same step), and the free
     queue holds cached blocks of earlier requests, evicted mid-run: of the same prompts (so with
     the very hashes the run publishes: it declines and changes nothing, the calls go one by one)
     or of others (all at once)."""
     import random
+
+    from cadence.sim.bulk_steps import step_blocks
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 50) for _ in range(rng.randint(3, 14))] for _ in range(3)]
@@ -261,7 +263,7 @@ def test_step_blocks_equal_single_step_calls(seed: int, algo: str, same_leftover
     for r in live[1]:
         r.output_token_ids.extend([7] * steps)
     before = _pool_state(fast)
-    if not fast.step_blocks(live[1], starts, [1] * len(starts), events):
+    if not step_blocks(fast, live[1], starts, [1] * len(starts), events):
         assert same_leftovers
         assert _pool_state(fast)[:2] == before[:2] and _pool_state(fast)[3:] == before[3:]  # (hash memos aside)
         for j, kind, i in events:

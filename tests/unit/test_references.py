@@ -2,11 +2,11 @@
 
 - `records.scheduled_request` / `token_delta` (the instance dict filled directly) against
   `scheduled_request_reference` / `token_delta_reference` (the dataclass constructors);
-- `plan.split_rows` (rows told apart by `type() is`, columns mapped in C) against
-  `split_rows_reference` (`isinstance`, row by row);
-- `Scheduler._schedule_running` (`StepPlan.add_running` inlined, the chunk arithmetic and the
-  block allocation skipped for a decode that fits) against a scheduler whose running loop is
-  written plainly around `StepPlan.add_running`: every step's output and deltas are the same.
+- `Scheduler._schedule_running` (`StepPlan.add` inlined, the chunk arithmetic and the
+  block allocation skipped for a decode that fits) and `Scheduler._update_rows` (a plain
+  decode's update written flat) against a scheduler whose running loop is written plainly around
+  `StepPlan.add` and whose update calls `_update_record` for every row: every step's output and
+  deltas are the same.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from fakes import FakeExecutor, make_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cadence.boundary import RequestDelta, ScheduledRequest
+from cadence.boundary import ModelOutput, RequestDelta, ScheduledRequest
 from cadence.errors import AdmissionError
 from cadence.request import Request, RequestStatus, SamplingParams
-from cadence.sched.plan import StepPlan, split_rows, split_rows_reference
+from cadence.sched.plan import StepPlan
 from cadence.sched.records import (
     scheduled_request,
     scheduled_request_reference,
@@ -64,24 +64,21 @@ def test_token_delta_equals_its_reference(req: Request, token: int) -> None:
     assert built == ref and type(built) is RequestDelta and list(vars(built)) == list(vars(ref))
 
 
-@FAST
-@given(st.lists(st.tuples(requests(), st.booleans()), max_size=8), st.data())
-def test_split_rows_equals_its_reference(rows: list[tuple[Request, bool]], data: st.DataObject) -> None:
-    plan: dict[str, ScheduledRequest | Request] = {}
-    tables: dict[str, tuple[int, ...]] = {}
-    for i, (req, decode) in enumerate(rows):
-        req.request_id = f"r{i}"
-        tables[req.request_id] = tuple(data.draw(st.lists(st.integers(0, 99), max_size=4)))
-        if decode and req.output_token_ids:
-            plan[req.request_id] = req
-        else:
-            plan[req.request_id] = scheduled_request(req, 1, tables[req.request_id])
-    assert split_rows(plan, tables) == split_rows_reference(plan, tables)
-
-
 class PlainScheduler(Scheduler):
     """The running loop written plainly: a chunk computed for every request, an allocation asked
-    for every step, and the row added through `StepPlan.add_running`."""
+    for every step, and the row added through `StepPlan.add`; and every row's update through
+    `_update_record` (with `decode_ids`, a plain decode's token delta then becomes its id)."""
+
+    def _update_rows(self, rows: tuple[ScheduledRequest, ...], model_output: ModelOutput, now: float,
+                     deltas: list[RequestDelta]) -> None:
+        for sr in rows:
+            req = self.requests.get(sr.request_id)
+            decode = (req is not None and req.last_token_time is not None and len(sr.token_ids) == 1 and sr.sample
+                      and sr.start_pos >= len(req.prompt_token_ids) and sr.sampling_params.plain_decode)
+            before = len(deltas)
+            self._update_record(sr, model_output, now, deltas)
+            if self._decode_ids and decode and len(deltas) == before + 1 and deltas[-1].finish_reason is None:
+                self.last_decoded.append(deltas.pop().request_id)
 
     def _schedule_running(self, plan: StepPlan) -> None:
         for req in list(self.running):
@@ -99,7 +96,7 @@ class PlainScheduler(Scheduler):
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            plan.add_running(req, n, self.kv.block_table(req.request_id), self._batch_decodes)
+            plan.add(req, n, self.kv.block_table(req.request_id))
 
 
 OPTIONS = st.fixed_dictionaries({
@@ -115,11 +112,11 @@ ARRIVALS = st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integer
 
 @settings(max_examples=60, deadline=None)
 @given(OPTIONS, ARRIVALS, st.booleans(), st.sampled_from((None, 1.3)))
-def test_the_inlined_running_loop_equals_the_plain_one(options: dict, arrivals: list, batch: bool,
+def test_the_inlined_running_loop_equals_the_plain_one(options: dict, arrivals: list, decode_ids: bool,
                                                        penalty: float | None) -> None:
     engines = []
     for _ in range(2):
-        engine, ex, _ = make_engine(executor=FakeExecutor(accepts_decode_batch=batch), **options)
+        engine, ex, _ = make_engine(executor=FakeExecutor(), decode_ids=decode_ids, **options)
         engines.append((engine, ex))
     engines[1][0].scheduler.__class__ = PlainScheduler
     for k, (prompt_len, max_tokens, priority, wait) in enumerate(arrivals):
@@ -138,6 +135,6 @@ def test_the_inlined_running_loop_equals_the_plain_one(options: dict, arrivals: 
         assert steps[0] == steps[1] and engines[0][0].last_decoded == engines[1][0].last_decoded
     (fast, fast_ex), (plain, plain_ex) = engines
     assert not fast.has_unfinished_requests() and not plain.has_unfinished_requests()
-    assert [o.rows() for o in fast_ex.outputs] == [o.rows() for o in plain_ex.outputs]
+    assert [o.scheduled for o in fast_ex.outputs] == [o.scheduled for o in plain_ex.outputs]
     assert [(o.num_prefill_tokens, o.preempted_ids, o.finished_ids) for o in fast_ex.outputs] == \
         [(o.num_prefill_tokens, o.preempted_ids, o.finished_ids) for o in plain_ex.outputs]

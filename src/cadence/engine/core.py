@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from cadence.boundary import IterationStats, ModelOutput, RequestDelta, SchedulerStats
 from cadence.clock import Clock, RealClock
 from cadence.config import EngineConfig
-from cadence.executor.base import DecodeBatchExecutor, Executor
+from cadence.executor.base import Executor
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, RequestStatus
 from cadence.sched.scheduler import Scheduler
@@ -35,10 +35,14 @@ class EngineCore:
         eos_token_ids: frozenset[int] = frozenset(),
         check_integrity: bool = False,
         snapshot_gauges: bool = True,
+        decode_ids: bool = False,
     ) -> None:
         """`snapshot_gauges`: keep `scheduler_stats` as of the last step, for gauges read from
         other threads (the server's); without it, each read computes them then (the simulator
-        reads none, and would otherwise build a snapshot per step for nothing)."""
+        reads none, and would otherwise build a snapshot per step for nothing). `decode_ids`:
+        report the plain decodes that go on as ids in `last_decoded` rather than a delta each
+        (for a caller that needs no delta per token: the simulator, where they are most of
+        the tokens)."""
         config.validate()
         if max_model_len < 1:
             raise ValueError("max_model_len: must be >= 1")
@@ -48,15 +52,14 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.check_integrity = check_integrity
         self._snapshot_gauges = snapshot_gauges
+        self.decode_ids = decode_ids
         self._max_model_len = max_model_len
 
         cache = config.cache
         num_blocks = self._size_kv_cache()
         executor.initialize_kv_cache(num_blocks, cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_caching_hash_algo)
-        # An executor that takes plain decodes as one batch (the simulator's) gets them so.
-        batch = isinstance(executor, DecodeBatchExecutor) and executor.accepts_decode_batch
-        self.scheduler = Scheduler(config.scheduler, cache, self.kv, max_model_len, batch_decodes=batch)
+        self.scheduler = Scheduler(config.scheduler, cache, self.kv, max_model_len, decode_ids=decode_ids)
         self.last_stats = IterationStats()
         self._gauges = self.scheduler.stats()
         logger.info(
@@ -102,8 +105,8 @@ class EngineCore:
 
     @property
     def last_decoded(self) -> list[str]:
-        """With an executor that accepts a `DecodeBatch`: the requests whose plain decode in the
-        last step gave one token and went on. `step` returns no delta for them; each one's new
+        """With `decode_ids`: the requests whose plain decode in the last step gave one token
+        and went on. `step` returns no delta for them; each one's new
         token is its last output token. Empty otherwise."""
         return self.scheduler.last_decoded
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from cadence.boundary import ModelOutput, SchedulerOutput
 
@@ -12,10 +12,6 @@ class Executor(Protocol):
 
     `kv_bytes_per_block` lets the engine size the KV cache from a memory budget before any
     blocks exist; `initialize_kv_cache` is then called once with the resulting block count.
-
-    An executor that is also a `DecodeBatchExecutor` gets the step's plain decodes as one
-    `SchedulerOutput.decodes` batch of columns rather than in `scheduled`; any other gets every
-    request as a `ScheduledRequest`.
     """
 
     def kv_bytes_per_block(self, block_size: int) -> int: ...
@@ -24,11 +20,3 @@ class Executor(Protocol):
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput: ...
 
-
-@runtime_checkable
-class DecodeBatchExecutor(Executor, Protocol):
-    """An executor that takes a step's plain decodes as one `DecodeBatch` of columns (the
-    simulator's: a simulation's steps are mostly plain decodes, and a record per decode was most
-    of its cost). It declares so with `accepts_decode_batch` true; the engine core checks once."""
-
-    accepts_decode_batch: bool

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cadence.boundary import ModelOutput, SchedulerOutput
+from cadence.boundary import ModelOutput, ScheduledRequest, SchedulerOutput
 from cadence.host_load import cpu_model
 
 PROFILE_FORMAT = 1
@@ -73,6 +73,30 @@ _FEW_STEPS = 14  # decode runs this short are costed step by step (SimExecutor.d
 DEFAULT_SIM_TOKEN = 13  # the scripted output token: any id works, the simulator has no EOS
 
 
+def scan_rows(rows: Sequence[ScheduledRequest], token: int) -> tuple[int, int, int, int, int, int, dict[str, int]]:
+    """One pass over a step's rows: its prefill tokens, prefill rows, decode rows, decode keys, longest
+    decode context and prefill (query, key) pairs (see `StepFeatures`), and each row that samples,
+    mapped to `token`. Shared by `StepFeatures.from_output` and `SimExecutor.execute`, which needs
+    both in one pass (it runs once per simulated step)."""
+    pt = ps = ds = dc = dmax = pa = 0
+    sampled: dict[str, int] = {}
+    for r in rows:
+        n = len(r.token_ids)
+        if n == 1:
+            ds += 1
+            ctx = r.start_pos + 1
+            dc += ctx
+            if ctx > dmax:
+                dmax = ctx
+        else:
+            pt += n
+            ps += 1
+            pa += n * r.start_pos + n * (n + 1) // 2
+        if r.sample:
+            sampled[r.request_id] = token
+    return pt, ps, ds, dc, dmax, pa, sampled
+
+
 @dataclass(frozen=True, slots=True)
 class StepFeatures:
     """The shape of one step. A scheduled request with one token is a decode row (the runner lays
@@ -88,22 +112,8 @@ class StepFeatures:
 
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> StepFeatures:
-        pt = ps = ds = sm = dc = dmax = pa = 0
-        for r in out.rows():
-            n = len(r.token_ids)
-            if n == 1:
-                ds += 1
-                ctx = r.start_pos + 1
-                dc += ctx
-                if ctx > dmax:
-                    dmax = ctx
-            else:
-                pt += n
-                ps += 1
-                pa += n * r.start_pos + n * (n + 1) // 2
-            if r.sample:
-                sm += 1
-        return cls(pt, ps, ds, sm, dc, ds * dmax, pa)
+        pt, ps, ds, dc, dmax, pa, sampled = scan_rows(out.scheduled, 0)
+        return cls(pt, ps, ds, len(sampled), dc, ds * dmax, pa)
 
     @property
     def num_tokens(self) -> int:
@@ -306,12 +316,9 @@ class SimExecutor:
     modelled cost added to the virtual clock (when given one), so the engine core reads the time
     after the step just as it would after a real forward pass.
 
-    It takes plain decodes as one `DecodeBatch`: their features are sums and a max over a column.
     It also costs a `DecodeRun` (steps of the same plain decodes) in one call: the simulator
     fast-forwards such stretches without building a step each (see sim/fast_forward.py).
     Every plain decode samples `token_id`."""
-
-    accepts_decode_batch = True  # a DecodeBatchExecutor
 
     def __init__(self, cost_model: StepCostModel, *, clock: Any | None = None,
                  token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None) -> None:
@@ -334,36 +341,12 @@ class SimExecutor:
         self.num_blocks, self.block_size = num_blocks, block_size
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
-        # One pass over the batch computes both the features and the sampled tokens: this runs
-        # once per simulated step, so it is written flat rather than through StepFeatures and
+        # One pass over the rows computes both the features and the sampled tokens: this runs
+        # once per simulated step, so the cost is written flat rather than through StepFeatures and
         # StepCostModel.predict (measured: going through them made a 5,000-request trace
         # simulation 8% slower). It must stay the same sum as StepFeatures.bases() . weights;
         # tests/unit/test_cost_model.py compares the two past every knee.
-        pt = ps = ds = dc = dmax = pa = 0
-        tok = self.token_id
-        batch = scheduler_output.decodes
-        if batch.request_ids:  # decode rows of context start + 1, all sampled
-            starts = batch.start_pos
-            ds = len(starts)
-            dc = sum(starts) + ds
-            dmax = max(starts) + 1
-            sampled = dict.fromkeys(batch.request_ids, tok)
-        else:
-            sampled = {}
-        for r in scheduler_output.scheduled:
-            n = len(r.token_ids)
-            if n == 1:
-                ds += 1
-                ctx = r.start_pos + 1
-                dc += ctx
-                if ctx > dmax:
-                    dmax = ctx
-            else:
-                pt += n
-                ps += 1
-                pa += n * r.start_pos + n * (n + 1) // 2
-            if r.sample:
-                sampled[r.request_id] = tok
+        pt, ps, ds, dc, dmax, pa, sampled = scan_rows(scheduler_output.scheduled, self.token_id)
         cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, len(sampled), dc, ds * dmax, pa)
         self._charge(cost)
         return ModelOutput(sampled_token_ids=sampled)

@@ -36,6 +36,7 @@ class ModelRunner:
     through `kv_bytes_per_block` and `initialize_kv_cache`.
     """
 
+    # (These parameters repeat LlamaModel's on purpose: the runner builds the model from them.)
     def __init__(
         self,
         arch: ModelArchConfig,

@@ -38,6 +38,8 @@ PLACED_KEEP = 4096  # requests whose replica the ingress remembers, for GET /v1/
 _REPLICA_SLOT: ContextVar[dict[str, str] | None] = ContextVar("cadence_replica_slot", default=None)
 
 
+# (Its opening lines match server/stopping.py's StopGuard: both are the plain ASGI wrapper
+# pattern, kept apart because each wraps `send` for its own purpose.)
 class ReplicaHeaderMiddleware:
     """Pure ASGI: adds `X-Cadence-Replica: NAME` to a response a replica served (or refused)."""
 

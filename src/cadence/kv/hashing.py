@@ -94,6 +94,7 @@ def hash_block_builtin(parent: BlockHash | None, token_ids: Sequence[int], salt:
     return hash((_BUILTIN_ROOT if parent is None else parent, salt, hash(tuple(token_ids))))
 
 
+# (Its signature repeats hash_full_blocks's on purpose: `block_hashers` picks either one.)
 def hash_full_blocks_builtin(
     token_ids: Sequence[int],
     block_size: int,

@@ -233,72 +233,51 @@ class KVCacheManager:
         self.pool.cache_blocks(table[start:num_full], hashes[start:num_full])
         self._num_cached[rid] = num_full
 
-    def step_blocks(self, requests: Sequence[Request], starts: Sequence[int], widths: Sequence[int],
-                    events: list[tuple[int, int, int]], cap: tuple[int, int] | None = None) -> bool:
-        """The block operations of consecutive steps in which row i of `requests` computes
-        `widths[i]` tokens a step from `starts[i]` on (a decode 1, a prompt chunk more; with `cap`,
-        (row, start), that row computes at most up to start + j + 1 by step j: a prompt whose last
-        chunk is shorter and which then decodes, see sim/fast_forward.py's join): `events`
-        lists (step, 0 allocate | 1 publish, row) in the order single steps run them, and each
-        does what `allocate_slots(request, width)` before the step (0) and
-        `cache_computed_blocks(request)` after it (1) would. Done all at once: one `allocate` of
-        every block they take, handed out in event order, then one `cache_blocks` of every block
-        they fill; each table's id tuple is extended once. Reads the requests' tokens, not their
+    def num_published(self, request_id: str) -> int:
+        """How many of the request's blocks are published (hashed and findable); 0 if it holds none."""
+        return self._num_cached.get(request_id, 0)
+
+    def take_and_publish(self, requests: Sequence[Request], takes: Sequence[int],
+                         fills: Sequence[tuple[int, int]]) -> bool:
+        """Several steps' block operations at once, for a caller that knows them ahead: `takes`
+        lists the request (its index in `requests`) of each new block, in the order the
+        `allocate_slots` calls would take them; `fills` lists each (request, block index) that
+        becomes full, in the order `cache_computed_blocks` would publish them (each request's
+        blocks in increasing order, none before it is taken). Done as one `allocate` of every
+        block, handed out in that order, then one publication of every filled block; each
+        table's id tuple is extended once. Reads the requests' tokens, not their
         `num_computed_tokens` (the caller sets those).
 
-        That is the outcome of the interleaved calls unless a block the run publishes has the hash
-        of a cached block that one of its allocations evicts later (published first, it would stay
-        unhashed as a duplicate). So where any hash it would publish is cached already, it returns
-        False having changed nothing (but for extending the requests' hash memos): the caller then
-        makes the calls one by one."""
-        bs = self.block_size
+        That is the outcome of the interleaved calls unless a block it publishes has the hash of
+        a cached block that one of its allocations evicts later (published first, it would stay
+        unhashed as a duplicate). So where any hash it would publish is cached already, it
+        returns False having changed nothing (but for extending the requests' hash memos): the
+        caller then makes the calls one by one.
+
+        Its one caller is the simulator's fast-forward (sim/bulk_steps.py). It stays here because
+        it changes the block tables, the hash chains and the pool together, whose agreement is
+        this class's to keep (`check_integrity`)."""
         tables = [self._tables[r.request_id] for r in requests]
-        held = [len(t) for t in tables]
-        caching = self.enable_prefix_caching
-        published = [self._num_cached[r.request_id] for r in requests] if caching else []
-        first = list(published)
-        alloc_rows: list[int]  # the row of each block taken, in order
-        pub_rows: list[int]  # the row and block index of each block filled, in order
-        pub_blocks: list[int]
-        if max(widths, default=1) == 1:
-            # Decodes only: each event is one block, at a block boundary; step j fills block
-            # (start + j + 1) // bs - 1 of its row.
-            alloc_rows = [i for _, kind, i in events if not kind]
-            pub_rows = [i for _, kind, i in events if kind] if caching else []
-            pub_blocks = [(starts[i] + j + 1) // bs - 1 for j, kind, i in events if kind] if caching else []
-            for i, n in zip(pub_rows, pub_blocks, strict=True):
-                published[i] = n + 1
-        else:
-            alloc_rows, pub_rows, pub_blocks = [], [], []
-            cap_row, cap_start = cap if cap is not None else (-1, 0)
-            for j, kind, i in events:
-                reach = starts[i] + (j + 1) * widths[i]  # tokens computed once step j has run
-                if i == cap_row:
-                    reach = min(reach, cap_start + j + 1)
-                if not kind:
-                    need = -(-reach // bs) - held[i]
-                    if need > 0:
-                        alloc_rows += [i] * need
-                        held[i] += need
-                elif caching:
-                    n, full = published[i], reach // bs
-                    if full > n:
-                        pub_rows += [i] * (full - n)
-                        pub_blocks += range(n, full)
-                        published[i] = full
-        chains = self._extend_hashes(requests, first, published) if pub_rows else []
-        pub_hashes = [chains[i][n] for i, n in zip(pub_rows, pub_blocks, strict=True)]
-        if pub_hashes and self.pool.holds_any(pub_hashes):
+        caching = self.enable_prefix_caching and bool(fills)
+        if fills and not self.enable_prefix_caching:
+            raise ValueError("fills: prefix caching is off, nothing is published")
+        first = [self._num_cached[r.request_id] for r in requests] if caching else []
+        published = list(first)
+        for i, n in fills:
+            published[i] = n + 1
+        chains = self._extend_hashes(requests, first, published) if caching else []
+        fill_hashes = [chains[i][n] for i, n in fills]
+        if fill_hashes and self.pool.holds_any(fill_hashes):
             return False
-        blocks = self.pool.allocate(len(alloc_rows))
+        blocks = self.pool.allocate(len(takes))
         if blocks is None:
             raise AssertionError("the steps ran out of blocks")
         new_ids: list[list[int]] = [[] for _ in requests]
-        for i, block in zip(alloc_rows, blocks, strict=True):
+        for i, block in zip(takes, blocks, strict=True):
             tables[i].append(block)
             new_ids[i].append(block.block_id)
-        if pub_rows:
-            self.pool.cache_blocks([tables[i][n] for i, n in zip(pub_rows, pub_blocks, strict=True)], pub_hashes)
+        if fills:
+            self.pool.cache_blocks([tables[i][n] for i, n in fills], fill_hashes)
         for k, req in enumerate(requests):
             rid = req.request_id
             if new_ids[k]:

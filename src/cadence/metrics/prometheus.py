@@ -162,6 +162,8 @@ class PrometheusExporter:
         # --metrics-compat vllm: the same measurements again under vLLM's names (None: off).
         self.vllm = VllmMetrics(self.registry, vllm_model_name) if vllm_model_name is not None else None
 
+    # (The metric definitions below are alike in shape by nature: one declaration each, with its
+    # name, help, labels and buckets; no two define the same thing.)
     def _define(self) -> None:
         r = self.registry
         t = ("tenant",)

@@ -101,6 +101,8 @@ class CpuKernels:
         for name, (restype, args) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, restype
+        # One attribute per C function, spelled out (not a loop of setattr) so that each wrapper's
+        # use of its function is a name a reader and mypy can follow.
         self._pack = lib.cadence_pack
         self._linear = lib.cadence_linear
         self._linear_f32 = lib.cadence_linear_f32

@@ -7,9 +7,10 @@ changes none of it except the per-step stop record (`_record_stop`), which `sche
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
-from cadence.boundary import RequestSnapshot, SchedulerStats, WaitInfo, WaitReason, WaitStop
+from cadence.boundary import RequestDelta, RequestSnapshot, SchedulerStats, WaitInfo, WaitReason, WaitStop
 from cadence.config import SchedulerConfig
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, RequestStatus
@@ -29,11 +30,28 @@ class SchedulerIntrospection:
     requests: dict[str, Request]
     _step: int
     _num_live_tokens: int
+    _deadlines: list[tuple[float, str]]
+    _pending_deltas: list[RequestDelta]
     _tenant_running: Counter[str]
     # Why the latest step admitted no further, as `WaitStop`'s fields (a tuple: this is set every
     # step); each waiting request's own reason is derived from it on demand (`wait_info`), never
     # by walking the queue.
     _wait_stop: tuple[int, WaitReason, str | None, frozenset[str]] | None
+
+    @property
+    def step_count(self) -> int:
+        """Steps scheduled so far (the number of the latest)."""
+        return self._step
+
+    @property
+    def next_deadline(self) -> float:
+        """The earliest pending deadline (inf if none): the first step at or after it ends a request."""
+        return self._deadlines[0][0] if self._deadlines else math.inf
+
+    @property
+    def has_pending_deltas(self) -> bool:
+        """Whether finishes decided between steps (evictions, deadlines) wait to go out with the next `update`."""
+        return bool(self._pending_deltas)
 
     def _record_stop(self, stop: tuple[WaitReason, str | None] | None) -> None:
         """Keep why this step admitted no further (nothing when nothing waits)."""

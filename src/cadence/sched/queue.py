@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,18 +118,6 @@ class RequestQueue(ABC):
 
     def account(self, request: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:  # noqa: B027
         """Service a request received in one step. A no-op hook: only fair share uses it."""
-
-    def account_decodes(self, requests: Sequence[Request], num_steps: int) -> None:
-        """Each of `requests` got one output token in each of `num_steps` steps: what that many
-        `account(request, 0, 1)` calls, request by request and step by step, do."""
-        for _ in range(num_steps):
-            for request in requests:
-                self.account(request, 0, 1)
-
-    def peek_is_stable(self) -> bool:
-        """Whether `peek` keeps its answer while requests are only serviced (none added or removed).
-        True unless the order follows service, as fair share's does."""
-        return True
 
     def overflow(self, arrivals: Sequence[Request], bounds: Sequence[QueueBound]) -> Overflow:
         """`arrivals` (one client request: the same tenant) would take the queue over each of
@@ -303,7 +291,7 @@ class FairQueue(RequestQueue):
         self._weights = dict(weights or {})
         if any(w <= 0 for w in self._weights.values()):
             raise ValueError("tenant_weights: weights must be > 0")
-        self._output_weight = output_weight
+        self.output_weight = output_weight  # an output token's cost, in prompt tokens
         self._lines: dict[str, OrderedDict[str, Request]] = {}  # backlogged tenants only
         self.counters: dict[str, float] = {}
         self._last_left = 0.0
@@ -312,27 +300,15 @@ class FairQueue(RequestQueue):
         return self._weights.get(tenant, 1.0)
 
     def account(self, request: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:
-        cost = num_prompt_tokens + self._output_weight * num_output_tokens
+        cost = num_prompt_tokens + self.output_weight * num_output_tokens
         if cost:
             tenant = request.tenant
             self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weight(tenant)
 
-    def account_decodes(self, requests: Sequence[Request], num_steps: int) -> None:
-        # A tenant's counter only ever grows by the same amount per output token, so the calls of
-        # the base method, in whatever order across tenants, come to one run of additions per tenant.
-        per_tenant = Counter(r.tenant for r in requests)
-        for tenant, n in per_tenant.items():
-            cost = 0 + self._output_weight * 1
-            if not cost:
-                continue
-            step = cost / self.weight(tenant)
-            counter = self.counters.get(tenant, 0.0)
-            for _ in range(n * num_steps):
-                counter += step  # one at a time: the same rounding as one account() per token
-            self.counters[tenant] = counter
-
-    def peek_is_stable(self) -> bool:
-        return len(self._lines) <= 1  # the order between tenants follows their counters
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        """The backlogged tenants (those with a request waiting), in the order they became so."""
+        return tuple(self._lines)
 
     def _insert(self, request: Request, front: bool) -> None:
         tenant = request.tenant

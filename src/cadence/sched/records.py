@@ -10,11 +10,7 @@ them the plain way, and tests/unit/test_references.py compares both over generat
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from operator import attrgetter, itemgetter
-
 from cadence.boundary import (
-    DecodeBatch,
     FinishedRequestStats,
     RequestDelta,
     RequestMetrics,
@@ -26,13 +22,6 @@ from cadence.boundary import (
 from cadence.request import Request, RequestStatus
 
 _new = object.__new__
-# Column getters for `decode_batch`: map() with these runs the per-row loop in C.
-_request_id = attrgetter("request_id")
-_outputs = attrgetter("output_token_ids")
-_computed = attrgetter("num_computed_tokens")
-_params = attrgetter("sampling_params")
-_eos = attrgetter("eos_token_ids")
-_last = itemgetter(-1)
 
 
 def token_slice(req: Request, start: int, end: int) -> tuple[int, ...]:
@@ -78,22 +67,6 @@ def scheduled_request_reference(req: Request, n: int, block_table: tuple[int, ..
         num_output_tokens=req.num_output_tokens,
         history=tuple(req.all_token_ids) if sp.needs_history else None,
         eos_token_ids=req.eos_token_ids,
-    )
-
-
-def decode_batch(reqs: list[Request], tables: Mapping[str, tuple[int, ...]]) -> DecodeBatch:
-    """The plain decodes `reqs` (each feeding its last sampled token) as one batch of columns.
-    `tables` maps a request id to its block-id table."""
-    ids = tuple(map(_request_id, reqs))
-    outputs = tuple(map(_outputs, reqs))
-    return DecodeBatch(
-        request_ids=ids,
-        token_ids=tuple(map(_last, outputs)),
-        start_pos=tuple(map(_computed, reqs)),
-        block_tables=tuple(map(tables.__getitem__, ids)),
-        sampling_params=tuple(map(_params, reqs)),
-        num_output_tokens=tuple(map(len, outputs)),
-        eos_token_ids=tuple(map(_eos, reqs)),
     )
 
 

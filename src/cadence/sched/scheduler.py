@@ -12,14 +12,12 @@ back as a `ModelOutput`. One step is `schedule(now)`, the executor, then `update
 `num_computed_tokens` advances in `update`, once the executor has written the KV, so a step
 planned in `schedule` can be undone (a victim preempted later in the same plan) by forgetting it.
 
-With `batch_decodes` (set when the executor accepts a `DecodeBatch`), plain decodes leave
-`schedule` as one batch of columns and come back from `update` as ids in `last_decoded` instead of
-a `RequestDelta` each. Every decision is the same either way: only the records differ, and
-`update` still walks the step in scheduling order (the order requests finish in is the order
-their blocks return to the pool).
+With `decode_ids` (for a caller that needs no delta per token: the simulator), the plain decodes
+that go on come back from `update` as ids in `last_decoded` instead of a `RequestDelta` each.
+Every decision is the same either way: `update` walks the step in scheduling order (the order
+requests finish in is the order their blocks return to the pool).
 
-What is not a decision lives in the bases: `introspect.py` (why requests wait, snapshots, gauges)
-and `skip.py` (the bookkeeping of steps a driver such as the simulator's fast-forward runs at once).
+What is not a decision lives in the base, `introspect.py` (why requests wait, snapshots, gauges).
 """
 
 from __future__ import annotations
@@ -27,11 +25,8 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import cast
 
 from cadence.boundary import (
-    NO_DECODES,
-    DecodeBatch,
     IterationStats,
     ModelOutput,
     RequestDelta,
@@ -46,18 +41,17 @@ from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, RequestStatus
 from cadence.sched.admission import AdmissionControl, check_ids
 from cadence.sched.introspect import SchedulerIntrospection
-from cadence.sched.plan import StepPlan, split_rows
+from cadence.sched.plan import StepPlan
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
 from cadence.sched.records import final_delta, finished_stats, scheduled_request, token_delta
-from cadence.sched.skip import SkippedSteps
 
 _RUNNING = RequestStatus.RUNNING
 
 
-class Scheduler(SchedulerIntrospection, SkippedSteps):
+class Scheduler(SchedulerIntrospection):
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager, max_model_len: int, *,
-                 batch_decodes: bool = False) -> None:
+                 decode_ids: bool = False) -> None:
         config.validate()
         if max_model_len < 1:
             raise ValueError("max_model_len: must be >= 1")
@@ -71,9 +65,9 @@ class Scheduler(SchedulerIntrospection, SkippedSteps):
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.last_iteration_stats = IterationStats()
         self.is_static = config.scheduler == "static"
-        self._batch_decodes = batch_decodes
-        # Batch mode: requests whose plain decode gave one token in the last `update` and went on.
-        # They get no RequestDelta; each one's new token is its last output token.
+        self._decode_ids = decode_ids
+        # With `decode_ids`: requests whose plain decode gave one token in the last `update` and
+        # went on. They get no RequestDelta; each one's new token is its last output token.
         self.last_decoded: list[str] = []
         self._salt_with_tenant = cache.tenant_isolation
         self._tenant_running: Counter[str] = Counter()
@@ -161,7 +155,6 @@ class Scheduler(SchedulerIntrospection, SkippedSteps):
         allocate, table = self.kv.allocate_slots, self.kv.block_tables.get
         block_size = self.kv.block_size
         rows = plan.rows
-        batch = self._batch_decodes
         for req in list(self.running):
             if plan.budget <= 0:
                 break
@@ -188,14 +181,10 @@ class Scheduler(SchedulerIntrospection, SkippedSteps):
                     ids = table(rid, ())
                 if req.status is not _RUNNING:
                     continue  # it was its own victim
-            # StepPlan.add_running, inlined: this is the per-decode, per-step path.
+            # StepPlan.add, inlined: this is the per-decode, per-step path.
+            rows[rid] = scheduled_request(req, n, ids)
             if n != 1 or start < num_prompt:
-                rows[rid] = scheduled_request(req, n, ids)
                 plan.num_prefill += n
-            elif batch and req.sampling_params.plain_decode:
-                rows[rid] = req  # a row of the step's DecodeBatch
-            else:
-                rows[rid] = scheduled_request(req, n, ids)
             plan.budget -= n
 
     def eligible(self) -> Callable[[Request], bool] | None:
@@ -280,27 +269,17 @@ class Scheduler(SchedulerIntrospection, SkippedSteps):
         self.kv.free(req, keep_hashes=keep_hashes)
 
     def _build_output(self, plan: StepPlan) -> SchedulerOutput:
-        decodes: DecodeBatch = NO_DECODES
-        before: tuple[int, ...] = ()
-        scheduled: tuple[ScheduledRequest, ...]
-        if self._batch_decodes:
-            scheduled, decodes, before = split_rows(plan.rows, self.kv.block_tables)
-        else:
-            # Without batch mode every row is a record.
-            scheduled = cast("tuple[ScheduledRequest, ...]", tuple(plan.rows.values()))
         num_prefill = plan.num_prefill
         self._preempted_ids.extend(plan.preempted)
         num_tokens = self.config.max_num_batched_tokens - plan.budget
         out = SchedulerOutput(
             step=self._step,
-            scheduled=scheduled,
+            scheduled=tuple(plan.rows.values()),
             preempted_ids=tuple(self._preempted_ids),
             finished_ids=tuple(self._finished_ids),
             num_batched_tokens=num_tokens,
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_tokens - num_prefill,
-            decodes=decodes,
-            decodes_before=before,
         )
         if plan.rows:  # an empty output is never executed: keep the ids for the next one
             self._preempted_ids.clear()
@@ -311,23 +290,11 @@ class Scheduler(SchedulerIntrospection, SkippedSteps):
     def update(self, out: SchedulerOutput, model_output: ModelOutput, now: float) -> list[RequestDelta]:
         """Apply a step's results: advance progress, append sampled tokens, stop what is done.
 
-        Walks the step in scheduling order. In batch mode, the plain decodes that go on are listed
-        in `last_decoded` rather than returned as deltas."""
+        Walks the step in scheduling order. With `decode_ids`, the plain decodes that go on are
+        listed in `last_decoded` rather than returned as deltas."""
         deltas, self._pending_deltas = self._pending_deltas, []
         self.last_decoded = []
-        sampled = model_output.sampled_token_ids
-        decodes = out.decodes
-        if not decodes.request_ids:
-            for sr in out.scheduled:
-                self._update_record(sr, model_output, now, deltas)
-        else:
-            done = 0
-            for sr, before in zip(out.scheduled, out.decodes_before, strict=True):
-                if before > done:
-                    self._update_decodes(decodes, done, before, sampled, now, deltas)
-                    done = before
-                self._update_record(sr, model_output, now, deltas)
-            self._update_decodes(decodes, done, len(decodes.request_ids), sampled, now, deltas)
+        self._update_rows(out.scheduled, model_output, now, deltas)
         self._close_stats()
         return deltas
 
@@ -365,24 +332,30 @@ class Scheduler(SchedulerIntrospection, SkippedSteps):
         logprobs = model_output.logprobs
         deltas.append(self._append_token(req, token, logprobs.get(rid) if logprobs else None, now))
 
-    def _update_decodes(self, batch: DecodeBatch, lo: int, hi: int, sampled: dict[str, int], now: float,
-                        deltas: list[RequestDelta]) -> None:
-        """Rows lo..hi of a decode batch: one token each. What `_update_record` and `_append_token`
-        do for a plain decode, written flat (a simulation runs this for nearly every token), with
-        the ids of the requests that go on collected in `last_decoded` instead of a delta each."""
+    def _update_rows(self, rows: tuple[ScheduledRequest, ...], model_output: ModelOutput, now: float,
+                     deltas: list[RequestDelta]) -> None:
+        """`_update_record` for each row, but for a plain decode (one token, sampled, past the
+        prompt, of a request with plain sampling) what it and `_append_token` do written flat (it
+        runs for nearly every token); with `decode_ids`, the ids of the plain decodes that go on
+        are collected in `last_decoded` instead of a delta each."""
         requests, cache, block_size = self.requests, self.kv.cache_computed_blocks, self.kv.block_size
         account = self.waiting.account if self.waiting.tracks_service else None
         latencies = self._stats.token_latencies
         max_len = self.max_model_len
-        went_on = self.last_decoded
-        ids, starts = batch.request_ids, batch.start_pos
+        went_on = self.last_decoded if self._decode_ids else None
+        sampled = model_output.sampled_token_ids
+        update_record = self._update_record
         num_computed = num_sampled = 0
-        for i in range(lo, hi):
-            rid = ids[i]
+        for sr in rows:
+            rid = sr.request_id
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING:
                 continue  # ended between schedule and update
-            start = starts[i]
+            start = sr.start_pos
+            if len(sr.token_ids) != 1 or not sr.sample or start < len(req.prompt_token_ids) \
+                    or not sr.sampling_params.plain_decode:
+                update_record(sr, model_output, now, deltas)
+                continue
             assert req.num_computed_tokens == start, f"{rid}: progress out of step"
             req.num_computed_tokens = start + 1
             num_computed += 1
@@ -406,13 +379,15 @@ class Scheduler(SchedulerIntrospection, SkippedSteps):
             req.last_token_time = now
             sp = req.sampling_params
             # Context after this token: start + 2 (the token fed, then the one just sampled).
-            if (len(outputs) < sp.max_tokens and start + 2 < max_len and token not in req.eos_token_ids
-                    and token not in sp.stop_token_ids):
-                went_on.append(rid)
-                continue
-            status, stop_reason = self.stop_status(req, token)
+            status, stop_reason = None, None
+            if not (len(outputs) < sp.max_tokens and start + 2 < max_len and token not in req.eos_token_ids
+                    and token not in sp.stop_token_ids):  # (most tokens end nothing: decided cheaply)
+                status, stop_reason = self.stop_status(req, token)
             if status is None:
-                went_on.append(rid)
+                if went_on is not None:
+                    went_on.append(rid)
+                else:
+                    deltas.append(token_delta(req, token, ()))
                 continue
             self.finish(req, status, now, stop_reason=stop_reason)
             deltas.append(final_delta(req, (token,)))
@@ -423,7 +398,7 @@ class Scheduler(SchedulerIntrospection, SkippedSteps):
     def fail_step(self, out: SchedulerOutput, error: str, now: float) -> list[RequestDelta]:
         """The executor raised: every request of the step ends with FINISHED_ERROR."""
         deltas, self._pending_deltas = self._pending_deltas, []
-        for sr in out.rows():
+        for sr in out.scheduled:
             req = self.requests.get(sr.request_id)
             if req is not None and req.status is _RUNNING:
                 self.finish(req, RequestStatus.FINISHED_ERROR, now, error=error)
@@ -557,3 +532,30 @@ class Scheduler(SchedulerIntrospection, SkippedSteps):
         st.step, st.now = self._step, now
         self._close_stats()
         return self.last_iteration_stats
+
+    def steps_ran_outside(self, num_steps: int, last_start: float, *, num_computed: int, num_prompt_tokens: int,
+                          num_sampled: int, first_token_latencies: Sequence[tuple[str, float]] = (),
+                          went_on: list[str], finished_ids: Sequence[str] = ()) -> None:
+        """`num_steps` steps ran without `schedule` and `update`, the last starting at `last_start`:
+        a driver that knew them ahead changed the requests, the KV manager and the queue as they
+        would have, and called `finish` for the requests they ended. This moves the scheduler's
+        own counters on as those steps would have (`num_computed` tokens computed, of them
+        `num_prompt_tokens` prompt tokens, `num_sampled` tokens generated), closes their stats as
+        one record, lists `went_on` as `last_decoded` and `finished_ids` (those ended in the last
+        step) as not yet reported; the ids pending before them went out with the first one.
+
+        Its one caller is the simulator's fast-forward (sim/fast_forward.py); it stays here
+        because the counters it moves are private to the scheduler, which keeps them in step
+        with its requests (`check_integrity`)."""
+        self._num_live_tokens += num_computed
+        self._step += num_steps
+        self._now = last_start
+        self._finished_ids[:] = finished_ids
+        self._preempted_ids.clear()
+        self.last_decoded = went_on
+        stats = self._stats
+        stats.step, stats.now = self._step, self._now
+        stats.num_prompt_tokens += num_prompt_tokens
+        stats.num_generation_tokens += num_sampled
+        stats.first_token_latencies += first_token_latencies
+        self._close_stats()

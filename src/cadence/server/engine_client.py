@@ -70,6 +70,8 @@ class EngineClient(Protocol):
         elsewhere (a fleet's replicas export their own)."""
         ...
 
+    # (The signature repeats `AsyncEngine.submit`'s and `FleetClient.submit`'s on purpose: a
+    # Protocol states the shape its implementations share.)
     async def submit(
         self,
         prompts: Sequence[list[int]],

@@ -26,6 +26,7 @@ from cadence.errors import CadenceError, ErrorKind
 log = logging.getLogger("cadence.server")
 
 
+# (Shaped like request.FinishReason, as string enums of wire values are; they name different things.)
 class HTTPKind(str, enum.Enum):
     """Errors that exist only at the HTTP layer (the engine never raises them)."""
 

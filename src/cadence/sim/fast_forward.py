@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Protocol, runtime_checkable
 
-from cadence.boundary import IterationStats, RequestDelta
+from cadence.boundary import RequestDelta
 from cadence.clock import Clock
 from cadence.config import SchedulerConfig
 from cadence.engine.core import EngineCore
@@ -76,6 +76,7 @@ from cadence.request import Request, RequestStatus
 from cadence.sched.preempt import PreemptionPolicy
 from cadence.sched.queue import RequestQueue
 from cadence.sched.records import final_delta, token_delta
+from cadence.sim.bulk_steps import account_decodes, peek_is_stable, step_blocks
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -107,7 +108,6 @@ class StretchScheduler(Protocol):
     kv: KVCacheManager
     max_model_len: int
     is_static: bool
-    last_decoded: list[str]
 
     @property
     def step_count(self) -> int: ...
@@ -121,9 +121,6 @@ class StretchScheduler(Protocol):
     @property
     def has_pending_deltas(self) -> bool: ...
 
-    @property
-    def open_stats(self) -> IterationStats: ...
-
     def eligible(self) -> Callable[[Request], bool] | None: ...
 
     def chunk(self, req: Request, num_computed: int, budget: int) -> int: ...
@@ -132,11 +129,9 @@ class StretchScheduler(Protocol):
 
     def finish(self, req: Request, status: RequestStatus, now: float, *, stop_reason: str | int | None = None) -> None: ...
 
-    def forget_finished(self) -> None: ...
-
-    def skip_steps(self, num_steps: int, now: float, num_computed: int) -> None: ...
-
-    def close_skipped_steps(self, went_on: list[str], num_sampled: int) -> None: ...
+    def steps_ran_outside(self, num_steps: int, last_start: float, *, num_computed: int, num_prompt_tokens: int,
+                          num_sampled: int, first_token_latencies: Sequence[tuple[str, float]] = (),
+                          went_on: list[str], finished_ids: Sequence[str] = ()) -> None: ...
 
 
 class FastForward:
@@ -146,6 +141,8 @@ class FastForward:
     def __init__(self, core: EngineCore, executor: DecodeRunExecutor) -> None:
         if executor.clock is not core.clock:
             raise ValueError("the executor must advance the engine core's own clock")
+        if not core.decode_ids:
+            raise ValueError("the engine core must report plain decodes as ids (decode_ids): a stretch makes no delta for them")
         self.core = core
         self.executor = executor
         self._planned: DecodeStretch | None = None
@@ -153,9 +150,10 @@ class FastForward:
 
     @classmethod
     def of(cls, core: EngineCore) -> FastForward | None:
-        """The fast-forward of `core`, or None where its executor costs no decode runs on its clock."""
+        """The fast-forward of `core`, or None where its executor costs no decode runs on its clock
+        or it reports plain decodes as deltas (`decode_ids` off)."""
         ex = core.executor
-        if not isinstance(ex, DecodeRunExecutor) or ex.clock is not core.clock:
+        if not isinstance(ex, DecodeRunExecutor) or ex.clock is not core.clock or not core.decode_ids:
             return None
         return cls(core, ex)
 
@@ -369,7 +367,7 @@ def _waiting_limits(s: StretchScheduler, starts: list[int], first: list[int], nu
     budget = cfg.max_num_batched_tokens - len(running)
     if budget <= 0:
         return none  # the loop never looks
-    if not s.waiting.peek_is_stable():
+    if not peek_is_stable(s.waiting):
         return None
     head = s.waiting.peek(s.eligible())
     if head is None:
@@ -436,24 +434,29 @@ def apply_stretch(s: StretchScheduler, stretch: DecodeStretch, num_steps: int) -
         req.last_token_time = ends[k - 1]
     if s.waiting.tracks_service:
         assert all(k == num_steps for k in done), "fair share: no request leaves mid-stretch"
-        s.waiting.account_decodes(reqs, num_steps)
+        account_decodes(s.waiting, reqs, num_steps)
     num_computed = num_sampled = sum(outs)
+    prompt_tokens = 0
+    first_token: list[tuple[str, float]] = []
     if stretch.prefill is not None:
-        prompt_tokens = _stretch_prompt(s, stretch, num_steps, done[-1] if join >= 0 else 0)
+        prompt_tokens = _stretch_prompt(stretch, num_steps, done[-1] if join >= 0 else 0, first_token)
         num_computed += prompt_tokens - (join >= 0 and outs[-1] > 0)  # (a joined row's first token is sampled, not fed)
-        s.open_stats.num_prompt_tokens += prompt_tokens
-    s.skip_steps(num_steps, ends[num_steps - 2] if num_steps > 1 else stretch.start_time, num_computed)
     finishing = min(last, default=num_steps) < num_steps or 0 <= join < num_steps
-    deltas = _finish_stretch(s, stretch, num_steps) if finishing else []
+    finished: list[str] = []  # those of the last step: the next step's output would carry them
+    deltas = _finish_stretch(s, stretch, num_steps, finished) if finishing else []
     # (A joined row decoded in the last step only if that came after its join.)
     went_on = reqs if join < 0 or num_steps - 1 > join else rows
-    s.close_skipped_steps([r.request_id for r in went_on if r.status is _RUNNING], num_sampled)
+    s.steps_ran_outside(num_steps, ends[num_steps - 2] if num_steps > 1 else stretch.start_time,
+                        num_computed=num_computed, num_prompt_tokens=prompt_tokens, num_sampled=num_sampled,
+                        first_token_latencies=first_token,
+                        went_on=[r.request_id for r in went_on if r.status is _RUNNING], finished_ids=finished)
     return deltas
 
 
-def _stretch_prompt(s: StretchScheduler, stretch: DecodeStretch, num_steps: int, done: int) -> int:
+def _stretch_prompt(stretch: DecodeStretch, num_steps: int, done: int, first_token: list[tuple[str, float]]) -> int:
     """A stretch's prompt row after its first `num_steps` steps (`done`: its steps, if it joins):
-    its progress, and its first token's time if it joined. Returns the prompt tokens computed."""
+    its progress, and its first token's time if it joined (its latency added to `first_token`).
+    Returns the prompt tokens computed."""
     req, join, ends = stretch.prefill, stretch.join, stretch.step_ends
     assert req is not None
     if join < 0 or num_steps <= join:  # still in its prompt
@@ -463,17 +466,17 @@ def _stretch_prompt(s: StretchScheduler, stretch: DecodeStretch, num_steps: int,
     req.num_computed_tokens = stretch.starts[-1] + done
     req.first_token_time = ends[join]
     req.last_token_time = ends[done - 1]
-    s.open_stats.first_token_latencies.append((req.tenant, ends[join] - req.arrival_time))
+    first_token.append((req.tenant, ends[join] - req.arrival_time))
     return stretch.chunk * join + stretch.join_chunk
 
 
-def _finish_stretch(s: StretchScheduler, stretch: DecodeStretch, num_steps: int) -> list[RequestDelta]:
+def _finish_stretch(s: StretchScheduler, stretch: DecodeStretch, num_steps: int, finished: list[str]) -> list[RequestDelta]:
     """The requests that finish in the first `num_steps` steps (length limits): what a single
     step's update does for them, in step order, then scheduling order. (Their blocks return
     to the pool after the stretch's allocations and publications rather than between them: a
     free never touches a block's hash, nor the blocks at the head of the free queue that the
     stretch's allocations take, since `steps_within` counts no freed block.) Only those of the
-    last step stay listed as finished: the next step's output would have carried the others.
+    last step stay listed in `finished`: the next step's output would have carried the others.
     Returns their final deltas, with a joined request's first-token delta in its place."""
     deltas = []
     token, ends, join = stretch.token, stretch.step_ends, stretch.join
@@ -488,17 +491,18 @@ def _finish_stretch(s: StretchScheduler, stretch: DecodeStretch, num_steps: int)
             deltas.append(token_delta(stretch.requests[-1], token, ()))
             first_token = -1
         done = step
-        s.forget_finished()  # (those of an earlier step went out with the step after it)
+        finished.clear()  # (those of an earlier step went out with the step after it)
         for i in rows:
             req = stretch.requests[i]
             status, stop_reason = s.stop_status(req, token)
             assert status is RequestStatus.FINISHED_LENGTH, f"{req.request_id}: planned to finish by length"
             s.finish(req, status, ends[step], stop_reason=stop_reason)
+            finished.append(req.request_id)
             deltas.append(final_delta(req, (token,)))
     if first_token >= 0:
         deltas.append(token_delta(stretch.requests[-1], token, ()))
     if done < num_steps - 1:
-        s.forget_finished()
+        finished.clear()
     return deltas
 
 
@@ -541,7 +545,7 @@ def _stretch_blocks(kv: KVCacheManager, stretch: DecodeStretch, num_steps: int, 
                     j0 += ((join - j0) // bs + 1) * bs
                 events += [(j, 1, row) for j in range(j0, done[-1], bs)]
     events.sort()
-    if kv.step_blocks(rows, row_starts, widths, events, cap):
+    if step_blocks(kv, rows, row_starts, widths, events, cap):
         return
     # One by one (a block it publishes may duplicate a cached block that it evicts).
     allocate, publish = kv.allocate_slots, kv.cache_computed_blocks

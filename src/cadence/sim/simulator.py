@@ -203,7 +203,7 @@ class Simulator:
             clock = clock_factory()
             ex = executor_factory(clock)
             core = EngineCore(config, ex, clock=clock, max_model_len=max_len, eos_token_ids=frozenset(),
-                              snapshot_gauges=False)
+                              snapshot_gauges=False, decode_ids=True)
             self.replicas.append(_Replica(i, core, clock, ex))
         self._params: dict[int, SamplingParams] = {}
         self._live: dict[str, tuple[RequestRecord, _Replica]] = {}
