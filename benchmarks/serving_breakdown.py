@@ -12,7 +12,12 @@ is timed from the inside:
   (no free core, or the GIL held by the HTTP thread);
 - the delay of each step's output to the HTTP side's event loop;
 - the CPU time of every thread of the server (the HTTP thread is the main one) and of the client,
-  read from /proc, as a share of the run's wall time on this machine's cores.
+  read from /proc, as a share of the run's wall time on this machine's cores;
+- every step the engine ran (`--record-steps`) against the profile's cost model, by kind of step
+  (decodes only, a prompt chunk beside decodes, prompt chunks only): what the simulator would
+  have charged for the very steps the server made;
+- the same workload simulated: busy time, steps, and TTFT/ITL percentiles beside the client's
+  and the engine's own (from /metrics).
 
 It prints one table per seed and load, and keeps each run's figures in --out/breakdown.json.
 The server, the client and this script share the machine; run it on a quiet one.
@@ -114,7 +119,9 @@ def saturation(args: argparse.Namespace, seed: int, out: Path) -> float:
 
 def one_run(args: argparse.Namespace, seed: int, rate: float, out: Path) -> dict:
     url = f"http://127.0.0.1:{args.port}"
-    cmd = [*CADENCE, "serve", "--num-threads", "1", "--port", str(args.port)]
+    steps_file = out / f"steps_{seed}_{rate:.3f}.jsonl"
+    steps_file.unlink(missing_ok=True)
+    cmd = [*CADENCE, "serve", "--num-threads", "1", "--port", str(args.port), "--record-steps", str(steps_file)]
     with served(cmd, url + "/ready", out / f"serve_{seed}_{rate:.3f}.log", cwd=ROOT, timeout=120) as proc:
         m0, c0 = scrape(url), thread_cpu(proc.pid)
         r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
@@ -142,7 +149,24 @@ def one_run(args: argparse.Namespace, seed: int, rate: float, out: Path) -> dict
                         for m, name in (("ttft", "time_to_first_token_seconds"),
                                         ("itl", "inter_token_latency_seconds"))},
         "sim": simulate(args, seed, rate, out),
+        "steps_vs_model": steps_vs_model(steps_file, args.profile),
     }
+
+
+def steps_vs_model(path: Path, profile: str) -> dict[str, dict[str, float]]:
+    """The recorded steps' measured time against the cost model's prediction, by kind of step
+    (the warm-up request's steps before the benchmark are included; they are few)."""
+    from cadence.executor.cost_model import StepCostModel
+    from cadence.executor.step_log import read_step_log
+
+    model = StepCostModel.load(profile)
+    kinds: dict[str, list[tuple[float, float]]] = {}
+    for f, actual in read_step_log(path):
+        kind = "decodes" if not f.prefill_tokens else ("chunk + decodes" if f.decode_seqs else "chunks")
+        kinds.setdefault(kind, []).append((actual, model.predict(f)))
+        kinds.setdefault("all", []).append(kinds[kind][-1])
+    return {k: {"steps": len(v), "actual_s": sum(a for a, _ in v), "predicted_s": sum(p for _, p in v),
+                "median_ratio": sorted(a / p for a, p in v)[len(v) // 2]} for k, v in kinds.items()}
 
 
 def table(frac: float, r: dict) -> str:
@@ -171,6 +195,11 @@ def table(frac: float, r: dict) -> str:
     lines.append(f"engine busy {busy:.2f} s in {r['steps']:.0f} steps ({1000 * busy / max(r['steps'], 1):.2f} ms a step); "
                  f"simulated {sim['busy_s']:.2f} s in {sim['steps']} steps ({1000 * sim['busy_s'] / max(sim['steps'], 1):.2f} "
                  f"ms a step): sim/real busy {sim['busy_s'] / max(busy, 1e-9):.2f}")
+    lines += ["", "| steps | count | measured s | modelled s | measured / modelled (sum, median step) |",
+              "|---|---|---|---|---|"]
+    for kind, v in r["steps_vs_model"].items():
+        lines.append(f"| {kind} | {v['steps']} | {v['actual_s']:.2f} | {v['predicted_s']:.2f} | "
+                     f"{v['actual_s'] / max(v['predicted_s'], 1e-9):.2f}, {v['median_ratio']:.2f} |")
     lines += ["", "| ms | client | engine side | simulated |", "|---|---|---|---|"]
     for m in ("ttft", "itl"):
         for q in ("p50", "p90", "p99"):

@@ -15,6 +15,7 @@ from cadence.clock import Clock
 from cadence.config import EngineConfig, GiB
 from cadence.engine.core import EngineCore
 from cadence.executor.model_runner import ModelRunner
+from cadence.executor.step_log import StepLog
 from cadence.model.arch import ModelArchConfig
 from cadence.model.cpu_kernels import cpu_flags
 from cadence.model.loader import default_model_path, load_checkpoint
@@ -137,6 +138,8 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
             f"max_model_len: {max_len} exceeds the model's context length ({arch.max_position_embeddings})"
         )
     core = EngineCore(config, runner, clock=clock, max_model_len=max_len, eos_token_ids=tokenizer.eos_token_ids)
+    if config.model.record_steps:
+        core.step_observer = StepLog(config.model.record_steps)
     name = config.model.served_model_name or (arch.name if tiny else _model_name(path))
     log.info("model %s (%s) on %s in %s, max_model_len %d", name, path.name, device, dtype, max_len)
     return Engine(core, tokenizer, name, max_len, arch.vocab_size, config, device, dtype)

@@ -9,9 +9,9 @@ engine runs this in a background thread and calls `add_request` / `abort_request
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from cadence.boundary import IterationStats, ModelOutput, RequestDelta, SchedulerStats
+from cadence.boundary import IterationStats, ModelOutput, RequestDelta, SchedulerOutput, SchedulerStats
 from cadence.clock import Clock, RealClock
 from cadence.config import EngineConfig
 from cadence.executor.base import Executor
@@ -60,6 +60,8 @@ class EngineCore:
         executor.initialize_kv_cache(num_blocks, cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_caching_hash_algo)
         self.scheduler = Scheduler(config.scheduler, cache, self.kv, max_model_len, decode_ids=decode_ids)
+        # Told of each executed step and its duration (`--record-steps`); None: nobody.
+        self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
         self.last_stats = IterationStats()
         self._gauges = self.scheduler.stats()
         logger.info(
@@ -165,6 +167,8 @@ class EngineCore:
             else:
                 now = self.clock.now()
                 step_time = now - start
+                if self.step_observer is not None:
+                    self.step_observer(out, step_time)
                 deltas = sched.update(out, result, now)
         if out.preempted_ids:
             logger.debug("step %d preempted %s", out.step, ", ".join(out.preempted_ids))

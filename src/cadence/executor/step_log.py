@@ -1,0 +1,51 @@
+"""`--record-steps FILE`: each step's shape and duration, as JSON lines, for calibration and fidelity.
+
+The simulator charges a step what the cost model predicts from its shape (`StepFeatures`). A
+served engine's steps can cost more than the same shapes timed alone (other threads and processes
+share the cores and the memory bus), and which shapes a real run makes depends on its traffic.
+Recording the steps a served run really made, with their measured durations, lets
+`benchmarks/serving_breakdown.py` compare each one with its prediction, by kind of step and by load.
+
+One line per step: `{"step": N, "duration": seconds, "prefill_tokens": ..., ...}` (the fields of
+`StepFeatures`). Lines are written as steps end (line-buffered), so the file is complete up to the
+last step even if the server is killed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TextIO
+
+from cadence.boundary import SchedulerOutput
+from cadence.executor.cost_model import StepFeatures
+
+
+class StepLog:
+    """Appends one JSON line per executed step to `path` (see the module docstring)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file: TextIO | None = self.path.open("a", buffering=1, encoding="utf-8")
+
+    def __call__(self, out: SchedulerOutput, duration: float) -> None:
+        if self._file is None:
+            return
+        f = StepFeatures.from_output(out)
+        self._file.write(json.dumps({"step": out.step, "duration": round(duration, 7), **f.to_dict()}) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_step_log(path: str | Path) -> list[tuple[StepFeatures, float]]:
+    """The (shape, duration) pairs of a step log."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        d = json.loads(line)
+        duration = float(d.pop("duration"))
+        d.pop("step", None)
+        out.append((StepFeatures(**d), duration))
+    return out
