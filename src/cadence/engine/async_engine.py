@@ -43,6 +43,7 @@ from cadence.wording import counted
 
 if TYPE_CHECKING:
     from cadence.engine.builder import Engine
+    from cadence.engine.ttft import TTFTPredictor
 
 log = logging.getLogger("cadence.engine")
 
@@ -95,6 +96,8 @@ class AsyncEngine:
         self.step_timeout = config.model.step_timeout if config is not None else 0.0
         pace = StepPace(config.scheduler.max_num_batched_tokens if config is not None else 1)
         self._watchdog = Watchdog(self.step_timeout, pace, self._has_work, self._stalled)
+        # Set by the server: predicts a waiting request's time to first token when asked (ttft.py).
+        self.predictor: TTFTPredictor | None = None
         self._thread = threading.Thread(target=self._run, name="cadence-engine", daemon=True)
         if start:
             self._thread.start()
@@ -369,13 +372,22 @@ class AsyncEngine:
             if tenant is not None and members[0].tenant != tenant:
                 return None
             sched = self.core.scheduler
-            return tuple(self._client_view(sched.snapshot(r.request_id) or request_snapshot(r), tenant)
-                         for r in members)
+            return tuple(self._predicted(r, self._client_view(sched.snapshot(r.request_id) or request_snapshot(r),
+                                                               tenant)) for r in members)
         self._forget_ended()
         ended = self._ended.get(request_id)
         if ended is None or tenant is not None and ended[1][0].tenant != tenant:
             return None
         return ended[1]
+
+    def _predicted(self, req: Request, snap: RequestSnapshot) -> RequestSnapshot:
+        """The snapshot with its predicted time to first token (or why there is none)."""
+        if self.predictor is None:
+            return replace(snap, predicted_ttft_unavailable="no cost-model profile is loaded")
+        if snap.state in ("decoding", "finished") or req.first_token_time is not None:
+            return snap
+        p = self.predictor.predict(self.core.scheduler, req, self.clock.now())
+        return replace(snap, predicted_ttft=p.ttft_s, predicted_ttft_unavailable=p.unavailable)
 
     def _client_view(self, snap: RequestSnapshot, tenant: str | None) -> RequestSnapshot:
         """The request it waits behind named by its client request id, and only if the caller may
