@@ -28,6 +28,7 @@ from cadence.server.engine_client import EngineStream as RequestStream
 from cadence.server.errors import error_payload
 from cadence.server.formats import (
     DONE_EVENT,
+    queue_comment,
     ChatFormatter,
     CompletionFormatter,
     Formatter,
@@ -200,6 +201,13 @@ class OpenAIServing:
             if trace is not None:
                 trace.submit_ns = time.time_ns()
             stream = await self._submit(job)
+            if job.stream and job.queue_status:
+                # Answered now, before the first token: later refusals become the stream's error event.
+                preamble = await self._queue_status(job)
+                watcher.stop()
+                handed_over = True
+                done = self._finisher(job, stream, usage, trace)
+                return self._streaming(job, fmt, None, stream, done, usage, trace, preamble)
             try:
                 first = await self._first(stream)
             except BaseException as e:
@@ -211,12 +219,7 @@ class OpenAIServing:
                 watcher.stop()  # from here on Starlette notices the disconnect and cancels the stream
                 handed_over = True
                 done = self._finisher(job, stream, usage, trace)
-                return EngineStreamingResponse(
-                    self._sse(job, fmt, first, stream, done, usage, trace),
-                    done,
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": job.request_id},
-                )
+                return self._streaming(job, fmt, first, stream, done, usage, trace)
             try:
                 return JSONResponse(await self._collect(fmt, first, stream, usage), headers={"X-Request-Id": job.request_id})
             finally:
@@ -230,6 +233,32 @@ class OpenAIServing:
             if not handed_over:
                 self._release(job)
                 self._end_trace(job, trace, usage)
+
+    def _streaming(self, job: Job, fmt: Formatter, first: StreamDelta | None, stream: RequestStream,
+                   done: Callable[[], Awaitable[None]], usage: UsageTracker, trace: RequestTrace | None,
+                   preamble: bytes = b"") -> EngineStreamingResponse:
+        return EngineStreamingResponse(
+            self._sse(job, fmt, first, stream, done, usage, trace, preamble),
+            done,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": job.request_id},
+        )
+
+    async def _queue_status(self, job: Job) -> bytes:
+        """The opening comment of a stream that asked for its queue status."""
+        lookup = getattr(self.engine, "request_status", None)
+        snaps = None
+        if lookup is not None:
+            try:
+                snaps = await lookup(job.request_id, None)
+            except CadenceError:  # the engine is busy or gone: the stream itself will say so
+                snaps = None
+        if not snaps:
+            return queue_comment(None, None, "unknown")
+        waiting = [s for s in snaps if s.queue_position is not None]
+        head = min(waiting, key=lambda s: s.queue_position or 0) if waiting else snaps[0]
+        predicted = [s.predicted_ttft for s in snaps if s.predicted_ttft is not None]
+        return queue_comment(head.queue_position, min(predicted) if predicted else None, head.state)
 
     # -- tracing (nothing runs here while tracing is off) -------------------------------------------
 
@@ -317,13 +346,18 @@ class OpenAIServing:
         self,
         job: Job,
         fmt: Formatter,
-        first: StreamDelta,
+        first: StreamDelta | None,
         stream: RequestStream,
         done: Callable[[], Awaitable[None]],
         usage: UsageTracker,
         trace: RequestTrace | None,
+        preamble: bytes = b"",
     ) -> AsyncIterator[bytes]:
         try:
+            if preamble:
+                yield preamble
+            if first is None:
+                first = await self._first(stream)
             for start in fmt.start_chunks():
                 yield sse(_with_usage(start, job, usage))
             d: StreamDelta | None = first
