@@ -28,12 +28,12 @@ from cadence.server.engine_client import EngineStream as RequestStream
 from cadence.server.errors import error_payload
 from cadence.server.formats import (
     DONE_EVENT,
-    queue_comment,
     ChatFormatter,
     CompletionFormatter,
     Formatter,
     TokenStrings,
     UsageTracker,
+    queue_comment,
     sse,
 )
 from cadence.server.inputs import InputBuilder, Job
