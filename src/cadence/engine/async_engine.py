@@ -323,12 +323,20 @@ class AsyncEngine:
             log.exception("stats hook failed")
         return it
 
+    def enable_request_events(self) -> None:
+        """Record each request's prefill chunks, preemptions and resumes (for its trace); they come
+        with its final delta. Call before serving."""
+        self.core.record_request_events()
+
     def _dispatch(self, deltas: list[StreamDelta]) -> None:
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        events = self.core.events
         for d in deltas:
             group = self._owner.get(d.request_id)
             if group is None:
                 continue  # aborted: nobody listens
+            if d.finished and events is not None:
+                d.events = events.pop(d.request_id)
             per_loop.setdefault(group.loop, []).append((group.queue, d))
             if d.finished:
                 self._close_sub(group, d.request_id)
@@ -425,9 +433,12 @@ class AsyncEngine:
         except Exception as exc:
             self._call(group.loop, self._resolve, add.future, self._admission_error(exc))
             return
+        events = self.core.events
         for req in add.requests:
             self._proc.add_request(req.request_id, req.sampling_params, req.prompt_token_ids)
             self._owner[req.request_id] = group
+            if events is not None:
+                events.track(req.request_id)
         group.open_ids = set(group.sub_ids)
         self._groups[group.request_id] = group
         self._members[group.request_id] = list(add.requests)
@@ -453,9 +464,12 @@ class AsyncEngine:
             if group is None:
                 continue
             ids = sorted(group.open_ids)
+            events = self.core.events
             for rid in ids:
                 self._proc.remove(rid)
                 self._owner.pop(rid, None)
+                if events is not None:
+                    events.discard(rid)
             group.open_ids.clear()
             self._groups.pop(group.request_id, None)
             self._in_flight -= 1

@@ -245,6 +245,8 @@ def create_app(
     exporter.rejection_listeners.append(dashboard.record_rejection)
     exporter.watch_engine(lambda: engine.is_healthy)
     tracer = make_tracer(server_config, exporter)
+    if tracer is not None and hasattr(engine, "enable_request_events"):
+        engine.enable_request_events()  # prefill chunks, preemptions and resumes inside the spans
     serving = OpenAIServing(engine, server_config, exporter, tracer)
     app = FastAPI(title="cadence", version="0.1.0", description="An OpenAI-compatible LLM server.")
     app.state.engine, app.state.serving, app.state.exporter = engine, serving, exporter

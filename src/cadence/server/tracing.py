@@ -73,6 +73,7 @@ class SpanAttributes:
     DEADLINE = "cadence.deadline_s"
     PREFIX_CACHE_HIT_TOKENS = "cadence.prefix_cache_hit_tokens"
     NUM_PREEMPTIONS = "cadence.num_preemptions"
+    PREEMPTED_TOKENS = "cadence.preempted_tokens"
     ERROR_TYPE = "error.type"
 
 
@@ -289,6 +290,10 @@ def _attributes(f: SpanFacts, trace: RequestTrace) -> dict[str, Any]:
     if ms:
         out[a.NUM_PREEMPTIONS] = sum(m.num_preemptions for m in ms)
         out.update(_latencies(ms))
+    lost = [v for d in trace.finals.values() for e in d.events if e.name == "preempted"
+            for k, v in e.attributes if k == "cadence.tokens_lost"]
+    if lost:
+        out[a.PREEMPTED_TOKENS] = sum(lost)
     return out
 
 
@@ -333,6 +338,8 @@ def _add_events(span: Any, trace: RequestTrace, end_ns: int) -> None:
         attrs: dict[str, Any] = {"cadence.choice": choice}
         if m.first_scheduled_time is not None:
             span.add_event("scheduled", attrs, timestamp=at(m.first_scheduled_time))
+        for e in d.events:  # prefill chunks, preemptions, resumes (the engine's, in order)
+            span.add_event(e.name, {**attrs, **dict(e.attributes)}, timestamp=at(e.time))
         if m.first_token_time is not None:
             span.add_event("first_token", attrs, timestamp=at(m.first_token_time))
         if m.finished_time is not None:
