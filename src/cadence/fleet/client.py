@@ -26,6 +26,7 @@ from cadence.kv.hashing import block_hashers
 from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 from cadence.routing import fingerprints
+from cadence.server.engine_client import TRACE_CARRIER
 
 log = logging.getLogger("cadence.fleet")
 
@@ -209,7 +210,8 @@ class FleetClient:
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         if request_id in self._live:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
-        call = GenerateCall(tuple(prompts), params, request_id, policy, self.chain(prompts[0], policy.cache_salt))
+        call = GenerateCall(tuple(prompts), params, request_id, policy, self.chain(prompts[0], policy.cache_salt),
+                            TRACE_CARRIER.get())
         gen = None
         try:
             gen = self._handle.options(stream=True).generate.remote(call)

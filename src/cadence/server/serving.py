@@ -23,7 +23,7 @@ from cadence.config import ServerConfig
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.metrics.prometheus import PrometheusExporter
-from cadence.server.engine_client import EngineClient
+from cadence.server.engine_client import TRACE_CARRIER, EngineClient
 from cadence.server.engine_client import EngineStream as RequestStream
 from cadence.server.errors import error_payload
 from cadence.server.formats import (
@@ -198,9 +198,15 @@ class OpenAIServing:
         handed_over = False
         watcher = DisconnectWatcher(raw, lambda: self.engine.abort(job.request_id))
         try:
+            carried = None
             if trace is not None:
                 trace.submit_ns = time.time_ns()
-            stream = await self._submit(job)
+                carried = TRACE_CARRIER.set(trace.carrier())  # for an engine in another process
+            try:
+                stream = await self._submit(job)
+            finally:
+                if carried is not None:
+                    TRACE_CARRIER.reset(carried)
             if job.stream and job.queue_status:
                 # Answered now, before the first token: later refusals become the stream's error event.
                 preamble = await self._queue_status(job)
@@ -265,9 +271,7 @@ class OpenAIServing:
     def _begin_trace(self, raw: Request, received_ns: int) -> RequestTrace | None:
         if self.tracer is None:
             return None
-        trace = self.tracer.begin(raw.headers)
-        trace.start_ns = received_ns
-        return trace
+        return self.tracer.begin(raw.headers, received_ns)
 
     def _end_trace(
         self, job: Job, trace: RequestTrace | None, usage: UsageTracker, error: BaseException | None = None
