@@ -177,10 +177,13 @@ class AsyncEngine:
         *,
         request_id: str,
         policy: RequestPolicy = DEFAULT_POLICY,
+        queue_status: bool = False,
     ) -> RequestStream:
         """Admit `len(prompts) * params.n` engine requests all-or-nothing; raise the refusal if any is refused.
 
         `policy.deadline` is seconds from now. Choice k = prompt_index * n + i; seeded choices use seed + i.
+        `queue_status`: the stream's `admission` holds each choice's snapshot as admitted (its place in
+        the queue, its predicted time to first token), taken before any step ran it.
         """
         self._check_open()
         loop = asyncio.get_running_loop()
@@ -188,13 +191,15 @@ class AsyncEngine:
         requests = fan_out(prompts, params, request_id, now, policy)
         group = Group(request_id, [r.request_id for r in requests], loop, asyncio.Queue())
         future: asyncio.Future = loop.create_future()
-        self._post(AddItem(group, requests, future))
+        self._post(AddItem(group, requests, future, queue_status))
         try:
-            await future
+            admission = await future
         except asyncio.CancelledError:
             self.abort(request_id)  # the client left while we waited for admission
             raise
-        return RequestStream(group, self.abort)
+        stream = RequestStream(group, self.abort)
+        stream.admission = admission
+        return stream
 
     def abort(self, request_id: str, error: CadenceError | None = None) -> None:
         """End a request (all its choices) between steps; its blocks are freed. Unknown ids are ignored."""
@@ -443,7 +448,13 @@ class AsyncEngine:
         self._groups[group.request_id] = group
         self._members[group.request_id] = list(add.requests)
         self._in_flight += 1
-        self._call(group.loop, self._resolve, add.future, None)
+        snaps = None
+        if add.status:
+            try:
+                snaps = self._status(group.request_id, None)
+            except Exception:  # a status must never cost the admission
+                log.exception("request status at admission failed")
+        self._call(group.loop, self._resolve, add.future, None, snaps)
 
     def _admission_error(self, exc: Exception) -> CadenceError:
         busy = (ErrorKind.QUEUE_FULL, ErrorKind.FAIR_SHARE, ErrorKind.TENANT_QUOTA)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 
@@ -20,6 +21,7 @@ class GenerateCall:
     policy: RequestPolicy = DEFAULT_POLICY
     chain: tuple[int, ...] = ()
     trace_context: dict[str, str] | None = None  # the ingress span's W3C context, when traced
+    queue_status: bool = False  # Admitted carries the request's snapshots as admitted
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Admitted:
     """The replica's engine took the request; deltas follow."""
 
     replica: str
+    status: tuple[Any, ...] | None = None  # RequestSnapshots at admission, when the call asked
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ class CadenceReplica:
         start_ns = time.time_ns()
         try:
             stream = await self.engine.submit(call.prompts, call.params, request_id=call.request_id,
-                                              policy=call.policy)
+                                              policy=call.policy, queue_status=call.queue_status)
         except CadenceError as e:
             yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)
             return
@@ -97,7 +97,7 @@ class CadenceReplica:
         finals: dict[int, Any] = {}
         error: BaseException | None = None
         try:
-            yield Admitted(self.name)
+            yield Admitted(self.name, stream.admission)
             async for delta in stream:
                 if traced and delta.finished:
                     finals[stream.index_of(delta.request_id)] = delta

@@ -77,8 +77,10 @@ class EngineClient(Protocol):
         *,
         request_id: str,
         policy: RequestPolicy = DEFAULT_POLICY,
+        queue_status: bool = False,
     ) -> EngineStream:
-        """Admit the request or raise its refusal (`CadenceError`, `AdmissionError` with Retry-After)."""
+        """Admit the request or raise its refusal (`CadenceError`, `AdmissionError` with Retry-After).
+        `queue_status`: the stream's `admission` then holds each choice's `RequestSnapshot` as admitted."""
         ...
 
     def abort(self, request_id: str, error: CadenceError | None = None) -> None: ...

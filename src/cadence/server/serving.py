@@ -209,7 +209,7 @@ class OpenAIServing:
                     TRACE_CARRIER.reset(carried)
             if job.stream and job.queue_status:
                 # Answered now, before the first token: later refusals become the stream's error event.
-                preamble = await self._queue_status(job)
+                preamble = _queue_preamble(getattr(stream, "admission", None))
                 watcher.stop()
                 handed_over = True
                 done = self._finisher(job, stream, usage, trace)
@@ -250,22 +250,6 @@ class OpenAIServing:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": job.request_id},
         )
 
-    async def _queue_status(self, job: Job) -> bytes:
-        """The opening comment of a stream that asked for its queue status."""
-        lookup = getattr(self.engine, "request_status", None)
-        snaps = None
-        if lookup is not None:
-            try:
-                snaps = await lookup(job.request_id, None)
-            except CadenceError:  # the engine is busy or gone: the stream itself will say so
-                snaps = None
-        if not snaps:
-            return queue_comment(None, None, "unknown")
-        waiting = [s for s in snaps if s.queue_position is not None]
-        head = min(waiting, key=lambda s: s.queue_position or 0) if waiting else snaps[0]
-        predicted = [s.predicted_ttft for s in snaps if s.predicted_ttft is not None]
-        return queue_comment(head.queue_position, min(predicted) if predicted else None, head.state)
-
     # -- tracing (nothing runs here while tracing is off) -------------------------------------------
 
     def _begin_trace(self, raw: Request, received_ns: int) -> RequestTrace | None:
@@ -297,6 +281,9 @@ class OpenAIServing:
 
     async def _submit(self, job: Job) -> RequestStream:
         try:
+            if job.stream and job.queue_status:  # (only then: an engine client need not know the option)
+                return await self.engine.submit(job.prompts, job.params, request_id=job.request_id,
+                                                policy=job.policy, queue_status=True)
             return await self.engine.submit(
                 job.prompts,
                 job.params,
@@ -411,3 +398,14 @@ def _with_usage(chunk: dict[str, Any], job: Job, usage: UsageTracker) -> dict[st
     elif job.include_usage:
         chunk["usage"] = None  # OpenAI sends a null usage on every chunk but the last
     return chunk
+
+
+def _queue_preamble(snaps: tuple[Any, ...] | None) -> bytes:
+    """The opening comment of a stream that asked for its queue status, from the engine's snapshots
+    of its choices as admitted: the best-placed choice, and the earliest predicted first token."""
+    if not snaps:
+        return queue_comment(None, None, "unknown")
+    waiting = [s for s in snaps if s.queue_position is not None]
+    head = min(waiting, key=lambda s: s.queue_position) if waiting else snaps[0]
+    predicted = [s.predicted_ttft for s in snaps if s.predicted_ttft is not None]
+    return queue_comment(head.queue_position, min(predicted) if predicted else None, head.state)
