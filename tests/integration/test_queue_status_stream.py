@@ -27,6 +27,19 @@ def test_the_openai_client_parses_a_stream_that_opens_with_the_comment(server) -
         stream_options={"include_queue_status": True, "include_usage": True},  # type: ignore[typeddict-unknown-key]
         extra_body=NO_EOS_GREEDY))
     assert chat[0].choices[0].delta.role == "assistant" and chat[-1].usage.completion_tokens == 4
+    # What the client was given: the comment first, then the same events as without the option.
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"prompt": "Once upon a time", "max_tokens": 8, "stream": True, **NO_EOS_GREEDY}
+        asked = client.post("/v1/completions", json={**body, "stream_options": {"include_queue_status": True}}).text
+        assert COMMENT.match(asked.split("\n", 1)[0]), asked[:200]
+        plain_text = client.post("/v1/completions", json=body).text
+        assert plain_text.startswith("data: ")  # opt-in only
+        # An unknown key is ignored, as other stream_options keys are: no comment.
+        typo = client.post("/v1/completions", json={**body, "stream_options": {"include_queue_stats": True}})
+        assert typo.status_code == 200 and typo.text.startswith("data: ")
+        not_a_stream = {**body, "stream": False, "stream_options": {"include_queue_status": True}}
+        refused = client.post("/v1/completions", json=not_a_stream)
+        assert refused.status_code == 400 and "stream_options" in refused.text
 
 
 def test_the_stream_starts_with_the_comment_before_the_first_token(server_factory) -> None:
@@ -59,18 +72,3 @@ def test_the_stream_starts_with_the_comment_before_the_first_token(server_factor
     events = [line for line in lines if line]
     assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
     assert [line for line in events if line.startswith(":")] == [events[0]]  # one comment, first
-
-
-def test_without_the_option_no_comment_is_sent(client) -> None:
-    body = {"prompt": "hi", "max_tokens": 2, "stream": True, **NO_EOS_GREEDY}
-    text = client.post("/v1/completions", json=body).text
-    assert not text.startswith(":") and text.startswith("data: ")
-
-
-def test_only_the_exact_option_turns_the_comment_on_and_only_on_a_stream(client) -> None:
-    body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"include_queue_stats": True}}
-    r = client.post("/v1/completions", json=body)  # an unknown key is ignored, as other stream_options keys are
-    assert r.status_code == 200 and r.text.startswith("data: ")
-    body = {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_queue_status": True}}
-    r = client.post("/v1/completions", json=body)  # not a stream
-    assert r.status_code == 400 and "stream_options" in r.text
