@@ -4,6 +4,8 @@ each replica's span of a request is a child of the ingress's."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 from fleet_helpers import running_fleet
 from prometheus_client.parser import text_string_to_metric_families
@@ -65,5 +67,10 @@ def test_a_fleet_serves_vllm_series_and_traces():
             assert t["vllm:generation_tokens_total"] == t["cadence:generation_tokens_total"] == 9
             assert t["vllm:request_success_total"] == 3
             assert t["vllm:time_to_first_token_seconds_count"] == t["cadence:time_to_first_token_seconds_count"] == 3
+            # The queue-status comment comes from the replica's engine, as it admitted the request.
+            body = {"prompt": "queued?", "max_tokens": 2, "stream": True,
+                    "stream_options": {"include_queue_status": True}}
+            text = httpx.post(fleet.url + "/v1/completions", json=body, timeout=60).text
+            assert re.match(r": queued position=\d+ predicted_ttft_s=[0-9.]+ state=waiting\n\n", text), text[:200]
     finally:
         receiver.stop()
