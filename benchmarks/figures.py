@@ -411,6 +411,23 @@ def fmt_fleet_routers(out: Path) -> str:
     return routers_table(rows) + "\n\n" + routers_summary(rows)
 
 
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def fmt_predicted_ttft(out: Path) -> str:
+    """bench_predicted_ttft.py: per rate, predicted against real time to first token."""
+    rates = _json(out / "summary.json")["rates"]
+    rows = []
+    for rate, r in rates.items():
+        rows.append((rate, f"{r['predicted']}/{r['requests']}", _ms(r["real_ttft_median_s"]),
+                     _ms(r["abs_error_median_s"]), _ms(r["abs_error_p90_s"]),
+                     _num(r["ratio_median"]), _num(r["ratio_p90"])))
+    return _table(("requests/s", "predicted", "real TTFT p50", "abs. error p50", "abs. error p90",
+                   "predicted/real p50", "predicted/real p90"),
+                  ("---:", "---:", "---:", "---:", "---:", "---:", "---:"), rows)
+
+
 def fmt_sim_scale(out: Path) -> str:
     """`cadence sim` commands timed by `run` (CPU seconds of the whole command), a row per command."""
     rows = []
@@ -513,6 +530,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure("fleet-overhead", "docs/fleet.md", "Measured on this machine",
            (f"{PY} benchmarks/bench_fleet.py overhead --rounds 3 --out results/fleet_overhead",), 8, True,
            fmt_stdout_block, marked=False),
+    Figure("predicted-ttft", "docs/observability.md", "Predicted time to first token",
+           (f"{PY} benchmarks/bench_predicted_ttft.py --rates 2,4,8 --num-requests 150 --out results/predicted_ttft",),
+           10, True, fmt_predicted_ttft, reads="results/predicted_ttft"),
     Figure("tracing-cost", "docs/observability.md", "Traces",
            (f"{PY} benchmarks/bench_tracing.py --concurrencies 8,32 --rounds 2 --out results/tracing",), 10, True,
            fmt_stdout_block, marked=False),

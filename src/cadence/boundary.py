@@ -274,3 +274,6 @@ class RequestSnapshot:
     finish_reason: str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    # Predicted seconds from arrival to the first token (engine/ttft.py), or why there is none.
+    predicted_ttft: float | None = None
+    predicted_ttft_unavailable: str | None = None

@@ -175,6 +175,10 @@ def _add_observability(p: argparse.ArgumentParser) -> None:
     g.add_argument("--otlp-traces-sample-ratio", type=float, default=None, metavar="RATIO",
                    help="fraction of new traces kept, in [0, 1]; a caller's sampled traceparent is followed "
                         "(default: OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, else every trace)")
+    g.add_argument("--cost-profile", default=None, metavar="PATH",
+                   help="calibrated step-cost profile (cadence calibrate) that predicts a waiting request's time "
+                        "to first token in GET /v1/requests/{id}; 'none': no prediction (default: the shipped "
+                        "profile the simulator uses)")
     g.add_argument("--metrics-compat", action="append", default=[], choices=METRICS_COMPAT,
                    help="also export vLLM's metric names (vllm:num_requests_running, ...) on /metrics, for "
                         "vLLM's dashboards and alerts (default: cadence's names only)")
@@ -316,12 +320,16 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         slo_itl=args.slo_itl, tenant_max_requests=args.tenant_max_requests, max_tenant_labels=args.max_tenant_labels, log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level, log_requests=args.log_requests, model_aliases=model_aliases(args),
         otlp_traces_endpoint=args.otlp_traces_endpoint, otlp_traces_sample_ratio=args.otlp_traces_sample_ratio,
-        metrics_compat=tuple(dict.fromkeys(args.metrics_compat)), **http_options(args),
+        metrics_compat=tuple(dict.fromkeys(args.metrics_compat)), cost_profile=args.cost_profile,
+        **http_options(args),
     ).validate()
     if server_cfg.otlp_traces_endpoint is not None:  # a bad OTLP protocol is refused before the model loads
         from cadence.server.tracing import traces_protocol
 
         traces_protocol(server_cfg.otlp_traces_endpoint)
+    from cadence.engine.ttft import load_cost_profile
+
+    load_cost_profile(server_cfg.cost_profile)  # a bad profile is refused before the model loads too
     return engine_cfg, server_cfg
 
 

@@ -259,6 +259,9 @@ class ServerConfig:
     otlp_traces_endpoint: str | None = None
     otlp_traces_sample_ratio: float | None = None  # None: OTEL_TRACES_SAMPLER / _ARG (default: every trace)
     metrics_compat: tuple[str, ...] = ()  # "vllm": vllm:-named series beside cadence's
+    # The step-cost profile that predicts a waiting request's time to first token (GET
+    # /v1/requests/{id}); None: the shipped profile the simulator uses; "none": no prediction.
+    cost_profile: str | None = None
 
     def validate(self) -> ServerConfig:
         _require(0 <= self.port <= 65535, "port", "must be in [0, 65535]")

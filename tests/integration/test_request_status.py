@@ -88,3 +88,30 @@ def test_finished_requests_are_kept_a_bounded_number(server_factory, monkeypatch
         ids = [client.post("/v1/completions", json=body).headers["x-request-id"] for _ in range(3)]
         found = [client.get(f"/v1/requests/{rid}").status_code for rid in ids]
     assert found == [404, 200, 200]  # the oldest was forgotten
+
+
+def test_a_waiting_request_has_a_predicted_ttft_from_the_shipped_profile(server_factory) -> None:
+    from cadence.sim.profile import default_profile_path
+
+    live = server_factory({"max_num_seqs": 1})
+    long_body = {"prompt": "hold the seat", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=live.url, timeout=60) as client, client.stream("POST", "/v1/completions", json=long_body):
+        waiter = threading.Thread(target=lambda: httpx.post(
+            f"{live.url}/v1/completions", json={"prompt": "wait", "max_tokens": 2}, timeout=60))
+        waiter.start()
+        end = time.monotonic() + 30
+        while not waiting_ids(live):
+            assert time.monotonic() < end, "the second request never queued"
+            time.sleep(0.005)
+        body = client.get(f"/v1/requests/{waiting_ids(live)[0]}").json()
+        assert body["state"] == "waiting"
+        # Behind a holder that may decode 200 tokens: at least its remaining decode steps.
+        assert isinstance(body["predicted_ttft"], float) and body["predicted_ttft"] > 0, body
+        assert body["predicted_ttft_unavailable"] is None and body["ttft"] is None
+        assert body["cost_profile"]["path"] == str(default_profile_path())
+        assert body["cost_profile"]["model"] == "SmolLM2-135M-Instruct"
+    waiter.join(60)
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        rid = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).headers["x-request-id"]
+        done = client.get(f"/v1/requests/{rid}").json()
+    assert done["predicted_ttft"] is None and done["ttft"] is not None and done["ttft"] > 0

@@ -11,6 +11,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -73,11 +74,51 @@ def test_a_request_becomes_one_span_with_vllm_and_cadence_attributes(traced, rec
     assert 0 <= queue <= ttft <= e2e < (span.end_ns - span.start_ns) / 1e9 + 1e-6
     assert a["gen_ai.latency.time_in_model_prefill"] + queue == pytest.approx(ttft, abs=1e-6)
     names = [e[0] for e in span.events]
-    assert names == ["queued", "scheduled", "first_token", "finished"]
+    assert names == ["queued", "scheduled", "prefill_chunk", "first_token", "finished"]
     times = [e[1] for e in span.events]
-    assert span.start_ns <= times[0] <= times[1] <= times[2] <= times[3] <= span.end_ns
-    assert span.events[3][2]["finish_reason"] == "length"
+    assert span.start_ns <= times[0] <= times[1] <= times[2] <= times[3] <= times[4] <= span.end_ns
+    chunk = span.events[2][2]
+    assert chunk["cadence.tokens"] == out["usage"]["prompt_tokens"] and chunk["cadence.start"] == 0
+    assert chunk["cadence.last_chunk"] is True and chunk["cadence.step"] >= 1
+    assert span.events[4][2]["finish_reason"] == "length"
     assert span.parent_span_id == "" and span.trace_id != TRACE_ID
+
+
+def test_a_preempted_request_has_its_preemption_resume_and_chunks_in_its_span(receiver, server_factory):
+    """A KV cache of 8 blocks of 16 tokens holds one of these requests at its longest, not two: one
+    of two running together is preempted, then recomputes."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
+    try:
+        live = server_factory({"num_kv_blocks": 8, "block_size": 16, "max_num_batched_tokens": 32},
+                              otlp_traces_endpoint=receiver.url)
+    finally:
+        mp.undo()
+    with ThreadPoolExecutor(2) as pool:
+        bodies = [{"prompt": [100 + i + j for j in range(40)], "max_tokens": 70, **NO_EOS} for i in range(2)]
+        responses = list(pool.map(lambda b: httpx.post(live.url + "/v1/completions", json=b, timeout=120), bodies))
+    assert [r.status_code for r in responses] == [200, 200]
+    spans = [receiver.sink.wait(r.json()["id"]) for r in responses]
+    hit = [s for s in spans if s.attributes["cadence.num_preemptions"] > 0]
+    assert hit, "neither request was preempted"
+    span = hit[0]
+    names = [e[0] for e in span.events]
+    i = names.index("preempted")
+    preempted = span.events[i][2]
+    assert preempted["cadence.reason"] == "kv_blocks" and preempted["cadence.tokens_lost"] > 0
+    assert span.attributes["cadence.preempted_tokens"] == sum(
+        e[2]["cadence.tokens_lost"] for e in span.events if e[0] == "preempted")
+    assert names[i + 1] == "resumed" and names[i + 2] == "prefill_chunk"
+    assert span.events[i][1] <= span.events[i + 1][1] <= span.events[i + 2][1]
+    # The recompute starts over, from what the prefix cache still holds of its blocks, and computes
+    # again at least what was lost.
+    restart = span.events[i + 2][2]["cadence.start"]
+    again = [e[2] for e in span.events[i + 2:] if e[0] == "prefill_chunk"]
+    assert restart % 16 == 0 and restart + sum(c["cadence.tokens"] for c in again) >= preempted["cadence.tokens_lost"]
+    chunks = [e[2] for e in span.events if e[0] == "prefill_chunk"]
+    assert all(c["cadence.tokens"] <= 32 for c in chunks)  # the step's token budget
+    assert [c["cadence.step"] for c in chunks] == sorted(c["cadence.step"] for c in chunks)
+    live.app.state.tracer.shutdown()
 
 
 def test_a_client_traceparent_is_continued_streaming_too(traced, receiver):

@@ -257,6 +257,22 @@ def test_served_table_from_bench_serve_results(tmp_path: Path) -> None:
     assert _first_column(table) == ["1", "8"]
 
 
+def test_predicted_ttft_table_from_the_scripts_own_summary(tmp_path: Path) -> None:
+    """bench_predicted_ttft.py's summarize() over rows as its run makes them, one rate per entry."""
+    bench = _load("bench_predicted_ttft")
+    rows = [{"predicted": 0.2, "real": 0.1, "state_at_admission": "waiting"},
+            {"predicted": 0.3, "real": 0.3, "state_at_admission": "decoding"},
+            {"predicted": None, "real": 0.5}]
+    s = bench.summarize(rows)
+    assert (s["requests"], s["predicted"], s["no_prediction"], s["queued_at_admission"]) == (3, 2, 1, 1)
+    assert s["ratio_median"] in (1.0, 2.0) and s["abs_error_p90_s"] == pytest.approx(0.1)
+    (tmp_path / "summary.json").write_text(json.dumps({"rates": {"2": s, "8": s}}))
+    table = fig.fmt_predicted_ttft(tmp_path)
+    assert _head(table) == _head(_block("predicted-ttft"))
+    assert _first_column(table) == ["2", "8"]
+    assert "2/3" in table.splitlines()[2]
+
+
 # -- formatters of the timed model benchmarks: each script's own JSON helpers ---------------------
 
 

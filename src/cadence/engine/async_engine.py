@@ -44,6 +44,7 @@ from cadence.wording import counted
 
 if TYPE_CHECKING:
     from cadence.engine.builder import Engine
+    from cadence.engine.ttft import TTFTPredictor
 
 log = logging.getLogger("cadence.engine")
 
@@ -97,6 +98,8 @@ class AsyncEngine:
         self.step_timeout = config.model.step_timeout if config is not None else 0.0
         pace = StepPace(config.scheduler.max_num_batched_tokens if config is not None else 1)
         self._watchdog = Watchdog(self.step_timeout, pace, self._has_work, self._stalled)
+        # Set by the server: predicts a waiting request's time to first token when asked (ttft.py).
+        self.predictor: TTFTPredictor | None = None
         self._thread = threading.Thread(target=self._run, name="cadence-engine", daemon=True)
         if start:
             self._thread.start()
@@ -179,10 +182,13 @@ class AsyncEngine:
         *,
         request_id: str,
         policy: RequestPolicy = DEFAULT_POLICY,
+        queue_status: bool = False,
     ) -> RequestStream:
         """Admit `len(prompts) * params.n` engine requests all-or-nothing; raise the refusal if any is refused.
 
         `policy.deadline` is seconds from now. Choice k = prompt_index * n + i; seeded choices use seed + i.
+        `queue_status`: the stream's `admission` holds each choice's snapshot as admitted (its place in
+        the queue, its predicted time to first token), taken before any step ran it.
         """
         self._check_open()
         loop = asyncio.get_running_loop()
@@ -190,13 +196,15 @@ class AsyncEngine:
         requests = fan_out(prompts, params, request_id, now, policy)
         group = Group(request_id, [r.request_id for r in requests], loop, asyncio.Queue())
         future: asyncio.Future = loop.create_future()
-        self._post(AddItem(group, requests, future))
+        self._post(AddItem(group, requests, future, queue_status))
         try:
-            await future
+            admission = await future
         except asyncio.CancelledError:
             self.abort(request_id)  # the client left while we waited for admission
             raise
-        return RequestStream(group, self.abort)
+        stream = RequestStream(group, self.abort)
+        stream.admission = admission
+        return stream
 
     def abort(self, request_id: str, error: CadenceError | None = None) -> None:
         """End a request (all its choices) between steps; its blocks are freed. Unknown ids are ignored."""
@@ -339,12 +347,20 @@ class AsyncEngine:
             log.exception("stats hook failed")
         return it
 
+    def enable_request_events(self) -> None:
+        """Record each request's prefill chunks, preemptions and resumes (for its trace); they come
+        with its final delta. Call before serving."""
+        self.core.record_request_events()
+
     def _dispatch(self, deltas: list[StreamDelta]) -> None:
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        events = self.core.events
         for d in deltas:
             group = self._owner.get(d.request_id)
             if group is None:
                 continue  # aborted: nobody listens
+            if d.finished and events is not None:
+                d.events = events.pop(d.request_id)
             per_loop.setdefault(group.loop, []).append((group.queue, d))
             if d.finished:
                 self._close_sub(group, d.request_id)
@@ -389,13 +405,22 @@ class AsyncEngine:
             if tenant is not None and members[0].tenant != tenant:
                 return None
             sched = self.core.scheduler
-            return tuple(self._client_view(sched.snapshot(r.request_id) or request_snapshot(r), tenant)
-                         for r in members)
+            return tuple(self._predicted(r, self._client_view(sched.snapshot(r.request_id) or request_snapshot(r),
+                                                               tenant)) for r in members)
         self._forget_ended()
         ended = self._ended.get(request_id)
         if ended is None or tenant is not None and ended[1][0].tenant != tenant:
             return None
         return ended[1]
+
+    def _predicted(self, req: Request, snap: RequestSnapshot) -> RequestSnapshot:
+        """The snapshot with its predicted time to first token (or why there is none)."""
+        if self.predictor is None:
+            return replace(snap, predicted_ttft_unavailable="no cost-model profile is loaded")
+        if snap.state in ("decoding", "finished") or req.first_token_time is not None:
+            return snap
+        p = self.predictor.predict(self.core.scheduler, req, self.clock.now())
+        return replace(snap, predicted_ttft=p.ttft_s, predicted_ttft_unavailable=p.unavailable)
 
     def _client_view(self, snap: RequestSnapshot, tenant: str | None) -> RequestSnapshot:
         """The request it waits behind named by its client request id, and only if the caller may
@@ -433,14 +458,23 @@ class AsyncEngine:
         except Exception as exc:
             self._call(group.loop, self._resolve, add.future, self._admission_error(exc))
             return
+        events = self.core.events
         for req in add.requests:
             self._proc.add_request(req.request_id, req.sampling_params, req.prompt_token_ids)
             self._owner[req.request_id] = group
+            if events is not None:
+                events.track(req.request_id)
         group.open_ids = set(group.sub_ids)
         self._groups[group.request_id] = group
         self._members[group.request_id] = list(add.requests)
         self._in_flight += 1
-        self._call(group.loop, self._resolve, add.future, None)
+        snaps = None
+        if add.status:
+            try:
+                snaps = self._status(group.request_id, None)
+            except Exception:  # a status must never cost the admission
+                log.exception("request status at admission failed")
+        self._call(group.loop, self._resolve, add.future, None, snaps)
 
     def _admission_error(self, exc: Exception) -> CadenceError:
         busy = (ErrorKind.QUEUE_FULL, ErrorKind.FAIR_SHARE, ErrorKind.TENANT_QUOTA)
@@ -461,9 +495,12 @@ class AsyncEngine:
             if group is None:
                 continue
             ids = sorted(group.open_ids)
+            events = self.core.events
             for rid in ids:
                 self._proc.remove(rid)
                 self._owner.pop(rid, None)
+                if events is not None:
+                    events.discard(rid)
             group.open_ids.clear()
             self._groups.pop(group.request_id, None)
             self._in_flight -= 1

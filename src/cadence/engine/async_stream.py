@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cadence.boundary import SchedulerStats
+from cadence.boundary import RequestSnapshot, SchedulerStats
 from cadence.clock import Clock
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import CadenceError, ErrorKind
@@ -35,6 +35,7 @@ class AddItem:
     group: Group
     requests: list[Request]
     future: asyncio.Future
+    status: bool = False  # answer the admission with the request's snapshots (queue place, prediction)
 
 
 @dataclass
@@ -56,6 +57,8 @@ class RequestStream:
         self._index = {rid: i for i, rid in enumerate(group.sub_ids)}
         self._open = len(group.sub_ids)
         self._closed = False
+        # With submit(queue_status=True): each choice's state as the engine admitted it.
+        self.admission: tuple[RequestSnapshot, ...] | None = None
 
     @property
     def request_id(self) -> str:

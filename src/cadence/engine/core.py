@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from cadence.boundary import IterationStats, ModelOutput, RequestDelta, SchedulerOutput, SchedulerStats
 from cadence.clock import Clock, RealClock
 from cadence.config import EngineConfig
+from cadence.engine.events import RequestEventRecorder
 from cadence.executor.base import Executor
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, RequestStatus
@@ -64,6 +65,7 @@ class EngineCore:
         self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
         self.last_stats = IterationStats()
         self._gauges = self.scheduler.stats()
+        self.events: RequestEventRecorder | None = None  # see record_request_events
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d, prefix caching %s)",
             num_blocks,
@@ -149,11 +151,22 @@ class EngineCore:
         self._snapshot()
         return deltas
 
+    def record_request_events(self) -> RequestEventRecorder:
+        """Record each tracked request's prefill chunks, preemptions and resumes from now on (for
+        its trace); off by default, and then the loop does no such work."""
+        if self.events is None:
+            self.events = RequestEventRecorder(self.clock)
+            self.scheduler.on_preempt = self.events.preempted
+        return self.events
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestDelta]:
         """One iteration: schedule, execute, update. Returns what happened to each request."""
         sched = self.scheduler
-        out = sched.schedule(self.clock.now())
+        now = self.clock.now()
+        out = sched.schedule(now)
+        if self.events is not None:
+            self.events.scheduled(out, sched.requests, now)
         step_time = 0.0
         if out.is_empty:
             deltas = sched.update(out, _NO_OUTPUT, self.clock.now())

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cadence.boundary import RequestDelta, RequestMetrics, TokenLogprobs
+from cadence.engine.events import EngineEvent
 from cadence.model.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from cadence.request import FinishReason, SamplingParams
 
@@ -31,6 +32,7 @@ class StreamDelta:
     metrics: RequestMetrics | None = None
     error: str | None = None
     retry_after: float | None = None  # seconds, when the request ended refused (evicted from the queue)
+    events: tuple[EngineEvent, ...] = ()  # on the last delta, when the engine records events (events.py)
 
     @property
     def finished(self) -> bool:

@@ -26,6 +26,7 @@ from cadence.kv.hashing import block_hashers
 from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 from cadence.routing import fingerprints
+from cadence.server.engine_client import TRACE_CARRIER
 
 log = logging.getLogger("cadence.fleet")
 
@@ -96,6 +97,7 @@ class FleetStream:
         self._closed = False
         self._error: CadenceError | None = None
         self._on_close = on_close
+        self.admission: tuple[Any, ...] | None = None  # the replica's snapshots at admission, when asked
 
     @property
     def request_id(self) -> str:
@@ -207,14 +209,15 @@ class FleetClient:
         return fingerprints(self._hash_chain(prompt, self._block_size, cache_salt, ()))
 
     async def submit(self, prompts: Sequence[list[int]], params: SamplingParams, *, request_id: str,
-                     policy: RequestPolicy = DEFAULT_POLICY) -> FleetStream:
+                     policy: RequestPolicy = DEFAULT_POLICY, queue_status: bool = False) -> FleetStream:
         from ray.serve.exceptions import BackPressureError
 
         if self._draining:
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         if request_id in self._live:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
-        call = GenerateCall(tuple(prompts), params, request_id, policy, self.chain(prompts[0], policy.cache_salt))
+        call = GenerateCall(tuple(prompts), params, request_id, policy, self.chain(prompts[0], policy.cache_salt),
+                            TRACE_CARRIER.get(), queue_status)
         gen = None
         try:
             gen = self._handle.options(stream=True).generate.remote(call)
@@ -245,6 +248,7 @@ class FleetClient:
         total = len(prompts) * params.n
         sub_ids = [request_id] if total == 1 else [f"{request_id}-{k}" for k in range(total)]
         stream = FleetStream(gen, request_id, sub_ids, self._closed)
+        stream.admission = first.status
         self._live[request_id] = stream
         return stream
 

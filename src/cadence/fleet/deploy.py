@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cadence.config import EngineConfig, ServerConfig
-from cadence.fleet.replica import CadenceReplica
+from cadence.fleet.replica import CadenceReplica, ReplicaObservability
 from cadence.routing import STATS_PERIOD_S, check_router
 
 INGRESS_NAME = "CadenceIngress"
@@ -140,4 +140,6 @@ def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, option
         backpressure_config={"status_code": 429, "retry_after_s": 1.0},
         graceful_shutdown_timeout_s=server_config.shutdown_timeout,
     )
-    return ingress.bind(replica.bind(engine_config, options.tiny, server_config.metrics_compat), engine_config, server_config)
+    replicas = replica.bind(engine_config, options.tiny, server_config.metrics_compat,
+                            ReplicaObservability.of(server_config))
+    return ingress.bind(replicas, engine_config, server_config)

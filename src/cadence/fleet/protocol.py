@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 
@@ -11,13 +12,16 @@ from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 class GenerateCall:
     """One client request, validated and tokenized at the ingress. `chain`: the fingerprints of
     its first prompt's block-hash chain (the KV manager's function and the request's cache salt),
-    which the fleet's router scores replicas by."""
+    which the fleet's router scores replicas by. `trace_context`: traceparent (and tracestate) of the
+    ingress's span, which the replica's own span continues."""
 
     prompts: tuple[list[int], ...]
     params: SamplingParams
     request_id: str
     policy: RequestPolicy = DEFAULT_POLICY
     chain: tuple[int, ...] = ()
+    trace_context: dict[str, str] | None = None  # the ingress span's W3C context, when traced
+    queue_status: bool = False  # Admitted carries the request's snapshots as admitted
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,7 @@ class Admitted:
     """The replica's engine took the request; deltas follow."""
 
     replica: str
+    status: tuple[Any, ...] | None = None  # RequestSnapshots at admission, when the call asked
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,32 @@ engine's Prometheus exposition for the ingress to merge.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from cadence.config import EngineConfig
+from cadence.config import EngineConfig, ServerConfig
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
 from cadence.routing import DIGEST_LIMIT, ReplicaStats, fingerprints
 
 log = logging.getLogger("cadence.fleet")
+
+
+@dataclass(frozen=True)
+class ReplicaObservability:
+    """The server's observability options a replica applies to its own engine: OTLP traces (its
+    engine span, a child of the ingress's) and the cost profile that predicts time to first token."""
+
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_sample_ratio: float | None = None
+    cost_profile: str | None = None
+
+    @classmethod
+    def of(cls, server_config: ServerConfig) -> ReplicaObservability:
+        return cls(server_config.otlp_traces_endpoint, server_config.otlp_traces_sample_ratio,
+                   server_config.cost_profile)
 
 
 @dataclass(frozen=True)
@@ -38,19 +54,30 @@ class ReplicaInfo:
 
 
 class CadenceReplica:
-    def __init__(self, engine_config: EngineConfig, tiny: bool = False, metrics_compat: tuple[str, ...] = ()) -> None:
+    def __init__(self, engine_config: EngineConfig, tiny: bool = False, metrics_compat: tuple[str, ...] = (),
+                 observability: ReplicaObservability | None = None) -> None:
         from ray import serve
 
         from cadence.engine.async_engine import AsyncEngine
         from cadence.engine.builder import build_engine
+        from cadence.engine.ttft import load_cost_profile
         from cadence.metrics.prometheus import PrometheusExporter
 
+        obs = observability or ReplicaObservability()
         self.name = _replica_name(serve)
         self.engine = AsyncEngine(build_engine(engine_config, tiny=tiny))
         self.exporter = PrometheusExporter(
             vllm_model_name=self.engine.model_name if "vllm" in metrics_compat else None)
         self.engine.stats_hooks.append(self.exporter.record_step)
         self.exporter.watch_thread_times(self.engine.engine_thread_times)
+        self.engine.predictor = load_cost_profile(obs.cost_profile)
+        self.tracer: Any = None
+        if obs.otlp_traces_endpoint is not None:
+            from cadence.server.tracing import RequestTracer
+
+            self.tracer = RequestTracer.create(obs.otlp_traces_endpoint, obs.otlp_traces_sample_ratio,
+                                               self.exporter.record_spans_dropped)
+            self.engine.enable_request_events()
         self._digest: frozenset[int] = frozenset()
         log.info("replica %s serving %s", self.name, self.engine.model_name)
 
@@ -60,20 +87,36 @@ class CadenceReplica:
                            self.engine.vocab_size, cache.block_size, cache.prefix_caching_hash_algo)
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[Any]:
+        start_ns = time.time_ns()
         try:
             stream = await self.engine.submit(call.prompts, call.params, request_id=call.request_id,
-                                              policy=call.policy)
+                                              policy=call.policy, queue_status=call.queue_status)
         except CadenceError as e:
             yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)
             return
+        traced = self.tracer is not None and call.trace_context is not None
+        finals: dict[int, Any] = {}
+        error: BaseException | None = None
         try:
-            yield Admitted(self.name)
+            yield Admitted(self.name, stream.admission)
             async for delta in stream:
+                if traced and delta.finished:
+                    finals[stream.index_of(delta.request_id)] = delta
                 yield delta
         except CadenceError as e:
+            error = e
             yield Failed(e.kind.value, str(e))
         finally:
             await stream.aclose()  # (a no-op once every choice finished; else the request is aborted)
+            if traced:
+                self._end_span(call, start_ns, finals, error)
+
+    def _end_span(self, call: GenerateCall, start_ns: int, finals: dict[int, Any], error: BaseException | None) -> None:
+        try:
+            assert call.trace_context is not None
+            self.tracer.end_engine_span(call.trace_context, call.request_id, self.name, start_ns, finals, error)
+        except Exception:  # a trace must never cost a response
+            log.exception("tracing request %s failed", call.request_id)
 
     # -- polled by Serve ------------------------------------------------------------------------------
 
@@ -120,6 +163,9 @@ class CadenceReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout=5.0)
+        tracer = getattr(self, "tracer", None)
+        if tracer is not None:
+            tracer.shutdown()
 
 
 def _replica_name(serve: Any) -> str:

@@ -83,6 +83,8 @@ class Scheduler(SchedulerIntrospection):
         self._wait_stop = None  # why the latest step admitted no further (introspect.py)
         # Counts what changes the state between steps (requests added or ended from outside).
         self.revision = 0
+        # Told of each preemption before it happens (request, tokens it loses, reason); None: nobody.
+        self.on_preempt: Callable[[Request, int, str], None] | None = None
 
     # ------------------------------------------------------------------ admission
     def add_request(self, request: Request, now: float, *, evict: bool = True) -> None:
@@ -174,7 +176,7 @@ class Scheduler(SchedulerIntrospection):
             if start + n > len(ids) * block_size:
                 while allocate(req, n) is None:
                     victim = self.preemption.choose_victim(self.running)
-                    self._preempt(victim, plan)
+                    self._preempt(victim, plan, "kv_blocks")
                     if victim is req:
                         break
                 else:
@@ -213,14 +215,14 @@ class Scheduler(SchedulerIntrospection):
                 partial = plan.budget > 0 and self.chunk(req, num_cached, plan.budget) > 0
                 return WaitReason.PARTIAL_PREFILL_CAP if partial else WaitReason.TOKEN_BUDGET, req.request_id
             if seat_victim is not None:
-                self._preempt(seat_victim, plan)
+                self._preempt(seat_victim, plan, "max_num_seqs")
             # Static batches reserve the whole prompt now, so members never wait for blocks mid-prefill.
             reserve = req.num_tokens - num_cached if self.is_static else n
             while self.kv.allocate_slots(req, reserve, computed) is None:
                 victim = self.preemption.victim_for(req, self.running)
                 if victim is None:
                     return WaitReason.KV_BLOCKS, req.request_id
-                self._preempt(victim, plan)
+                self._preempt(victim, plan, "kv_blocks")
             self._admit(req, num_cached, n, plan)
         return None
 
@@ -248,8 +250,11 @@ class Scheduler(SchedulerIntrospection):
         if n:
             plan.add(req, n, self.kv.block_table(req.request_id))
 
-    def _preempt(self, victim: Request, plan: StepPlan) -> None:
-        """Recompute preemption: free the blocks, forget progress, back to the queue's head."""
+    def _preempt(self, victim: Request, plan: StepPlan, reason: str) -> None:
+        """Recompute preemption: free the blocks, forget progress, back to the queue's head.
+        `reason`: kv_blocks (its blocks were needed), max_num_seqs (its seat was), or forced."""
+        if self.on_preempt is not None:
+            self.on_preempt(victim, victim.num_computed_tokens, reason)
         self._leave_running(victim, keep_hashes=True)
         plan.undo(victim)  # before its progress is reset: the undo reads where its chunk started
         victim.status = RequestStatus.PREEMPTED
@@ -477,7 +482,7 @@ class Scheduler(SchedulerIntrospection):
             return False
         self.revision += 1
         plan = StepPlan(budget=0)
-        self._preempt(req, plan)
+        self._preempt(req, plan, "forced")
         req.queued_step = self._step + 1  # between steps: the next one is the first to see it
         self._preempted_ids.extend(plan.preempted)
         return True

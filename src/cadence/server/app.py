@@ -247,6 +247,8 @@ def create_app(
     if engine.engine_thread_times() is not None:
         exporter.watch_thread_times(lambda: engine.engine_thread_times() or {})
     tracer = make_tracer(server_config, exporter)
+    if tracer is not None and hasattr(engine, "enable_request_events"):
+        engine.enable_request_events()  # prefill chunks, preemptions and resumes inside the spans
     serving = OpenAIServing(engine, server_config, exporter, tracer)
     app = FastAPI(title="cadence", version="0.1.0", description="An OpenAI-compatible LLM server.")
     app.state.engine, app.state.serving, app.state.exporter = engine, serving, exporter
@@ -254,7 +256,7 @@ def create_app(
     install_error_handlers(app)
     _add_routes(app, engine, serving, exporter, render_metrics)
     add_dashboard_routes(app, engine, dashboard)
-    add_request_status_route(app, engine, _ERRORS)
+    add_request_status_route(app, engine, _ERRORS, _attach_predictor(engine, server_config))
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     # POST routes that read a JSON body (a health probe such as /ping takes none)
     json_paths = frozenset(r.path for r in app.routes if isinstance(r, APIRoute) and "POST" in (r.methods or ())) - OPEN_PATHS
@@ -271,6 +273,19 @@ def create_app(
         )
     app.add_middleware(StopGuard)
     return app
+
+
+def _attach_predictor(engine: EngineClient, server_config: ServerConfig) -> dict[str, Any] | None:
+    """Load --cost-profile; give the predictor to an engine that runs here (a fleet's replicas load
+    their own). Returns the profile's description for request status answers (None: no profile)."""
+    from cadence.engine.ttft import load_cost_profile
+
+    predictor = load_cost_profile(server_config.cost_profile)
+    if predictor is None:
+        return None
+    if hasattr(engine, "predictor"):
+        setattr(engine, "predictor", predictor)  # noqa: B010 (an attribute of AsyncEngine, not of the protocol)
+    return predictor.describe(engine.model_name)
 
 
 def make_tracer(server_config: ServerConfig, exporter: PrometheusExporter) -> RequestTracer | None:

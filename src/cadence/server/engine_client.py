@@ -10,11 +10,16 @@ only submits, streams and aborts.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import CadenceError
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
+
+# While the server submits a traced request: the W3C context of its span (traceparent, tracestate),
+# for an engine client that runs the request in another process (a fleet's replica) to pass on.
+TRACE_CARRIER: ContextVar[dict[str, str] | None] = ContextVar("cadence_trace_carrier", default=None)
 
 
 class EngineStream(Protocol):
@@ -79,8 +84,10 @@ class EngineClient(Protocol):
         *,
         request_id: str,
         policy: RequestPolicy = DEFAULT_POLICY,
+        queue_status: bool = False,
     ) -> EngineStream:
-        """Admit the request or raise its refusal (`CadenceError`, `AdmissionError` with Retry-After)."""
+        """Admit the request or raise its refusal (`CadenceError`, `AdmissionError` with Retry-After).
+        `queue_status`: the stream's `admission` then holds each choice's `RequestSnapshot` as admitted."""
         ...
 
     def abort(self, request_id: str, error: CadenceError | None = None) -> None: ...

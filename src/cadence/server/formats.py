@@ -17,6 +17,13 @@ from cadence.engine.output_processor import StreamDelta
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
+def queue_comment(position: int | None, predicted_ttft: float | None, state: str) -> bytes:
+    """The SSE comment that opens a stream with stream_options.include_queue_status: a line that
+    starts with ':' is ignored by SSE parsers, OpenAI's clients among them."""
+    ttft = "unknown" if predicted_ttft is None else f"{predicted_ttft:.3f}"
+    return f": queued position={position if position is not None else 0} predicted_ttft_s={ttft} state={state}\n\n".encode()
+
+
 def sse(payload: dict[str, Any]) -> bytes:
     """One server-sent event: `data: {json}\\n\\n` (compact JSON, never a raw newline inside)."""
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"

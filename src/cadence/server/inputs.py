@@ -46,6 +46,7 @@ class Job:
     stream: bool
     include_usage: bool
     continuous_usage: bool = False  # usage on every chunk (stream_options.continuous_usage_stats)
+    queue_status: bool = False  # a first SSE comment with its queue position (stream_options.include_queue_status)
 
 
 class InputBuilder:
@@ -201,6 +202,7 @@ class InputBuilder:
             body.stream,
             body.include_usage,
             body.continuous_usage,
+            body.include_queue_status,
         )
 
     def _params(

@@ -92,6 +92,9 @@ class StreamOptions(StrictModel):
 
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
+    # cadence's own: the stream starts with an SSE comment (which OpenAI clients skip) giving the
+    # request's place in the queue and its predicted time to first token.
+    include_queue_status: bool | None = False
 
 
 class SamplingFields(StrictModel):
@@ -166,6 +169,10 @@ class SamplingFields(StrictModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def include_queue_status(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_queue_status)
 
     @property
     def continuous_usage(self) -> bool:

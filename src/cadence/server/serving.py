@@ -23,7 +23,7 @@ from cadence.config import ServerConfig
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.metrics.prometheus import PrometheusExporter
-from cadence.server.engine_client import EngineClient
+from cadence.server.engine_client import TRACE_CARRIER, EngineClient
 from cadence.server.engine_client import EngineStream as RequestStream
 from cadence.server.errors import error_payload
 from cadence.server.formats import (
@@ -33,6 +33,7 @@ from cadence.server.formats import (
     Formatter,
     TokenStrings,
     UsageTracker,
+    queue_comment,
     sse,
 )
 from cadence.server.inputs import InputBuilder, Job
@@ -197,9 +198,22 @@ class OpenAIServing:
         handed_over = False
         watcher = DisconnectWatcher(raw, lambda: self.engine.abort(job.request_id))
         try:
+            carried = None
             if trace is not None:
                 trace.submit_ns = time.time_ns()
-            stream = await self._submit(job)
+                carried = TRACE_CARRIER.set(trace.carrier())  # for an engine in another process
+            try:
+                stream = await self._submit(job)
+            finally:
+                if carried is not None:
+                    TRACE_CARRIER.reset(carried)
+            if job.stream and job.queue_status:
+                # Answered now, before the first token: later refusals become the stream's error event.
+                preamble = _queue_preamble(getattr(stream, "admission", None))
+                watcher.stop()
+                handed_over = True
+                done = self._finisher(job, stream, usage, trace)
+                return self._streaming(job, fmt, None, stream, done, usage, trace, preamble)
             try:
                 first = await self._first(stream)
             except BaseException as e:
@@ -211,12 +225,7 @@ class OpenAIServing:
                 watcher.stop()  # from here on Starlette notices the disconnect and cancels the stream
                 handed_over = True
                 done = self._finisher(job, stream, usage, trace)
-                return EngineStreamingResponse(
-                    self._sse(job, fmt, first, stream, done, usage, trace),
-                    done,
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": job.request_id},
-                )
+                return self._streaming(job, fmt, first, stream, done, usage, trace)
             try:
                 return JSONResponse(await self._collect(fmt, first, stream, usage), headers={"X-Request-Id": job.request_id})
             finally:
@@ -231,14 +240,22 @@ class OpenAIServing:
                 self._release(job)
                 self._end_trace(job, trace, usage)
 
+    def _streaming(self, job: Job, fmt: Formatter, first: StreamDelta | None, stream: RequestStream,
+                   done: Callable[[], Awaitable[None]], usage: UsageTracker, trace: RequestTrace | None,
+                   preamble: bytes = b"") -> EngineStreamingResponse:
+        return EngineStreamingResponse(
+            self._sse(job, fmt, first, stream, done, usage, trace, preamble),
+            done,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": job.request_id},
+        )
+
     # -- tracing (nothing runs here while tracing is off) -------------------------------------------
 
     def _begin_trace(self, raw: Request, received_ns: int) -> RequestTrace | None:
         if self.tracer is None:
             return None
-        trace = self.tracer.begin(raw.headers)
-        trace.start_ns = received_ns
-        return trace
+        return self.tracer.begin(raw.headers, received_ns)
 
     def _end_trace(
         self, job: Job, trace: RequestTrace | None, usage: UsageTracker, error: BaseException | None = None
@@ -264,6 +281,9 @@ class OpenAIServing:
 
     async def _submit(self, job: Job) -> RequestStream:
         try:
+            if job.stream and job.queue_status:  # (only then: an engine client need not know the option)
+                return await self.engine.submit(job.prompts, job.params, request_id=job.request_id,
+                                                policy=job.policy, queue_status=True)
             return await self.engine.submit(
                 job.prompts,
                 job.params,
@@ -317,13 +337,18 @@ class OpenAIServing:
         self,
         job: Job,
         fmt: Formatter,
-        first: StreamDelta,
+        first: StreamDelta | None,
         stream: RequestStream,
         done: Callable[[], Awaitable[None]],
         usage: UsageTracker,
         trace: RequestTrace | None,
+        preamble: bytes = b"",
     ) -> AsyncIterator[bytes]:
         try:
+            if preamble:
+                yield preamble
+            if first is None:
+                first = await self._first(stream)
             for start in fmt.start_chunks():
                 yield sse(_with_usage(start, job, usage))
             d: StreamDelta | None = first
@@ -373,3 +398,14 @@ def _with_usage(chunk: dict[str, Any], job: Job, usage: UsageTracker) -> dict[st
     elif job.include_usage:
         chunk["usage"] = None  # OpenAI sends a null usage on every chunk but the last
     return chunk
+
+
+def _queue_preamble(snaps: tuple[Any, ...] | None) -> bytes:
+    """The opening comment of a stream that asked for its queue status, from the engine's snapshots
+    of its choices as admitted: the best-placed choice, and the earliest predicted first token."""
+    if not snaps:
+        return queue_comment(None, None, "unknown")
+    waiting = [s for s in snaps if s.queue_position is not None]
+    head = min(waiting, key=lambda s: s.queue_position) if waiting else snaps[0]
+    predicted = [s.predicted_ttft for s in snaps if s.predicted_ttft is not None]
+    return queue_comment(head.queue_position, min(predicted) if predicted else None, head.state)

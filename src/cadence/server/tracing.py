@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from opentelemetry import propagate
+from opentelemetry import trace as trace_api
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
@@ -42,6 +43,7 @@ log = logging.getLogger("cadence.server")
 PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 PROTOCOLS = ("http/protobuf", "grpc")
 SPAN_NAME = "llm_request"  # vLLM's span name, so queries written for vLLM's traces find cadence's
+ENGINE_SPAN_NAME = "engine_request"  # a fleet replica's span, a child of the ingress's llm_request
 DEFAULT_SERVICE_NAME = "cadence"
 DEFAULT_MAX_QUEUE = 2048  # the SDK's own default for OTEL_BSP_MAX_QUEUE_SIZE
 SHUTDOWN_WAIT_S = 2.0  # how long stopping the server waits for the last spans to leave
@@ -73,6 +75,9 @@ class SpanAttributes:
     DEADLINE = "cadence.deadline_s"
     PREFIX_CACHE_HIT_TOKENS = "cadence.prefix_cache_hit_tokens"
     NUM_PREEMPTIONS = "cadence.num_preemptions"
+    PREEMPTED_TOKENS = "cadence.preempted_tokens"
+    REQUEST_ID = "cadence.request_id"  # on a replica's engine span (gen_ai.request.id is the ingress span's)
+    REPLICA = "cadence.replica"
     ERROR_TYPE = "error.type"
 
 
@@ -200,6 +205,15 @@ class RequestTrace:
     submit_ns: int = 0  # Unix time it was handed to the engine (its engine arrival time)
     error: BaseException | None = None
     finals: dict[int, StreamDelta] = field(default_factory=dict)  # choice -> its last delta
+    span: Any = None  # started by `begin` (so that its context can travel on), ended by `end`
+
+    def carrier(self) -> dict[str, str]:
+        """The W3C context of this request's span (traceparent, tracestate), for the process that
+        runs it (a fleet's replica), whose own span becomes its child."""
+        out: dict[str, str] = {}
+        if self.span is not None:
+            propagate.inject(out, context=trace_api.set_span_in_context(self.span, self.parent))
+        return out
 
 
 @dataclass(frozen=True)
@@ -235,20 +249,48 @@ class RequestTracer:
         provider.add_span_processor(BoundedExport(make_exporter(endpoint, traces_protocol(endpoint)), on_drop))
         return cls(provider)
 
-    def begin(self, headers: Mapping[str, str]) -> RequestTrace:
-        """A malformed traceparent is ignored (W3C): the request starts a new trace."""
-        return RequestTrace(propagate.extract(headers), time.time_ns())
+    def begin(self, headers: Mapping[str, str], start_ns: int | None = None) -> RequestTrace:
+        """Start the request's span (`start_ns`: when the server received it; now by default). A
+        malformed traceparent is ignored (W3C): the request starts a new trace."""
+        parent = propagate.extract(headers)
+        start = start_ns or time.time_ns()
+        span = self._tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER, start_time=start)
+        return RequestTrace(parent, start, span=span)
 
     def end(self, trace: RequestTrace, facts: SpanFacts) -> None:
         end_ns = max(time.time_ns(), trace.start_ns)
-        span = self._tracer.start_span(SPAN_NAME, context=trace.parent, kind=SpanKind.SERVER,
-                                       start_time=trace.start_ns)
+        span = trace.span
+        if span is None:
+            span = self._tracer.start_span(SPAN_NAME, context=trace.parent, kind=SpanKind.SERVER,
+                                           start_time=trace.start_ns)
         if span.is_recording():  # not sampled: nothing more to build
             span.set_attributes(_attributes(facts, trace))
             _add_events(span, trace, end_ns)
             reasons = [d.finish_reason for d in trace.finals.values()]
             if trace.error is not None or "error" in reasons:
                 span.set_status(Status(StatusCode.ERROR, _error_text(trace.error)))
+        span.end(end_time=end_ns)
+
+    def end_engine_span(self, carrier: Mapping[str, str], request_id: str, replica: str, start_ns: int,
+                        finals: dict[int, StreamDelta], error: BaseException | None = None) -> None:
+        """A fleet replica's span of a request it ran, a child of the ingress's span (`carrier`: its
+        W3C context): from the moment the replica took the request to its end, with the engine's
+        events (scheduled, prefill chunks, preemptions, resumes, first token, finish)."""
+        parent = propagate.extract(carrier)
+        end_ns = max(time.time_ns(), start_ns)
+        span = self._tracer.start_span(ENGINE_SPAN_NAME, context=parent, kind=SpanKind.INTERNAL, start_time=start_ns)
+        if span.is_recording():
+            trace = RequestTrace(parent, start_ns, submit_ns=start_ns, error=error, finals=finals)
+            a = SpanAttributes
+            attrs: dict[str, Any] = {a.REQUEST_ID: request_id, a.REPLICA: replica}
+            ms = _metrics(trace)
+            if ms:
+                attrs[a.NUM_PREEMPTIONS] = sum(m.num_preemptions for m in ms)
+                attrs.update(_latencies(ms))
+            span.set_attributes(attrs)
+            _add_events(span, trace, end_ns)
+            if error is not None or "error" in [d.finish_reason for d in finals.values()]:
+                span.set_status(Status(StatusCode.ERROR, _error_text(error)))
         span.end(end_time=end_ns)
 
     def shutdown(self, timeout: float = SHUTDOWN_WAIT_S) -> None:
@@ -289,6 +331,10 @@ def _attributes(f: SpanFacts, trace: RequestTrace) -> dict[str, Any]:
     if ms:
         out[a.NUM_PREEMPTIONS] = sum(m.num_preemptions for m in ms)
         out.update(_latencies(ms))
+    lost = [v for d in trace.finals.values() for e in d.events if e.name == "preempted"
+            for k, v in e.attributes if k == "cadence.tokens_lost"]
+    if lost:
+        out[a.PREEMPTED_TOKENS] = sum(lost)
     return out
 
 
@@ -333,6 +379,8 @@ def _add_events(span: Any, trace: RequestTrace, end_ns: int) -> None:
         attrs: dict[str, Any] = {"cadence.choice": choice}
         if m.first_scheduled_time is not None:
             span.add_event("scheduled", attrs, timestamp=at(m.first_scheduled_time))
+        for e in d.events:  # prefill chunks, preemptions, resumes (the engine's, in order)
+            span.add_event(e.name, {**attrs, **dict(e.attributes)}, timestamp=at(e.time))
         if m.first_token_time is not None:
             span.add_event("first_token", attrs, timestamp=at(m.first_token_time))
         if m.finished_time is not None:

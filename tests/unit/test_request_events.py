@@ -1,0 +1,46 @@
+"""The engine's per-request events for traces (engine/events.py), on the fake executor: prefill
+chunks with their step and size, preemptions with their reason and the tokens lost, resumes; and
+nothing at all unless asked for."""
+
+from __future__ import annotations
+
+from fakes import make_engine, make_request
+
+
+def _names(events) -> list[str]:
+    return [e.name for e in events]
+
+
+def test_off_by_default_nothing_is_recorded() -> None:
+    engine, _, _ = make_engine()
+    assert engine.events is None and engine.scheduler.on_preempt is None
+    engine.add_request(make_request(prompt_len=10, max_tokens=2))
+    engine.step()
+    assert engine.events is None
+
+
+def test_chunks_a_forced_preemption_and_the_resume_are_recorded_in_order() -> None:
+    engine, _, clock = make_engine(max_num_batched_tokens=8, block_size=4)
+    events = engine.record_request_events()
+    req = make_request(prompt_len=20, max_tokens=5)
+    untracked = make_request(prompt_len=4, max_tokens=5)
+    engine.add_request(req)
+    engine.add_request(untracked)
+    events.track(req.request_id)
+    for _ in range(4):  # 20 prompt tokens, 8 a step: chunks of 8, 8, 4, then its first decode
+        engine.step()
+    assert req.first_token_time is not None
+    lost = req.num_computed_tokens
+    assert engine.scheduler.force_preempt(req.request_id)
+    while not req.is_finished:
+        engine.step()
+    got = events.pop(req.request_id)
+    assert _names(got)[:3] == ["prefill_chunk"] * 3
+    assert [dict(e.attributes)["cadence.tokens"] for e in got[:3]] == [8, 8, 4]
+    assert [dict(e.attributes)["cadence.start"] for e in got[:3]] == [0, 8, 16]
+    assert [dict(e.attributes)["cadence.last_chunk"] for e in got[:3]] == [False, False, True]
+    i = _names(got).index("preempted")
+    assert dict(got[i].attributes) == {"cadence.reason": "forced", "cadence.tokens_lost": lost}
+    assert _names(got)[i + 1:i + 3] == ["resumed", "prefill_chunk"]
+    assert [e.time for e in got] == sorted(e.time for e in got)
+    assert events.pop(untracked.request_id) == () and len(events) == 0
