@@ -91,7 +91,7 @@ class PlainScheduler(Scheduler):
                 continue
             while self.kv.allocate_slots(req, n) is None:
                 victim = self.preemption.choose_victim(self.running)
-                self._preempt(victim, plan)
+                self._preempt(victim, plan, "kv_blocks")
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:

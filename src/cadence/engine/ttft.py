@@ -33,7 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from cadence.executor.cost_model import BASES, KNEES, StepCostModel, StepFeatures, machine_info
+from cadence.executor.cost_model import (
+    BASES,
+    KNEES,
+    StepCostModel,
+    StepFeatures,
+    default_profile_path,
+    machine_info,
+)
 from cadence.request import Request, RequestStatus
 from cadence.sched.scheduler import Scheduler
 
@@ -347,7 +354,6 @@ NO_PROFILE = "none"  # --cost-profile none: no prediction
 def load_cost_profile(path: str | None) -> TTFTPredictor | None:
     """The predictor over the profile at `path` (None: the shipped one the simulator uses; "none":
     no prediction). A missing or malformed file is a ValueError naming --cost-profile."""
-    from cadence.sim.profile import default_profile_path
 
     if path is not None and path.strip().lower() == NO_PROFILE:
         return None

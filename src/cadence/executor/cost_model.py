@@ -137,6 +137,12 @@ _FIELDS = ("prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_c
            "prefill_attention")
 
 
+def default_profile_path() -> Path:
+    """The profile shipped with cadence: the default model on this project's machine (docs/simulator.md).
+    It lies in the simulator's folder, its main reader; numpy is all that reading it needs."""
+    return Path(__file__).resolve().parent.parent / "sim" / "profiles" / "default.json"
+
+
 def machine_info() -> dict[str, Any]:
     """What the profile was measured on: enough to tell whether it applies to another machine."""
     cpu = cpu_model() or platform.processor() or ""

@@ -1,14 +1,9 @@
-"""Where the shipped cost profile lives.
-
-A module of its own so that `cadence sim` finds the profile without importing the calibration
-code, which needs torch and the model (the simulator needs neither).
-"""
+"""Where the shipped cost profile lives: `default_profile_path`, defined beside the cost model
+(the engine reads the profile too, to predict a waiting request's time to first token, and the
+engine may not import the simulator), and named here for the simulator's readers."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from cadence.executor.cost_model import default_profile_path
 
-
-def default_profile_path() -> Path:
-    """The profile shipped with cadence: the default model on this project's machine (docs/simulator.md)."""
-    return Path(__file__).parent / "profiles" / "default.json"
+__all__ = ["default_profile_path"]
