@@ -154,19 +154,25 @@ def one_run(args: argparse.Namespace, seed: int, rate: float, out: Path) -> dict
 
 
 def steps_vs_model(path: Path, profile: str) -> dict[str, dict[str, float]]:
-    """The recorded steps' measured time against the cost model's prediction, by kind of step
-    (the warm-up request's steps before the benchmark are included; they are few)."""
+    """The recorded steps' measured time (the executor's: forward and sampling) against the cost
+    model's prediction without the profile's serving overhead, by kind of step (the warm-up
+    request's steps before the benchmark are included; they are few)."""
     from cadence.executor.cost_model import StepCostModel
     from cadence.executor.step_log import read_step_log
 
-    model = StepCostModel.load(profile)
+    doc = json.loads(Path(profile).read_text())
+    model = StepCostModel.from_dict({**doc, "cost_model": {**doc["cost_model"], "overhead": {}}})
     kinds: dict[str, list[tuple[float, float]]] = {}
     for f, actual in read_step_log(path):
         kind = "decodes" if not f.prefill_tokens else ("chunk + decodes" if f.decode_seqs else "chunks")
         kinds.setdefault(kind, []).append((actual, model.predict(f)))
         kinds.setdefault("all", []).append(kinds[kind][-1])
-    return {k: {"steps": len(v), "actual_s": sum(a for a, _ in v), "predicted_s": sum(p for _, p in v),
-                "median_ratio": sorted(a / p for a, p in v)[len(v) // 2]} for k, v in kinds.items()}
+    out = {}
+    for k, v in kinds.items():
+        ratios = sorted(a / p for a, p in v)
+        out[k] = {"steps": len(v), "actual_s": sum(a for a, _ in v), "predicted_s": sum(p for _, p in v),
+                  **{f"ratio_p{q}": ratios[min(len(v) - 1, len(v) * q // 100)] for q in (10, 50, 90, 99)}}
+    return out
 
 
 def table(frac: float, r: dict) -> str:
@@ -195,11 +201,18 @@ def table(frac: float, r: dict) -> str:
     lines.append(f"engine busy {busy:.2f} s in {r['steps']:.0f} steps ({1000 * busy / max(r['steps'], 1):.2f} ms a step); "
                  f"simulated {sim['busy_s']:.2f} s in {sim['steps']} steps ({1000 * sim['busy_s'] / max(sim['steps'], 1):.2f} "
                  f"ms a step): sim/real busy {sim['busy_s'] / max(busy, 1e-9):.2f}")
-    lines += ["", "| steps | count | measured s | modelled s | measured / modelled (sum, median step) |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| steps | count | measured s | modelled s | measured / modelled: sum | a step's p10 / p50 / p90 / p99 |",
+              "|---|---|---|---|---|---|"]
+    overhead = json.loads(Path(r["profile"]).read_text())["cost_model"].get("overhead", {})
+    rows_per_step = (r["tokens_out"] + r["tokens_in"] / 512) / max(r["steps"], 1)  # rows, roughly
+    modelled = overhead.get("per_step", 0.0) + overhead.get("per_seq", 0.0) * rows_per_step
+    lines.append(f"engine outside the executor: {1000 * (busy - ph['execute']) / max(r['steps'], 1):.2f} ms a step "
+                 f"measured; the profile's serving overhead charges {1000 * modelled:.2f} ms a step "
+                 f"(at {rows_per_step:.1f} rows a step)")
     for kind, v in r["steps_vs_model"].items():
         lines.append(f"| {kind} | {v['steps']} | {v['actual_s']:.2f} | {v['predicted_s']:.2f} | "
-                     f"{v['actual_s'] / max(v['predicted_s'], 1e-9):.2f}, {v['median_ratio']:.2f} |")
+                     f"{v['actual_s'] / max(v['predicted_s'], 1e-9):.2f} | "
+                     + " / ".join(f"{v[f'ratio_p{q}']:.2f}" for q in (10, 50, 90, 99)) + " |")
     lines += ["", "| ms | client | engine side | simulated |", "|---|---|---|---|"]
     for m in ("ttft", "itl"):
         for q in ("p50", "p90", "p99"):
@@ -227,7 +240,7 @@ def main() -> int:
         print(f"seed {seed}: simulated saturation {sat:.3f} req/s", flush=True)
         for frac in (float(f) for f in args.fractions.split(",")):
             r = one_run(args, seed, frac * sat, out)
-            r["fraction"] = frac
+            r["fraction"], r["profile"] = frac, args.profile
             runs.append(r)
             print(table(frac, r) + "\n", flush=True)
     (out / "breakdown.json").write_text(json.dumps({"workload": args.workload, "cpus": os.cpu_count(),

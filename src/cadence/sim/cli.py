@@ -80,6 +80,10 @@ def add_parser(subparsers: Any) -> None:
     c.add_argument("--tiny", action="store_true", help="the tiny random-weight model (testing)")
     c.add_argument("--no-serve", action="store_true",
                    help="measure the engine's overhead in process instead of through `cadence serve` and a client")
+    c.add_argument("--from-served", default=None, metavar="DIR",
+                   help="instead of timing anything, refit --profile on the served steps that "
+                        "benchmarks/serving_breakdown.py kept in DIR (cadence.sim.served_fit)")
+    c.add_argument("--profile", default=None, help="the profile --from-served refits (default: the shipped one)")
     c.set_defaults(func=run_calibrate)
 
 
@@ -314,6 +318,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    if args.from_served is not None:
+        return _refit_from_served(args)
     from cadence.host_load import busy_warning
     from cadence.sim.calibrate import calibrate
 
@@ -329,7 +335,21 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(busy, flush=True)
     model = calibrate(engine_config_from_args(args), tiny=args.tiny, quick=args.quick, repeats=args.repeats,
                       served=not args.no_serve, serve_log=str(Path(args.out).with_suffix(".serve.log")))
-    path = model.save(Path(args.out))
+    return _report_fit(model, model.save(Path(args.out)))
+
+
+def _refit_from_served(args: argparse.Namespace) -> int:
+    from cadence.sim.served_fit import refit
+
+    base = load_profile(args.profile, args)
+    model = refit(base, args.from_served)
+    r = model.metadata["served_refit"]
+    print(f"refitted on {r['sweep_steps']} calibration steps and {r['served_steps']} served steps "
+          f"from {args.from_served}")
+    return _report_fit(model, model.save(Path(args.out)))
+
+
+def _report_fit(model: Any, path: Path) -> int:
     fit = model.fit_report
     print(f"feature set {fit['chosen']}: held-out error (MAPE) {fit['heldout_mape']:.1%} on {fit['num_heldout']} "
           f"of {fit['num_samples']} steps; training {fit['train_mape']:.1%}")

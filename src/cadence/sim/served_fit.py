@@ -1,0 +1,110 @@
+"""Refit a cost profile on the steps a served engine really made, as they really cost when served.
+
+`cadence calibrate` times step shapes with the engine alone on the machine. A served engine makes
+other shapes in other proportions (what its traffic asks for) and pays for them while an HTTP
+thread and a client share the cores. `benchmarks/serving_breakdown.py` serves real traffic at
+several loads with `--record-steps` and keeps each step's shape and measured time, and the engine
+thread's time outside the executor (scheduling, detokenizing, publishing). This module turns
+those into a profile:
+
+- the step cost model is fitted again on the calibration's own sweep plus a sample of the served
+  steps (at most `SERVED_PER_SWEEP` times as many as the sweep has shapes, drawn evenly over the
+  runs, so that the sweep's long contexts and large batches, which light traffic never makes,
+  still shape the fit);
+- the serving overhead becomes what the engine thread was measured to spend outside the
+  executor, fitted over the runs as a constant per step plus a cost per scheduled row.
+
+`cadence calibrate --from-served DIR --profile BASE --out NEW` does both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cadence.executor.cost_model import StepCostModel, StepFeatures
+from cadence.executor.step_log import read_step_log
+
+SERVED_PER_SWEEP = 4
+
+
+def sweep_samples(model: StepCostModel) -> list[tuple[StepFeatures, float]]:
+    """The calibration sweep's (shape, seconds) that a profile keeps in its fit report."""
+    out = []
+    for d in model.fit_report.get("samples", []):
+        d = dict(d)
+        seconds = float(d.pop("seconds"))
+        out.append((StepFeatures(**d), seconds))
+    if not out:
+        raise ValueError("the profile keeps no calibration samples to refit with (calibrate it again)")
+    return out
+
+
+def served_samples(step_logs: list[Path], limit: int, seed: int = 0) -> list[tuple[StepFeatures, float]]:
+    """At most `limit` recorded steps, the same share from each log."""
+    rng = random.Random(seed)
+    per_log = max(1, limit // max(1, len(step_logs)))
+    out: list[tuple[StepFeatures, float]] = []
+    for path in step_logs:
+        rows = [r for r in read_step_log(path) if r[1] > 0]
+        out += rng.sample(rows, min(per_log, len(rows)))
+    return out
+
+
+def engine_overhead(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The engine thread's time outside the executor, fitted as per_step + per_seq x rows over the
+    runs of a serving breakdown (rows: output tokens plus one per prompt chunk, near enough)."""
+    x, y = [], []
+    for r in runs:
+        ph = r["phases_s"]
+        outside = sum(v for k, v in ph.items() if k not in ("idle", "execute"))
+        rows = r["tokens_out"] + r["steps_vs_model"].get("chunks", {}).get("steps", 0) \
+            + r["steps_vs_model"].get("chunk + decodes", {}).get("steps", 0)
+        x.append([r["steps"], rows])
+        y.append(outside)
+    a, b = _nonneg_lstsq(np.array(x, dtype=float), np.array(y, dtype=float))
+    return {"per_step": a, "per_seq": b}
+
+
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least squares for two non-negative coefficients: the unconstrained fit, else the best fit
+    with one of them at zero."""
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    if (coef >= 0).all():
+        return float(coef[0]), float(coef[1])
+    best: tuple[float, float, float] | None = None
+    for keep in (0, 1):
+        col = x[:, keep]
+        c = max(float(col @ y / (col @ col)), 0.0) if col @ col else 0.0
+        err = float(((col * c - y) ** 2).sum())
+        pair = (c, 0.0) if keep == 0 else (0.0, c)
+        if best is None or err < best[0]:
+            best = (err, *pair)
+    assert best is not None
+    return best[1], best[2]
+
+
+def refit(base: StepCostModel, breakdown_dir: str | Path) -> StepCostModel:
+    """`base` refitted on its sweep plus the served steps under `breakdown_dir` (module docstring)."""
+    d = Path(breakdown_dir)
+    summary = json.loads((d / "breakdown.json").read_text())
+    logs = sorted(d.glob("steps_*.jsonl"))
+    if not logs:
+        raise ValueError(f"{d}: no steps_*.jsonl (run benchmarks/serving_breakdown.py --out {d})")
+    sweep = sweep_samples(base)
+    served = served_samples(logs, SERVED_PER_SWEEP * len(sweep))
+    meta = {k: v for k, v in base.metadata.items() if k != "validation"}  # a new model needs a new validation
+    fitted = StepCostModel.fit(sweep + served, metadata=meta)
+    fitted.fit_report["samples"] = base.fit_report["samples"]
+    overhead = engine_overhead(summary["runs"])
+    fitted.metadata["served_refit"] = {
+        "breakdown": str(d), "served_steps": len(served), "sweep_steps": len(sweep),
+        "loads": [r.get("fraction") for r in summary["runs"]], "workload": summary.get("workload"),
+        "overhead": overhead}
+    fitted.metadata["overhead_source"] = "served traffic: the engine thread outside the executor"
+    return dataclasses.replace(fitted, overhead=overhead)
