@@ -144,6 +144,9 @@ def main() -> int:
     p.add_argument("--profile", default=str(ROOT / "src/cadence/sim/profiles/default.json"))
     p.add_argument("--out", default=str(ROOT / "results/sim_fidelity"))
     p.add_argument("--calibrate", action="store_true", help="calibrate a fresh profile first (about 4 minutes)")
+    p.add_argument("--sim-only", action="store_true",
+                   help="keep the real runs already under --out and simulate them again with --profile "
+                        "(compare profiles on the same real runs)")
     p.add_argument("--record-validation", action="store_true",
                    help="write the sim/real spread into the profile (read by `cadence sim` and `sim plan`)")
     args = p.parse_args()
@@ -169,8 +172,24 @@ def main() -> int:
     return 0
 
 
+def resimulate(args: argparse.Namespace, out: Path) -> list[tuple[float, float, dict, dict]]:
+    """The real runs kept under `out`, each simulated again with `args.profile` (same rates)."""
+    sat = _summary(out / "saturation")["overall"]["request_throughput"]
+    rows = []
+    for real in sorted(out.glob("real_*"), key=lambda d: float(d.name[5:])):
+        rate = float(real.name[5:])
+        common = ["--workload", args.workload, "--num-requests", str(_summary(real)["meta"]["num_requests"]),
+                  "--rate", f"{rate:.4f}", "--seed", str(args.seed)]
+        sim = out / f"sim_{real.name[5:]}"
+        _run([*CADENCE, "sim", *common, "--profile", args.profile, "--num-threads", "1", "--out", str(sim)])
+        rows.append((rate / sat, rate, _summary(real), _summary(sim)))
+    return rows
+
+
 def run_group(args: argparse.Namespace, out: Path) -> list[tuple[float, float, dict, dict]]:
     """Saturation, then each load on a fresh server, for one workload and seed."""
+    if args.sim_only:
+        return resimulate(args, out)
     out.mkdir(parents=True, exist_ok=True)
     sat = saturation(args, out)
     print(f"{args.workload}, seed {args.seed}: simulated saturation {sat:.3f} req/s", flush=True)
