@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cadence.boundary import IterationStats, ModelOutput, RequestDelta, SchedulerStats
 from cadence.clock import Clock, RealClock
@@ -23,7 +23,18 @@ from cadence.sched.scheduler import Scheduler
 from cadence.wording import counted
 
 if TYPE_CHECKING:
-    from cadence.structured import StructuredOutputs
+    from cadence.boundary import SchedulerOutput
+
+
+class Grammars(Protocol):
+    """The engine's grammar matchers (`cadence.structured.StructuredOutputs`), as the core uses them."""
+
+    @property
+    def active(self) -> bool: ...
+    def attach(self, requests: Sequence[Request]) -> None: ...
+    def detach(self, request_ids: Iterable[str]) -> None: ...
+    def with_bitmask(self, out: SchedulerOutput) -> SchedulerOutput: ...
+    def advance(self, deltas: Sequence[RequestDelta]) -> Sequence[Any]: ...
 
 logger = logging.getLogger(__name__)
 _NO_OUTPUT = ModelOutput()
@@ -40,7 +51,7 @@ class EngineCore:
         eos_token_ids: frozenset[int] = frozenset(),
         check_integrity: bool = False,
         snapshot_gauges: bool = True,
-        structured: StructuredOutputs | None = None,
+        structured: Grammars | None = None,
     ) -> None:
         """`snapshot_gauges`: keep `scheduler_stats` as of the last step, for gauges read from
         other threads (the server's); without it, each read computes them then (the simulator
