@@ -5,10 +5,13 @@ import asyncio
 import re
 import threading
 
+import pytest
+
 from cadence.boundary import WaitReason
 from cadence.config import EngineConfig
 from cadence.engine.async_engine import AsyncEngine
 from cadence.engine.builder import build_engine
+from cadence.errors import CadenceError, ErrorKind
 from cadence.request import SamplingParams
 from cadence.request import StructuredOutputsParams as SO
 
@@ -52,4 +55,21 @@ def test_a_slow_compile_holds_only_its_own_request():
         asyncio.run(scenario())
     finally:
         gate.set()
+        engine.shutdown()
+
+
+def test_a_refused_constraint_is_an_invalid_request_and_the_engine_serves_on():
+    engine = AsyncEngine(build_engine(EngineConfig.from_options(**TINY), tiny=True))
+
+    async def scenario() -> None:
+        bad = SamplingParams(max_tokens=4, structured_outputs=SO(regex="(unclosed"))
+        with pytest.raises(CadenceError, match=r"structured_outputs\.regex") as info:
+            await engine.submit([[1, 2, 3]], bad, request_id="bad")
+        assert info.value.kind == ErrorKind.INVALID_REQUEST
+        assert await engine.request_status("bad") is None
+        assert await _text(engine, "ok", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+
+    try:
+        asyncio.run(scenario())
+    finally:
         engine.shutdown()

@@ -176,3 +176,28 @@ def test_greedy_output_alone_equals_batched_preempted_and_chunked(llm):
     assert [o.outputs[0].text for o in outs] == [alone] * 4
     chunked = LLM(tiny=True, **{**TINY, "max_num_batched_tokens": 32})
     assert _greedy(chunked, [long_prompt]) == [alone]
+
+
+def test_each_step_masks_only_its_constrained_sampling_rows(llm):
+    runner = llm.engine.core.executor
+    seen: list[tuple[set[str], tuple[str, ...] | None]] = []
+    execute = runner.execute
+
+    def recording(out):
+        seen.append(({r.request_id for r in out.scheduled if r.sample and r.sampling_params.structured_outputs},
+                     out.grammar.request_ids if out.grammar is not None else None))
+        return execute(out)
+
+    runner.execute = recording
+    try:
+        llm.generate([PROMPT] * 4, [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(choice=["ab"])),
+                                    SamplingParams(temperature=1.0, max_tokens=6, structured_outputs=SO(regex="[a-z]{6}")),
+                                    SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
+                                    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)], use_tqdm=False)
+    finally:
+        del runner.execute
+    assert seen
+    for constrained, masked in seen:
+        assert (masked is None) == (not constrained)
+        assert set(masked or ()) == constrained and len(masked or ()) == len(constrained)
+    assert any(m is None for _, m in seen)  # steps with plain rows only carry no mask at all

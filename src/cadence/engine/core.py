@@ -18,7 +18,7 @@ from cadence.clock import Clock, RealClock
 from cadence.config import EngineConfig
 from cadence.executor.base import DecodeBatchExecutor, Executor
 from cadence.kv.manager import KVCacheManager
-from cadence.request import Request, RequestStatus
+from cadence.request import Request, RequestStatus, StructuredOutputsParams
 from cadence.sched.scheduler import Scheduler
 from cadence.wording import counted
 
@@ -35,6 +35,8 @@ class Grammars(Protocol):
     def detach(self, request_ids: Iterable[str]) -> None: ...
     def with_bitmask(self, out: SchedulerOutput) -> SchedulerOutput: ...
     def advance(self, deltas: Sequence[RequestDelta]) -> Sequence[Any]: ...
+    def validate_all(self, specs: Sequence[StructuredOutputsParams]) -> None: ...
+    async def validate_async(self, spec: StructuredOutputsParams) -> object: ...
 
 logger = logging.getLogger(__name__)
 _NO_OUTPUT = ModelOutput()
@@ -143,15 +145,16 @@ class EngineCore:
             if not request.eos_token_ids:
                 request.eos_token_ids = self.eos_token_ids
         constrained = [r for r in group if r.sampling_params.structured_outputs is not None]
-        if constrained and self.structured is None:
-            raise ValueError("structured_outputs: this engine has no grammar support")
+        grammars = self.structured
         if constrained:
-            self.structured.attach(constrained)  # ValueError naming the field; compiled beforehand, a cache hit
+            if grammars is None:
+                raise ValueError("structured_outputs: this engine has no grammar support")
+            grammars.attach(constrained)  # ValueError naming the field; compiled beforehand, a cache hit
         try:
             self.scheduler.add_requests(group, now, evict=evict)
         except BaseException:
-            if constrained:
-                self.structured.detach(r.request_id for r in constrained)
+            if constrained and grammars is not None:
+                grammars.detach(r.request_id for r in constrained)
             raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestDelta]:

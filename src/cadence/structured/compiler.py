@@ -8,6 +8,7 @@ equal specs (n > 1 choices, repeated schemas) compile once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -20,6 +21,7 @@ from cadence.request import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import llguidance
+    from llguidance._lib import JsonCompileOptions
 
     from cadence.model.tokenizer import Tokenizer
 
@@ -56,7 +58,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     import llguidance
 
     from_json = llguidance.LLMatcher.grammar_from_json_schema
-    options = {"whitespace_flexible": False}
+    options: JsonCompileOptions = {"whitespace_flexible": False}
     try:
         if spec.json is not None:
             schema = json.loads(spec.json)
@@ -152,7 +154,7 @@ class GrammarCompiler:
             fut = self._pool.submit(self._build, spec)
             self._pending[spec] = fut
         # Outside the lock: a compile already done runs the callback here, and it takes the lock.
-        fut.add_done_callback(lambda f, s=spec: self._done(s, f))
+        fut.add_done_callback(functools.partial(self._done, spec))
         return fut
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
