@@ -85,7 +85,10 @@ class StructuredOutputs:
         for r in requests:
             spec = r.sampling_params.structured_outputs
             if spec is not None:
-                new[r.request_id] = self.validate(spec).matcher()
+                m = self.validate(spec).matcher()
+                if r.output_token_ids:  # a request that arrives with tokens already generated for it
+                    m.consume_tokens(list(r.output_token_ids))
+                new[r.request_id] = m
         self._matchers.update(new)
 
     def detach(self, request_ids: Iterable[str]) -> None:
