@@ -21,6 +21,7 @@ from cadence.model.cpu_kernels import cpu_flags
 from cadence.model.loader import default_model_path, load_checkpoint
 from cadence.model.template_limits import RenderLimits
 from cadence.model.tokenizer import Tokenizer
+from cadence.structured import StructuredOutputs
 
 log = logging.getLogger("cadence")
 
@@ -137,7 +138,9 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
         raise ValueError(
             f"max_model_len: {max_len} exceeds the model's context length ({arch.max_position_embeddings})"
         )
-    core = EngineCore(config, runner, clock=clock, max_model_len=max_len, eos_token_ids=tokenizer.eos_token_ids)
+    structured = StructuredOutputs(tokenizer, arch.vocab_size)  # the grammar library loads on first use
+    core = EngineCore(config, runner, clock=clock, max_model_len=max_len, eos_token_ids=tokenizer.eos_token_ids,
+                      structured=structured)
     if config.model.record_steps:
         core.step_observer = StepLog(config.model.record_steps)
     name = config.model.served_model_name or (arch.name if tiny else _model_name(path))
