@@ -56,7 +56,6 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
-@dataclass(frozen=True)
 class GrammarMask:
     """The tokens a step's constrained rows may sample: `bitmask` row i (an int32 tensor [R,
     ceil(V / 32)], bit j of word w allowing token 32 * w + j) is for `request_ids[i]`. Only rows
