@@ -5,7 +5,8 @@
   in its package's order (`PACKAGE_ORDER`);
 - the pure core (request, sched/, kv/, clock, workload, routing, and the plain-data modules they share:
   config, errors, checks, boundary) imports only the standard library and itself;
-- engine/core imports no torch and no asyncio, not even through the cadence modules it imports;
+- engine/core imports no torch and no asyncio, not even through the cadence modules it imports,
+  and of executor/ only its protocol (executor/base);
 - model/ and executor/ never import asyncio or the server;
 - only server/ imports FastAPI and pydantic;
 - only metrics/prometheus.py and metrics/vllm_compat.py import prometheus_client;
@@ -150,6 +151,14 @@ def test_engine_core_pulls_in_no_torch_and_no_asyncio() -> None:
     reached = cadence_closure("cadence.engine.core")
     offenders = {m: sorted(top(i) for i in imports_of(m) if top(i) in {"torch", "asyncio"}) for m in reached}
     assert not {m: v for m, v in offenders.items() if v}
+
+
+def test_engine_core_sees_executors_only_through_the_protocol() -> None:
+    """engine/core drives any executor (the model runner, the simulator's, the tests' fakes)
+    through `executor/base`'s protocol: it names no executor of its own."""
+    bad = sorted(i for i in imports_of("cadence.engine.core")
+                 if within(i, ("cadence.executor",)) and resolve(i) != "cadence.executor.base")
+    assert not bad, f"cadence.engine.core imports {bad}"
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if within(m, ("cadence.model", "cadence.executor"))])
