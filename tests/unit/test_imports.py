@@ -12,11 +12,13 @@
 - only metrics/prometheus.py and metrics/vllm_compat.py import prometheus_client;
 - only server/tracing.py imports OpenTelemetry;
 - only fleet/ imports Ray, and the server knows nothing of the fleet (nor of Ray).
+- pyproject.toml's strict mypy list covers the pure core.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from functools import cache
 from pathlib import Path
@@ -159,6 +161,19 @@ def test_engine_core_sees_executors_only_through_the_protocol() -> None:
     bad = sorted(i for i in imports_of("cadence.engine.core")
                  if within(i, ("cadence.executor",)) and resolve(i) != "cadence.executor.base")
     assert not bad, f"cadence.engine.core imports {bad}"
+
+
+def test_the_pure_core_is_type_checked_strictly() -> None:
+    """`make lint` runs mypy strictly on the pure core and its plain data (pyproject.toml)."""
+    # (Read as text: tomllib is not in Python 3.10's standard library.)
+    overrides = (SRC.parent / "pyproject.toml").read_text().split("[[tool.mypy.overrides]]")[1:]
+    strict = next(o for o in overrides if "disallow_untyped_defs = true" in o)
+    listed = re.search(r"module = \[(.*?)\]", strict, re.DOTALL)
+    assert listed, "the strict override's module list"
+    patterns = tuple(m.removesuffix(".*") for m in re.findall(r'"([\w.*]+)"', listed.group(1)))
+    assert "cadence.sched" in patterns  # the parser found the list
+    missing = sorted(m for m in MODULES if within(m, PURE + SHARED_PLAIN_DATA) and not within(m, patterns))
+    assert not missing, f"not in pyproject.toml's strict mypy list: {missing}"
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if within(m, ("cadence.model", "cadence.executor"))])
