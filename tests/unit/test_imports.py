@@ -12,7 +12,8 @@
 - only metrics/prometheus.py and metrics/vllm_compat.py import prometheus_client;
 - only server/tracing.py imports OpenTelemetry;
 - only fleet/ imports Ray, and the server knows nothing of the fleet (nor of Ray).
-- pyproject.toml's strict mypy list covers the pure core.
+- pyproject.toml's strict mypy list covers the pure core;
+- no module imports another's private (underscored) names.
 """
 
 from __future__ import annotations
@@ -161,6 +162,20 @@ def test_engine_core_sees_executors_only_through_the_protocol() -> None:
     bad = sorted(i for i in imports_of("cadence.engine.core")
                  if within(i, ("cadence.executor",)) and resolve(i) != "cadence.executor.base")
     assert not bad, f"cadence.engine.core imports {bad}"
+
+
+def private_imports(module: str) -> list[str]:
+    """Underscored names `module` imports from another cadence module (`from x import _y`)."""
+    bad = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("cadence"):
+            bad += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return bad
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_no_module_imports_another_modules_private_names(module: str) -> None:
+    assert not private_imports(module), f"{module} imports private names: {private_imports(module)}"
 
 
 def test_the_pure_core_is_type_checked_strictly() -> None:
