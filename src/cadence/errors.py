@@ -1,4 +1,4 @@
-"""Error kinds the engine raises at its boundary. The server maps each kind to an HTTP status in one table."""
+"""Error kinds the engine raises at its boundary, and the HTTP status a client of the server gets for each."""
 
 from __future__ import annotations
 
@@ -14,6 +14,20 @@ class ErrorKind(str, enum.Enum):
     DEADLINE = "deadline"  # 408-ish: deadline passed before service
     UNAVAILABLE = "unavailable"  # 503: draining or engine dead
     INTERNAL = "internal"  # 500: a step failed
+
+
+# The one map from an engine error's kind to its HTTP status: the server's error table
+# (server/errors.py) reads it, and the simulator reports it for a refusal without loading the server.
+HTTP_STATUS: dict[ErrorKind, int] = {
+    ErrorKind.INVALID_REQUEST: 400,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.QUEUE_FULL: 429,
+    ErrorKind.FAIR_SHARE: 429,
+    ErrorKind.TENANT_QUOTA: 429,
+    ErrorKind.DEADLINE: 408,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.INTERNAL: 500,
+}
 
 
 class CadenceError(Exception):

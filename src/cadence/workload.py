@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 ARRIVALS = ("poisson", "gamma", "trace", "none")
 BUILTIN_WORKLOADS = ("chat", "shared-prefix", "long-prompt-mix", "mixed-tenants")
@@ -78,7 +79,7 @@ class WorkloadRequest:
         if self.deadline is not None and not (_is_number(self.deadline) and self.deadline > 0):
             raise ValueError(f"deadline: must be a number of seconds > 0, got {self.deadline!r}")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready: default fields are left out to keep files small."""
         out = {k: v for k, v in asdict(self).items() if v is not None and v != () and v != []}
         if out.get("tenant") == "default":
@@ -92,7 +93,7 @@ class WorkloadRequest:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict) -> WorkloadRequest:
+    def from_dict(cls, d: dict[str, Any]) -> WorkloadRequest:
         known = {"arrival_time", "prompt_tokens", "output_tokens", "prefix_group", "tenant", "priority",
                  "deadline", "prompt", "messages"}
         unknown = set(d) - known
@@ -224,7 +225,7 @@ def _chat_output(rng: random.Random) -> int:
     return _lognormal_int(rng, median, 0.5, 4, 1024)
 
 
-def _chat_request(rng: random.Random, **kw) -> WorkloadRequest:
+def _chat_request(rng: random.Random, **kw: Any) -> WorkloadRequest:
     return WorkloadRequest(prompt_tokens=_lognormal_int(rng, 96, 0.6, 8, 1024), output_tokens=_chat_output(rng), **kw)
 
 
@@ -349,7 +350,7 @@ def _parse_azure_time(stamp: str) -> tuple[int, float]:
     return calendar.timegm(time.strptime(whole, "%Y-%m-%d %H:%M:%S")), float("0." + frac) if frac else 0.0
 
 
-def _count(row: dict, key: str, where: str) -> int:
+def _count(row: dict[str, Any], key: str, where: str) -> int:
     try:
         v = int(row[key])
     except ValueError:

@@ -5,17 +5,21 @@
   in its package's order (`PACKAGE_ORDER`);
 - the pure core (request, sched/, kv/, clock, workload, routing, and the plain-data modules they share:
   config, errors, checks, boundary) imports only the standard library and itself;
-- engine/core imports no torch and no asyncio, not even through the cadence modules it imports;
+- engine/core imports no torch and no asyncio, not even through the cadence modules it imports,
+  and of executor/ only its protocol (executor/base);
 - model/ and executor/ never import asyncio or the server;
 - only server/ imports FastAPI and pydantic;
 - only metrics/prometheus.py and metrics/vllm_compat.py import prometheus_client;
 - only server/tracing.py imports OpenTelemetry;
 - only fleet/ imports Ray, and the server knows nothing of the fleet (nor of Ray).
+- pyproject.toml's strict mypy list covers the pure core;
+- no module imports another's private (underscored) names.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from functools import cache
 from pathlib import Path
@@ -150,6 +154,41 @@ def test_engine_core_pulls_in_no_torch_and_no_asyncio() -> None:
     reached = cadence_closure("cadence.engine.core")
     offenders = {m: sorted(top(i) for i in imports_of(m) if top(i) in {"torch", "asyncio"}) for m in reached}
     assert not {m: v for m, v in offenders.items() if v}
+
+
+def test_engine_core_sees_executors_only_through_the_protocol() -> None:
+    """engine/core drives any executor (the model runner, the simulator's, the tests' fakes)
+    through `executor/base`'s protocol: it names no executor of its own."""
+    bad = sorted(i for i in imports_of("cadence.engine.core")
+                 if within(i, ("cadence.executor",)) and resolve(i) != "cadence.executor.base")
+    assert not bad, f"cadence.engine.core imports {bad}"
+
+
+def private_imports(module: str) -> list[str]:
+    """Underscored names `module` imports from another cadence module (`from x import _y`)."""
+    bad = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("cadence"):
+            bad += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return bad
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_no_module_imports_another_modules_private_names(module: str) -> None:
+    assert not private_imports(module), f"{module} imports private names: {private_imports(module)}"
+
+
+def test_the_pure_core_is_type_checked_strictly() -> None:
+    """`make lint` runs mypy strictly on the pure core and its plain data (pyproject.toml)."""
+    # (Read as text: tomllib is not in Python 3.10's standard library.)
+    overrides = (SRC.parent / "pyproject.toml").read_text().split("[[tool.mypy.overrides]]")[1:]
+    strict = next(o for o in overrides if "disallow_untyped_defs = true" in o)
+    listed = re.search(r"module = \[(.*?)\]", strict, re.DOTALL)
+    assert listed, "the strict override's module list"
+    patterns = tuple(m.removesuffix(".*") for m in re.findall(r'"([\w.*]+)"', listed.group(1)))
+    assert "cadence.sched" in patterns  # the parser found the list
+    missing = sorted(m for m in MODULES if within(m, PURE + SHARED_PLAIN_DATA) and not within(m, patterns))
+    assert not missing, f"not in pyproject.toml's strict mypy list: {missing}"
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if within(m, ("cadence.model", "cadence.executor"))])

@@ -79,3 +79,24 @@ def test_a_changed_prototype_is_caught(monkeypatch) -> None:
     monkeypatch.setattr(sys.modules[__name__], "SOURCE", broken)
     with pytest.raises(AssertionError, match="cadence_silu_mul: argument 2"):
         test_every_exported_function_has_its_c_signature()
+
+
+def _header() -> str:
+    """The source's opening comment, the kernels' table of contents."""
+    m = re.match(r"/\*(.*?)\*/", SOURCE, re.DOTALL)
+    assert m, "the opening comment"
+    return m.group(1)
+
+
+def test_the_header_lists_every_export() -> None:
+    listed = set(re.findall(r"\bcadence_\w+", _header()))
+    assert listed == set(_exported()), "the header of cpu_bf16.c and its exported functions differ"
+
+
+def test_an_export_missing_from_the_header_is_caught(monkeypatch) -> None:
+    """The check itself can fail: one export dropped from the header."""
+    broken = SOURCE.replace(" *   cadence_sample ", " *   sampling ", 1)
+    assert broken != SOURCE
+    monkeypatch.setattr(sys.modules[__name__], "SOURCE", broken)
+    with pytest.raises(AssertionError, match="header"):
+        test_the_header_lists_every_export()

@@ -59,6 +59,16 @@ def test_over_long_prompt_is_refused_like_the_server_would() -> None:
     assert res.records[1].ok
 
 
+def test_refusals_carry_the_status_the_server_answers_with() -> None:
+    # One map serves both: the server's error table and the simulator read cadence.errors.HTTP_STATUS.
+    from cadence.errors import HTTP_STATUS, ErrorKind
+    from cadence.server.errors import ERROR_TABLE
+
+    assert {k: ERROR_TABLE[k].status for k in ErrorKind} == HTTP_STATUS
+    res = _sim([_wr(0.0, prompt=5000, out=10)], max_model_len=4096)
+    assert res.records[0].status == ERROR_TABLE[ErrorKind.INVALID_REQUEST].status
+
+
 def test_round_robin_spreads_evenly() -> None:
     res = _sim([_wr(i * 0.01) for i in range(9)], replicas=3, router="round-robin")
     assert [r.requests for r in res.replicas] == [3, 3, 3]

@@ -101,7 +101,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling's top_p (default: the server's)")
 
 
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
+def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--workload", choices=BUILTIN_WORKLOADS, default=None, help="built-in mix (default chat)")
@@ -119,7 +119,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-workload", default=None, help="also write the prepared workload as JSONL")
 
 
-def _add_load_args(p: argparse.ArgumentParser, sweep: bool = True) -> None:
+def add_load_args(p: argparse.ArgumentParser, sweep: bool = True) -> None:
     """The load options; `sweep` False (cadence sim) hides --rates/--concurrencies, which are then
     refused by name (see `refuse_sweep_options`)."""
     g = p.add_argument_group("load")
@@ -151,8 +151,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("action", nargs="?", default="run", help="run (default), sweep or compare")
     p.add_argument("files", nargs="*", help="compare: two summary.json files (or run directories)")
     _add_target_args(p)
-    _add_workload_args(p)
-    _add_load_args(p)
+    add_workload_args(p)
+    add_load_args(p)
     g = p.add_argument_group("report")
     g.add_argument("--slo", action="append", default=[], metavar="KEY=SECONDS",
                    help=f"goodput objective, repeatable; KEY in {', '.join(report.SLO_KEYS)}")

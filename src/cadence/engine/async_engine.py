@@ -40,7 +40,7 @@ from cadence.boundary import (
     WaitInfo,
     WaitReason,
 )
-from cadence.clock import Clock, RealClock
+from cadence.clock import Clock
 from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
 from cadence.engine.thread_times import EngineThreadTimes, StepTimer, name_os_thread
@@ -86,7 +86,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.max_request_tokens = self.core.max_request_tokens
         self.vocab_size = engine.vocab_size
-        self.clock: Clock = getattr(self.core, "clock", None) or RealClock()
+        self.clock: Clock = self.core.clock
         self.stats_hooks: list[StatsHook] = [stats_hook] if stats_hook else []
         self.drain_rate = DrainRate(self.clock)
         self._proc = OutputProcessor(engine.tokenizer)
@@ -104,9 +104,9 @@ class AsyncEngine:
         self._stop = False
         self._draining = False
         self._dead: str | None = None
-        config = getattr(engine, "config", None)
-        self.step_timeout = config.model.step_timeout if config is not None else 0.0
-        pace = StepPace(config.scheduler.max_num_batched_tokens if config is not None else 1)
+        config = engine.config
+        self.step_timeout = config.model.step_timeout
+        pace = StepPace(config.scheduler.max_num_batched_tokens)
         self._watchdog = Watchdog(self.step_timeout, pace, self._has_work, self._stalled)
         # Set by the server: predicts a waiting request's time to first token when asked (ttft.py).
         self.predictor: TTFTPredictor | None = None

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from cadence.boundary import ModelOutput, ScheduledRequest, SchedulerOutput
+from cadence.clock import VirtualClock
 from cadence.host_load import cpu_model
 
 PROFILE_FORMAT = 1
@@ -326,7 +327,7 @@ class SimExecutor:
     fast-forwards such stretches without building a step each (see sim/fast_forward.py).
     Every plain decode samples `token_id`."""
 
-    def __init__(self, cost_model: StepCostModel, *, clock: Any | None = None,
+    def __init__(self, cost_model: StepCostModel, *, clock: VirtualClock | None = None,
                  token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None) -> None:
         self.cost_model = cost_model
         self.clock = clock
@@ -446,7 +447,7 @@ class ReplayExecutor:
     """
 
     def __init__(self, steps: Sequence[RecordedStep], *, kv_bytes_per_block: int = 1,
-                 clock: Any | None = None) -> None:
+                 clock: VirtualClock | None = None) -> None:
         self.steps = list(steps)
         self.clock = clock
         self._kv_bytes_per_block = kv_bytes_per_block

@@ -101,8 +101,9 @@ class DashboardRecorder:
                 self._gauges = st
             if it is not None:
                 self._record_iteration(now, it, st)
-        if st is not None and self._census_due(now, st):
-            census = self._fold(self._census_source())  # type: ignore[misc]  # (due only with a source)
+        source = self._census_source
+        if st is not None and source is not None and self._census_due(now, st):
+            census = self._fold(source())
             with self._lock:
                 self._census, self._census_at = census, now
 

@@ -228,10 +228,10 @@ def _load_layer(
     def raw(*names: str) -> torch.Tensor | None:
         """The Q4_1 blocks of these matrices, rows concatenated as the fused weight's; None unless
         every part is Q4_1 (on CPU)."""
-        parts = [q4_1.get(p + name) for name in names]
-        if device.type != "cpu" or any(x is None for x in parts):
+        parts = [x for name in names if (x := q4_1.get(p + name)) is not None]
+        if device.type != "cpu" or len(parts) != len(names):
             return None
-        return torch.cat(parts)  # type: ignore[arg-type]
+        return torch.cat(parts)
 
     qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
     expected = ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, arch.hidden_size)

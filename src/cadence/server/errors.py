@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from cadence.errors import CadenceError, ErrorKind
+from cadence.errors import HTTP_STATUS, CadenceError, ErrorKind
 
 log = logging.getLogger("cadence.server")
 
@@ -49,15 +49,16 @@ class ErrorSpec:
     code: str
 
 
+# An engine kind's status comes from cadence.errors.HTTP_STATUS (the simulator reports it too).
 ERROR_TABLE: dict[ErrorKind | HTTPKind, ErrorSpec] = {
-    ErrorKind.INVALID_REQUEST: ErrorSpec(400, "invalid_request_error", "invalid_request"),
-    ErrorKind.NOT_FOUND: ErrorSpec(404, "invalid_request_error", "not_found"),
-    ErrorKind.QUEUE_FULL: ErrorSpec(429, "rate_limit_error", "queue_full"),
-    ErrorKind.TENANT_QUOTA: ErrorSpec(429, "rate_limit_error", "tenant_quota_exceeded"),
-    ErrorKind.FAIR_SHARE: ErrorSpec(429, "rate_limit_error", "fair_share_exceeded"),
-    ErrorKind.DEADLINE: ErrorSpec(408, "timeout_error", "deadline_exceeded"),
-    ErrorKind.UNAVAILABLE: ErrorSpec(503, "service_unavailable_error", "unavailable"),
-    ErrorKind.INTERNAL: ErrorSpec(500, "server_error", "internal_error"),
+    ErrorKind.INVALID_REQUEST: ErrorSpec(HTTP_STATUS[ErrorKind.INVALID_REQUEST], "invalid_request_error", "invalid_request"),
+    ErrorKind.NOT_FOUND: ErrorSpec(HTTP_STATUS[ErrorKind.NOT_FOUND], "invalid_request_error", "not_found"),
+    ErrorKind.QUEUE_FULL: ErrorSpec(HTTP_STATUS[ErrorKind.QUEUE_FULL], "rate_limit_error", "queue_full"),
+    ErrorKind.TENANT_QUOTA: ErrorSpec(HTTP_STATUS[ErrorKind.TENANT_QUOTA], "rate_limit_error", "tenant_quota_exceeded"),
+    ErrorKind.FAIR_SHARE: ErrorSpec(HTTP_STATUS[ErrorKind.FAIR_SHARE], "rate_limit_error", "fair_share_exceeded"),
+    ErrorKind.DEADLINE: ErrorSpec(HTTP_STATUS[ErrorKind.DEADLINE], "timeout_error", "deadline_exceeded"),
+    ErrorKind.UNAVAILABLE: ErrorSpec(HTTP_STATUS[ErrorKind.UNAVAILABLE], "service_unavailable_error", "unavailable"),
+    ErrorKind.INTERNAL: ErrorSpec(HTTP_STATUS[ErrorKind.INTERNAL], "server_error", "internal_error"),
     HTTPKind.UNAUTHORIZED: ErrorSpec(401, "authentication_error", "invalid_api_key"),
     HTTPKind.BODY_TOO_LARGE: ErrorSpec(413, "invalid_request_error", "request_too_large"),
     HTTPKind.ROUTE_NOT_FOUND: ErrorSpec(404, "invalid_request_error", "not_found"),

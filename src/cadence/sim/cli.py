@@ -30,11 +30,11 @@ _TARGET_DEFAULTS = dict(base_url="(simulated)", endpoint="completions", api_key=
 
 
 def _add_sim_args(p: argparse.ArgumentParser) -> None:
-    from cadence.bench.cli import _add_load_args, _add_workload_args
+    from cadence.bench.cli import add_load_args, add_workload_args
 
     add_engine_args(p, {"prefix_caching_hash_algo": "builtin"})  # (see sim_engine_config)
-    _add_workload_args(p)  # after the engine options: the workload's --seed wins (the sim has no weights to seed)
-    _add_load_args(p, sweep=False)
+    add_workload_args(p)  # after the engine options: the workload's --seed wins (the sim has no weights to seed)
+    add_load_args(p, sweep=False)
     g = p.add_argument_group("simulation")
     g.add_argument("--profile", default=None, help="cost profile from `cadence calibrate` (default: the shipped one)")
     g.add_argument("--rate-scale", type=float, default=1.0, help="replay trace timestamps this many times faster")

@@ -34,7 +34,7 @@ from cadence.bench.report import RequestRecord
 from cadence.clock import VirtualClock
 from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
-from cadence.errors import AdmissionError, ErrorKind
+from cadence.errors import HTTP_STATUS, AdmissionError
 from cadence.executor.cost_model import SimExecutor, StepCostModel
 from cadence.kv.hashing import block_hashers
 from cadence.request import Request, SamplingParams
@@ -44,9 +44,6 @@ from cadence.sim.fast_forward import DecodeStretch, FastForward
 from cadence.sim.synth import PromptSynth
 from cadence.workload import Workload, WorkloadRequest
 
-# HTTP status a client of `cadence serve` would have seen for each refusal.
-_STATUS = {ErrorKind.INVALID_REQUEST: 400, ErrorKind.QUEUE_FULL: 429, ErrorKind.FAIR_SHARE: 429,
-           ErrorKind.TENANT_QUOTA: 429, ErrorKind.DEADLINE: 408, ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500}
 # HTTP status of a request that ended without success, by finish reason (evicted: refused from the queue).
 _END_STATUS = {"deadline": 408, "evicted": 429}
 _OK_REASONS = ("stop", "length")
@@ -244,7 +241,7 @@ class Simulator:
         try:
             rep.core.add_request(req)
         except AdmissionError as e:
-            rec.status, rec.error, rec.retry_after = _STATUS.get(e.kind, 500), f"{e.kind.value}: {e.message}", e.retry_after
+            rec.status, rec.error, rec.retry_after = HTTP_STATUS[e.kind], f"{e.kind.value}: {e.message}", e.retry_after
             self._client.on_done(t - self._t0)
             return
         self._outstanding[rep.index] += 1
