@@ -23,6 +23,8 @@ from cadence.cli import add_engine_args, engine_config_from_args
 from cadence.config import EngineConfig
 from cadence.routing import ROUTERS
 from cadence.sim.fidelity import Validation, band
+from cadence.sim.pd import DEFAULT_KV_TRANSFER_BANDWIDTH, DEFAULT_KV_TRANSFER_LATENCY_MS, PDOptions
+from cadence.sim.profile import shipped_profile, shipped_profiles
 
 _TARGET_DEFAULTS = dict(base_url="(simulated)", endpoint="completions", api_key=None, tokenizer="none",
                         request_timeout=600.0, no_exact_output=False, temperature=None, top_p=None, no_progress=True,
@@ -36,13 +38,25 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     _add_workload_args(p)  # after the engine options: the workload's --seed wins (the sim has no weights to seed)
     _add_load_args(p, sweep=False)
     g = p.add_argument_group("simulation")
-    g.add_argument("--profile", default=None, help="cost profile from `cadence calibrate` (default: the shipped one)")
+    g.add_argument("--profile", default=None,
+                   help="cost profile from `cadence calibrate`, or a shipped one by name: "
+                        f"{', '.join(shipped_profiles())} (default: default)")
     g.add_argument("--rate-scale", type=float, default=1.0, help="replay trace timestamps this many times faster")
     g.add_argument("--repeat", type=int, default=1, help="replay the workload N times back to back (more requests)")
     g.add_argument("--replicas", type=int, default=None,
                    help="engines behind the router (default 1; `sim plan` searches the count itself)")
     g.add_argument("--router", choices=ROUTERS, default="prefix-affinity",
-                   help="how requests are spread (default %(default)s, as `cadence serve --replicas`)")
+                   help="how requests are spread (default %(default)s, as `cadence serve --replicas`); "
+                        "with P/D, over the prefill replicas")
+    d = p.add_argument_group("disaggregated prefill and decode")
+    d.add_argument("--prefill-replicas", type=int, default=None,
+                   help="a P/D fleet: replicas that compute prompts and first tokens (with --decode-replicas)")
+    d.add_argument("--decode-replicas", type=int, default=None,
+                   help="a P/D fleet: replicas that take the KV and decode (with --prefill-replicas)")
+    d.add_argument("--kv-transfer-bandwidth", type=float, default=DEFAULT_KV_TRANSFER_BANDWIDTH, metavar="GB/S",
+                   help="link from a prefill to a decode replica, GB/s (default %(default)g: 200 Gb/s)")
+    d.add_argument("--kv-transfer-latency", type=float, default=DEFAULT_KV_TRANSFER_LATENCY_MS, metavar="MS",
+                   help="fixed time per KV transfer, ms (default %(default)g)")
     p.set_defaults(**_TARGET_DEFAULTS)
 
 
@@ -93,10 +107,12 @@ def load_profile(path: str | None, args: argparse.Namespace):
     logging.getLogger("cadence.engine.core").setLevel(logging.WARNING)
     from cadence.sim.profile import default_profile_path  # (not calibrate: that imports torch)
 
-    if path is not None and not Path(path).is_file():
-        raise ValueError(f"--profile {path}: no such file (write one with `cadence calibrate --out {path}`)")
+    shipped = shipped_profile(path) if path is not None and not Path(path).is_file() else None
+    if path is not None and shipped is None and not Path(path).is_file():
+        raise ValueError(f"--profile {path}: no such file or shipped profile (shipped: {', '.join(shipped_profiles())}; "
+                         f"write one with `cadence calibrate --out {path}`)")
     try:
-        model = StepCostModel.load(path or default_profile_path())
+        model = StepCostModel.load(shipped or path or default_profile_path())
     except (ValueError, TypeError, AttributeError) as e:  # the loader's own messages name the file, mostly
         message = str(e) if isinstance(e, ValueError) else f"malformed profile ({e})"
         raise ValueError(message if path is None or message.startswith(str(path)) else f"{path}: {message}") from None
@@ -111,6 +127,7 @@ def check_sim_args(args: argparse.Namespace) -> None:
     from cadence.bench.cli import refuse_sweep_options
 
     refuse_sweep_options(args, "`cadence sim plan`" if args.func is run_plan else "`cadence sim`")
+    args.replicas_given = args.replicas is not None
     if args.replicas is None:
         args.replicas = 1
     if not (math.isfinite(args.rate_scale) and args.rate_scale > 0):
@@ -119,6 +136,24 @@ def check_sim_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--repeat: must be >= 1 (1 plays the workload once), got {args.repeat}")
     if args.replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {args.replicas}")
+    pd_options(args)  # (refuses a half-given or out-of-range P/D fleet)
+
+
+def pd_options(args: argparse.Namespace) -> PDOptions | None:
+    """The P/D fleet the flags ask for; None for a colocated one."""
+    p, d = args.prefill_replicas, args.decode_replicas
+    if p is None and d is None:
+        return None
+    if p is None or d is None:
+        given, missing = ("--prefill-replicas", "--decode-replicas") if d is None else ("--decode-replicas", "--prefill-replicas")
+        raise ValueError(f"{given}: a P/D fleet needs {missing} too")
+    if getattr(args, "replicas_given", False):
+        raise ValueError("--replicas: give either --replicas (colocated) or --prefill-replicas and --decode-replicas")
+    try:
+        return PDOptions(p, d, args.kv_transfer_bandwidth, args.kv_transfer_latency).validate()
+    except ValueError as e:
+        name, _, msg = str(e).partition(": ")
+        raise ValueError(f"--{name.replace('_', '-')}: {msg}") from None
 
 
 def prepare_workload(args: argparse.Namespace):
@@ -178,7 +213,13 @@ def run_sim(args: argparse.Namespace) -> int:
     engine_cfg = sim_engine_config(args)
     workload, cfg = prepare_workload(args)
     opts = _sim_options(args, cfg)
-    res = Simulator(engine_cfg, model, opts).run(workload)
+    pd = pd_options(args)
+    if pd is None:
+        res = Simulator(engine_cfg, model, opts).run(workload)
+    else:
+        from cadence.sim.disagg import PDSimulator
+
+        res = PDSimulator(engine_cfg, model, opts, pd).run(workload)
     meta = {"label": args.label, "simulated": True, "model": model.metadata.get("model"),
             "workload": workload.name, "arrival": cfg.arrival, "rate": report.json_rate(cfg.rate),
             "burstiness": cfg.burstiness, "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
@@ -188,12 +229,19 @@ def run_sim(args: argparse.Namespace) -> int:
             "replica_stats": [{"index": r.index, "requests": r.requests, "steps": r.steps, "busy_s": r.busy_s,
                                "preemptions": r.preemptions, "prefix_cache_query_tokens": r.prefix_cache_queries,
                                "prefix_cache_hit_tokens": r.prefix_cache_hits} for r in res.replicas]}
+    if pd is not None:  # (a colocated report stays as it was)
+        meta["replicas"] = pd.prefill_replicas + pd.decode_replicas
+        for row, pool in zip(meta["replica_stats"], res.pools, strict=True):
+            row["pool"] = pool
+        meta["disaggregated"] = res.transfers
     validation = Validation.from_profile(model.metadata)
     if validation is not None:
         meta["fidelity"] = validation.describe()
     summary = report.summarize(res.records, cfg.slos, meta)
     print(report.format_table(summary))
     print(_replica_table(res))
+    if pd is not None:
+        print(_transfer_line(res.transfers))
     print(_band_lines(summary, validation))
     if args.out:
         for f in write_outputs(BenchResult(res.records, summary, time.time()), args.out):
@@ -233,12 +281,25 @@ def _sim_note(res: Any, model: Any) -> str:
 
 
 def _replica_table(res: Any) -> str:
-    lines = [f"{'replica':<8}{'requests':>9}{'steps':>9}{'busy':>8}{'preempt':>9}{'prefix hit':>11}"]
-    for r in res.replicas:
+    """One row per replica; a P/D fleet's rows name their pool."""
+    w = 9 if res.pools else 0
+    pools = res.pools or [""] * len(res.replicas)
+    lines = [f"{'replica':<8}{'pool' if w else '':<{w}}{'requests':>9}{'steps':>9}{'busy':>8}{'preempt':>9}{'prefix hit':>11}"]
+    for r, pool in zip(res.replicas, pools, strict=True):
         util = r.busy_s / res.virtual_s if res.virtual_s else 0.0
         hit = r.prefix_cache_hits / r.prefix_cache_queries if r.prefix_cache_queries else 0.0
-        lines.append(f"{r.index:<8}{r.requests:>9}{r.steps:>9}{util:>8.0%}{r.preemptions:>9}{hit:>11.0%}")
+        lines.append(f"{r.index:<8}{pool:<{w}}{r.requests:>9}{r.steps:>9}{util:>8.0%}{r.preemptions:>9}{hit:>11.0%}")
     return "\n".join(lines)
+
+
+def _transfer_line(t: dict[str, Any]) -> str:
+    """A P/D fleet's KV transfers in two lines."""
+    return (f"KV transfers: {t['transfers']} ({t['bytes_total'] / 1e9:.2f} GB, {t['bytes_mean'] / 1e6:.1f} MB each on "
+            f"average) at {t['kv_transfer_bandwidth_gbps']:g} GB/s + {t['kv_transfer_latency_ms']:g} ms; time per request "
+            f"p50 {t['seconds_p50'] * 1e3:.1f} ms, p99 {t['seconds_p99'] * 1e3:.1f} ms\n"
+            f"decode admission: {t['waited_for_decode_admission']} waited for KV blocks "
+            f"(p95 {t['decode_admission_wait_p95_s'] * 1e3:.0f} ms); {t['resident_blocks_skipped']} blocks already "
+            f"on the decode replica were not sent")
 
 
 # -- plan -----------------------------------------------------------------------------------------

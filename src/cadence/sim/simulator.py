@@ -106,6 +106,8 @@ class SimResult:
     steps: int = 0
     t0: float = 0.0  # clock reading at the start: record times are relative to it
     notes: list[str] = field(default_factory=list)
+    pools: list[str] = field(default_factory=list)  # a P/D fleet's: each replica's pool (sim/disagg.py)
+    transfers: dict[str, Any] = field(default_factory=dict)  # a P/D fleet's KV transfers (sim/disagg.py)
 
 
 class _Replica:
@@ -224,6 +226,10 @@ class Simulator:
             sp = self._params[n] = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
         return sp
 
+    def _first_leg_tokens(self, wr: WorkloadRequest) -> int:
+        """Output tokens the replica a request is routed to produces (a P/D fleet's prefill: one)."""
+        return wr.output_tokens
+
     def _send(self, i: int, t: float) -> None:
         """Request i is sent at virtual time t: route it and queue it on its replica."""
         wr = self._workload.requests[i]
@@ -238,7 +244,7 @@ class Simulator:
             self._cut(rep, t)
         if not rep.in_heap:  # idle: its clock jumps to the arrival
             rep.clock.advance_to(t)
-        req = Request(str(i), prompt, self._sampling(wr.output_tokens), arrival_time=t,
+        req = Request(str(i), prompt, self._sampling(self._first_leg_tokens(wr)), arrival_time=t,
                       priority=wr.priority, tenant=wr.tenant,
                       deadline=None if wr.deadline is None else t + wr.deadline)
         try:
