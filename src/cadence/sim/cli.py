@@ -271,6 +271,8 @@ def _band_lines(summary: dict, validation: Validation | None) -> str:
 
 def _profile_line(model: Any) -> str:
     m = model.metadata
+    if m.get("synthetic"):
+        return f"{m.get('model')} {m.get('dtype')} on {m.get('device')}: synthetic, roofline arithmetic, not measured"
     cpu = (m.get("machine") or {}).get("cpu", "?")
     return f"{m.get('model')} {m.get('dtype')} on {m.get('device')} ({cpu}), held-out error {model.fit_report.get('heldout_mape', float('nan')):.1%}"
 
