@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -243,3 +244,53 @@ def test_pd_options_are_read_from_the_flags() -> None:
     assert pd_options(args) == PDOptions(3, 5, 50.0, 0.2)
     args.prefill_replicas = args.decode_replicas = None
     assert pd_options(args) is None
+
+
+# -- sim plan --disaggregate ------------------------------------------------------------------------
+
+
+def test_pd_splits_try_every_split_of_a_small_fleet_and_shares_of_a_large_one() -> None:
+    from cadence.sim.plan import pd_splits
+
+    assert pd_splits(1) == [] and pd_splits(2) == [1] and pd_splits(5) == [1, 2, 3, 4]
+    assert pd_splits(64) == [8, 16, 21, 32, 43, 48, 56]
+    assert pd_splits(9) == [1, 2, 3, 4, 6, 7, 8]
+
+
+def test_plan_finds_the_cheapest_colocated_and_pd_fleets() -> None:
+    from cadence.sim.plan import Objective, format_plan, plan
+
+    # Long prompts beside steady decodes: on a colocated replica each 3,000-token prompt's chunks
+    # stretch the decodes' steps, so ITL p99 needs many replicas; split, it needs few.
+    rng = random.Random(0)
+    reqs = [_wr(i * 0.1, prompt=3000 if rng.random() < 0.3 else 50, out=100) for i in range(120)]
+    w = Workload("mix", tuple(reqs), prefix_block_tokens=16)
+    model = StepCostModel("tokens", {"const": 0.005, "num_tokens": 0.00005}, META)
+    config = EngineConfig.from_options(num_kv_blocks=4096, prefix_caching_hash_algo="builtin")
+    objectives = [Objective.parse("ttft_p95=1.0"), Objective.parse("itl_p99=0.02")]
+    result = plan(w, config, model, objectives, max_replicas=8, disaggregate=PDOptions(1, 1))
+    assert result.best is not None and result.pd_best is not None and result.pd_best.split is not None
+    assert result.pd_best.meets and sum(result.pd_best.split) == result.pd_best.replicas
+    # Nothing cheaper meets the SLOs: every P/D trial with fewer replicas failed.
+    assert all(not t.meets for t in result.trials if t.split and t.replicas < result.pd_best.replicas)
+    assert all(not t.meets for t in result.trials if not t.split and t.replicas < result.best.replicas)
+    text = format_plan(result)
+    assert f"cheapest colocated: {result.best.replicas} replicas" in text
+    p, d = result.pd_best.split
+    assert f"cheapest P/D: {p} prefill + {d} decode = {p + d} replicas" in text
+    assert (result.best.replicas, result.pd_best.split) == (5, (1, 1))
+    assert "disaggregate: yes (2 P/D replicas against 5 colocated)" in text
+
+
+def test_cli_plan_disaggregate_prints_both(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "cadence.cli", "sim", "plan", "--workload", "chat", "--num-requests",
+                           "40", "--rate", "2", "--slo", "ttft_p95=5", "--max-replicas", "4", "--disaggregate"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "cheapest colocated: " in out and "cheapest P/D: " in out and "disaggregate: " in out
+    assert "1P1D (engine options as given)" in out
+    refused = subprocess.run([sys.executable, "-m", "cadence.cli", "sim", "plan", "--workload", "chat", "--slo",
+                              "ttft_p95=5", "--prefill-replicas", "1"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode != 0 and "--prefill-replicas: `cadence sim plan --disaggregate` searches" in refused.stderr

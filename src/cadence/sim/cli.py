@@ -83,6 +83,9 @@ def add_parser(subparsers: Any) -> None:
                    help="largest fleet to try before calling the objectives infeasible (default %(default)s)")
     q.add_argument("--max-error-rate", type=float, default=0.0, help="fraction of servable requests allowed to fail")
     q.add_argument("--label", default=None, help="name of this plan in its report")
+    q.add_argument("--disaggregate", action="store_true",
+                   help="also search P/D splits (prefill + decode replicas, over --kv-transfer-bandwidth and "
+                        "--kv-transfer-latency) and say whether to disaggregate")
     q.set_defaults(func=run_plan, slo=[])
 
     c = subparsers.add_parser("calibrate", help="time real steps of the model and fit the simulator's cost profile")
@@ -352,6 +355,17 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         raise ValueError("--replicas: `cadence sim plan` searches the number of replicas itself; "
                          "give --max-replicas N to bound it (or use `cadence sim --replicas N`)")
+    for flag in ("prefill_replicas", "decode_replicas"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')}: `cadence sim plan --disaggregate` searches the split itself "
+                             "(or use `cadence sim --prefill-replicas P --decode-replicas D`)")
+    link = None
+    if args.disaggregate:
+        try:
+            link = PDOptions(1, 1, args.kv_transfer_bandwidth, args.kv_transfer_latency).validate()
+        except ValueError as e:
+            name, _, msg = str(e).partition(": ")
+            raise ValueError(f"--{name.replace('_', '-')}: {msg}") from None
     objectives = [Objective.parse(s) for s in args.objectives]
     if not objectives:
         raise ValueError("--slo: give at least one objective, e.g. --slo ttft_p95=1.0")
@@ -367,10 +381,10 @@ def run_plan(args: argparse.Namespace) -> int:
     print(format_header(objectives), flush=True)  # each row is printed once, as it is tried
     result = plan(workload, engine_cfg, model, objectives, grid=grid, router=args.router,
                   max_replicas=args.max_replicas, max_model_len=args.max_model_len, seed=args.seed,
-                  max_error_rate=args.max_error_rate,
+                  max_error_rate=args.max_error_rate, disaggregate=link,
                   progress=lambda t: print(format_trial(t, objectives), flush=True))
     print(format_plan(result, with_table=False))
-    return 0 if result.best is not None else 1
+    return 0 if result.best is not None or result.pd_best is not None else 1
 
 
 # -- calibrate ------------------------------------------------------------------------------------
