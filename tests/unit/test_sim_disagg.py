@@ -294,3 +294,33 @@ def test_cli_plan_disaggregate_prints_both(tmp_path: Path) -> None:
                               "ttft_p95=5", "--prefill-replicas", "1"], cwd=ROOT, capture_output=True, text=True,
                              timeout=300)
     assert refused.returncode != 0 and "--prefill-replicas: `cadence sim plan --disaggregate` searches" in refused.stderr
+
+
+# -- the docs' figure ---------------------------------------------------------------------------------
+
+
+def test_sim_pd_figure_runs_and_makes_the_docs_table(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("figures_for_pd", ROOT / "benchmarks" / "figures.py")
+    assert spec is not None and spec.loader is not None
+    fig = importlib.util.module_from_spec(spec)
+    sys.modules["figures_for_pd"] = fig  # (its dataclasses look their module up)
+    spec.loader.exec_module(fig)
+    out = tmp_path / "sim_pd"
+    proc = subprocess.run([sys.executable, "benchmarks/sim_pd.py", "--out", str(out), "--sizes", "2",
+                           "--requests-per-replica", "10", "--trace-requests", "20"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((out / "rows.json").read_text())
+    # Two workloads, each colocated (two chunk sizes) and 1P1D (the only split of 2).
+    fleets = ["colocated", "colocated, 512-token chunks", "1P1D"]
+    assert [(r["workload"], r["fleet"]) for r in rows] == [(w, f) for w in ("long-prompt-mix", "azure code") for f in fleets]
+    assert all(r["completed"] == r["requests"] for r in rows)
+    assert rows[0]["transfer_bytes_mean"] is None and rows[2]["transfer_bytes_mean"] > 0
+    table = fig.BY_NAME["sim-pd"].format(out)
+    doc = (ROOT / "docs" / "fleet.md").read_text()
+    start = doc.index("<!-- figure: sim-pd -->")
+    block = doc[start:doc.index("<!-- /figure -->", start)].splitlines()[1:3]
+    assert table.splitlines()[:2] == block  # the doc's table has the formatter's columns
+    assert "| long-prompt-mix | 2 | 1P1D |" in table
