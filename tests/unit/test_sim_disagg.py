@@ -324,3 +324,20 @@ def test_sim_pd_figure_runs_and_makes_the_docs_table(tmp_path: Path) -> None:
     block = doc[start:doc.index("<!-- /figure -->", start)].splitlines()[1:3]
     assert table.splitlines()[:2] == block  # the doc's table has the formatter's columns
     assert "| long-prompt-mix | 2 | 1P1D |" in table
+
+
+def test_a_full_decode_queue_refuses_like_the_server_and_frees_the_reservation() -> None:
+    # 8 prefills end at once; the decode replica admits 2 at a time and queues at most 1 more: the
+    # others are refused with the 429 a server's full queue answers, and their blocks come back.
+    reqs = [_wr(0.0, prompt=40, out=50) for _ in range(8)]
+    config = EngineConfig.from_options(num_kv_blocks=2048, prefix_caching_hash_algo="builtin", max_num_seqs=2,
+                                       max_queue_len=1)
+    sim = PDSimulator(config, CONST, SimOptions(), PDOptions(8, 1))
+    res = sim.run(Workload("full", tuple(reqs), prefix_block_tokens=16))
+    ok = [r for r in res.records if r.ok]
+    refused = [r for r in res.records if not r.ok]
+    assert ok and refused and len(ok) + len(refused) == 8
+    assert all(r.status == 429 and r.error.startswith("queue_full") and r.output_tokens == 1 for r in refused)
+    assert res.transfers["refused_by_decode"] == len(refused)
+    kv = sim.replicas[8].core.kv
+    assert kv.num_free_blocks == 2048 and not kv.block_tables

@@ -256,6 +256,7 @@ class PDSimulator(Simulator):
             self.transfers.refused += 1
             self._release(rep, h)
             rec.status, rec.error, rec.retry_after = _STATUS.get(e.kind, 500), f"{e.kind.value}: {e.message}", e.retry_after
+            rec.output_tokens = len(rec.token_times)  # (the first token was out)
             del self._in_transit[h.rid]
             self._outstanding[rep.index] -= 1
             self._client.on_done(t - self._t0)
