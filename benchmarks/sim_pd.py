@@ -1,10 +1,10 @@
 """Colocated against disaggregated (xPyD) fleets in the simulator, with the synthetic GPU-like profile.
 
-    .venv/bin/python benchmarks/sim_pd.py --out results/sim_pd [--sizes 4,8,16,32,64] [--quick]
+    .venv/bin/python benchmarks/sim_pd.py --out results/sim_pd [--sizes 4,16,64] [--quick]
 
 For each fleet size N and each workload, `cadence sim` runs N colocated replicas (with 2,048-
 and with 512-token prompt chunks) and the P/D splits with N/4, N/2 and 3N/4 prefill replicas (at least 1 of each), at a load that grows with N
-(the same load per replica): the long-prompt mix at 10 requests/s per replica (250 requests per
+(the same load per replica): the long-prompt mix at 10 requests/s per replica (100 requests per
 replica), and the Azure code trace replayed N/4 times faster (4 replicas see it as recorded, 64
 at 16 times its rate). The runs are simulations on virtual time: deterministic, not
 timed. Writes each run's report under --out, rows.json, and table.md (the table in docs/fleet.md).
@@ -36,7 +36,7 @@ def splits(n: int) -> list[int]:
     return sorted({min(n - 1, max(1, round(n * s))) for s in (0.25, 0.5, 0.75)})
 
 
-def commands(sizes: list[int], per_replica: int = 250, trace_requests: int | None = None) -> list[tuple[str, int, str, str]]:
+def commands(sizes: list[int], per_replica: int = 100, trace_requests: int | None = None) -> list[tuple[str, int, str, str]]:
     """(workload, size, fleet, the `cadence sim` command's options) of every run."""
     out = []
     for name, load in workloads(per_replica, trace_requests).items():
@@ -98,9 +98,9 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/sim_pd", help="folder for the runs, rows.json and table.md")
-    p.add_argument("--sizes", default="4,8,16,32,64", help="fleet sizes, comma-separated (default %(default)s)")
+    p.add_argument("--sizes", default="4,16,64", help="fleet sizes, comma-separated (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="sizes 4 and 8 only")
-    p.add_argument("--requests-per-replica", type=int, default=250,
+    p.add_argument("--requests-per-replica", type=int, default=100,
                    help="long-prompt-mix requests per replica (default %(default)s)")
     p.add_argument("--trace-requests", type=int, default=None, help="the trace's first N requests (default: all)")
     args = p.parse_args(argv)
