@@ -519,7 +519,7 @@ FIGURES: tuple[Figure, ...] = (
            (f"{PY} benchmarks/bench_fleet.py routers --calibrate --out results/fleet_routers",), 30, True,
            fmt_fleet_routers, reads="results/fleet_routers"),
     Figure("sim-pd", "docs/fleet.md", "Planning: when to disaggregate (simulated)",
-           (f"{PY} benchmarks/sim_pd.py --out results/sim_pd",), 12, False, fmt_sim_pd, reads="results/sim_pd"),
+           (f"{PY} benchmarks/sim_pd.py --out results/sim_pd",), 10, False, fmt_sim_pd, reads="results/sim_pd"),
     Figure("fleet-overhead", "docs/fleet.md", "Measured on this machine",
            (f"{PY} benchmarks/bench_fleet.py overhead --rounds 3 --out results/fleet_overhead",), 8, True,
            fmt_stdout_block, marked=False),
