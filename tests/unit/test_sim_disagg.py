@@ -126,9 +126,11 @@ def test_decode_side_prefix_hits_skip_transfer_bytes() -> None:
 
 
 def test_a_burst_of_long_prompts_never_overruns_the_decode_kv_budget() -> None:
-    # 24 prompts of 1,500 tokens at once on 4 prefill replicas and one decode replica of 400 blocks:
-    # each needs 94 blocks there, so at most 4 fit; the rest wait for decode admission.
-    reqs = [_wr(0.0, prompt=1500, out=40) for _ in range(24)]
+    # 24 prompts of 1,500 tokens at once on 4 prefill replicas and one decode replica of 400 blocks
+    # running 2 requests at a time: each needs 95 blocks there, so at most 4 fit (2 running, 2 landed
+    # and queued); the rest wait for decode admission. A landed request's blocks stay reserved until
+    # the decode replica admits it, so no later transfer takes them.
+    reqs = [_wr(0.0, prompt=1500, out=100) for _ in range(24)]
     gauges: list[tuple[int, int, int]] = []  # per decode step: preemptions, free blocks, total blocks
     holder: list[PDSimulator] = []
 
@@ -138,11 +140,11 @@ def test_a_burst_of_long_prompts_never_overruns_the_decode_kv_budget() -> None:
             gauges.append((core.last_stats.num_preemptions, s.num_free_blocks, s.num_total_blocks))
 
     model = StepCostModel("tokens", {"const": 0.01, "num_tokens": 0.0002}, META)
-    config = EngineConfig.from_options(num_kv_blocks=400, prefix_caching_hash_algo="builtin")
+    config = EngineConfig.from_options(num_kv_blocks=400, prefix_caching_hash_algo="builtin", max_num_seqs=2)
     sim = PDSimulator(config, model, SimOptions(), PDOptions(4, 1), on_step=on_step)
     holder.append(sim)
     res = sim.run(Workload("burst", tuple(reqs), prefix_block_tokens=16))
-    assert all(r.ok and r.output_tokens == 40 for r in res.records)
+    assert all(r.ok and r.output_tokens == 100 for r in res.records)
     assert res.transfers["waited_for_decode_admission"] >= 18  # the budget held them back
     assert gauges and all(free >= 0 and total == 400 for _, free, total in gauges)
     assert sum(p for p, _, _ in gauges) == 0  # no running request lost its blocks to a transfer
