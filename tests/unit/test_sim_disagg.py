@@ -202,9 +202,16 @@ def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
      "--kv-transfer-latency: must be >= 0 ms"),
     (["--prefill-replicas", "1", "--decode-replicas", "1", "--replicas", "2"], "--replicas: give either"),
     (["--profile", "no-such-profile"], "--profile no-such-profile: no such file or shipped profile"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--no-enable-prefix-caching"],
+     "enable_prefix_caching: a decode replica takes the transferred KV as prefix-cache blocks"),
+    (["plan", "--slo", "ttft_p95=1", "--disaggregate", "--no-enable-prefix-caching"],
+     "--disaggregate: a decode replica takes the transferred KV as prefix-cache blocks"),
+    (["plan", "--slo", "ttft_p95=1", "--disaggregate", "--kv-transfer-bandwidth", "-2"],
+     "--kv-transfer-bandwidth: must be > 0 GB/s"),
 ])
 def test_cli_refuses_bad_flags(flags: list[str], message: str) -> None:
-    proc = _cli("--workload", "chat", "--num-requests", "5", *flags)
+    action = flags[:1] if flags[:1] == ["plan"] else []
+    proc = _cli(*action, "--workload", "chat", "--num-requests", "5", *flags[len(action):])
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
 
 

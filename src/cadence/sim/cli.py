@@ -376,6 +376,9 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-error-rate: must be a fraction in [0, 1], got {args.max_error_rate:g}")
     model = load_profile(args.profile, args)
     engine_cfg = sim_engine_config(args)
+    if link is not None and not engine_cfg.cache.enable_prefix_caching:
+        raise ValueError("--disaggregate: a decode replica takes the transferred KV as prefix-cache blocks; "
+                         "P/D needs prefix caching on")
     workload, cfg = prepare_workload(args)
     print(f"planning for {len(workload)} requests of {workload.name}; " + "; ".join(workload.notes[-2:]), flush=True)
     print(format_header(objectives), flush=True)  # each row is printed once, as it is tried
