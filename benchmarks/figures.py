@@ -428,6 +428,14 @@ def fmt_predicted_ttft(out: Path) -> str:
                   ("---:", "---:", "---:", "---:", "---:", "---:", "---:"), rows)
 
 
+def fmt_sim_pd(out: Path) -> str:
+    """sim_pd.py: colocated against P/D fleets, a row per run."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sim_pd import table
+
+    return table(_json(out / "rows.json"))
+
+
 def fmt_sim_scale(out: Path) -> str:
     """`cadence sim` commands timed by `run` (CPU seconds of the whole command), a row per command."""
     rows = []
@@ -527,6 +535,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("fleet-routers", "docs/fleet.md", "Measured on this machine",
            (f"{PY} benchmarks/bench_fleet.py routers --calibrate --out results/fleet_routers",), 30, True,
            fmt_fleet_routers, reads="results/fleet_routers"),
+    Figure("sim-pd", "docs/fleet.md", "Planning: when to disaggregate (simulated)",
+           (f"{PY} benchmarks/sim_pd.py --out results/sim_pd",), 10, False, fmt_sim_pd, reads="results/sim_pd"),
     Figure("fleet-overhead", "docs/fleet.md", "Measured on this machine",
            (f"{PY} benchmarks/bench_fleet.py overhead --rounds 3 --out results/fleet_overhead",), 8, True,
            fmt_stdout_block, marked=False),

@@ -23,6 +23,8 @@ from cadence.cli import add_engine_args, engine_config_from_args
 from cadence.config import EngineConfig
 from cadence.routing import ROUTERS
 from cadence.sim.fidelity import Validation, band
+from cadence.sim.pd import DEFAULT_KV_TRANSFER_BANDWIDTH, DEFAULT_KV_TRANSFER_LATENCY_MS, PDOptions
+from cadence.sim.profile import shipped_profile, shipped_profiles
 
 _TARGET_DEFAULTS = dict(base_url="(simulated)", endpoint="completions", api_key=None, tokenizer="none",
                         request_timeout=600.0, no_exact_output=False, temperature=None, top_p=None, no_progress=True,
@@ -36,13 +38,25 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)  # after the engine options: the workload's --seed wins (the sim has no weights to seed)
     add_load_args(p, sweep=False)
     g = p.add_argument_group("simulation")
-    g.add_argument("--profile", default=None, help="cost profile from `cadence calibrate` (default: the shipped one)")
+    g.add_argument("--profile", default=None,
+                   help="cost profile from `cadence calibrate`, or a shipped one by name: "
+                        f"{', '.join(shipped_profiles())} (default: default)")
     g.add_argument("--rate-scale", type=float, default=1.0, help="replay trace timestamps this many times faster")
     g.add_argument("--repeat", type=int, default=1, help="replay the workload N times back to back (more requests)")
     g.add_argument("--replicas", type=int, default=None,
                    help="engines behind the router (default 1; `sim plan` searches the count itself)")
     g.add_argument("--router", choices=ROUTERS, default="prefix-affinity",
-                   help="how requests are spread (default %(default)s, as `cadence serve --replicas`)")
+                   help="how requests are spread (default %(default)s, as `cadence serve --replicas`); "
+                        "with P/D, over the prefill replicas")
+    d = p.add_argument_group("disaggregated prefill and decode")
+    d.add_argument("--prefill-replicas", type=int, default=None,
+                   help="a P/D fleet: replicas that compute prompts and first tokens (with --decode-replicas)")
+    d.add_argument("--decode-replicas", type=int, default=None,
+                   help="a P/D fleet: replicas that take the KV and decode (with --prefill-replicas)")
+    d.add_argument("--kv-transfer-bandwidth", type=float, default=DEFAULT_KV_TRANSFER_BANDWIDTH, metavar="GB/S",
+                   help="link from a prefill to a decode replica, GB/s (default %(default)g: 200 Gb/s)")
+    d.add_argument("--kv-transfer-latency", type=float, default=DEFAULT_KV_TRANSFER_LATENCY_MS, metavar="MS",
+                   help="fixed time per KV transfer, ms (default %(default)g)")
     p.set_defaults(**_TARGET_DEFAULTS)
 
 
@@ -69,6 +83,9 @@ def add_parser(subparsers: Any) -> None:
                    help="largest fleet to try before calling the objectives infeasible (default %(default)s)")
     q.add_argument("--max-error-rate", type=float, default=0.0, help="fraction of servable requests allowed to fail")
     q.add_argument("--label", default=None, help="name of this plan in its report")
+    q.add_argument("--disaggregate", action="store_true",
+                   help="also search P/D splits (prefill + decode replicas, over --kv-transfer-bandwidth and "
+                        "--kv-transfer-latency) and say whether to disaggregate")
     q.set_defaults(func=run_plan, slo=[])
 
     c = subparsers.add_parser("calibrate", help="time real steps of the model and fit the simulator's cost profile")
@@ -97,10 +114,12 @@ def load_profile(path: str | None, args: argparse.Namespace):
     logging.getLogger("cadence.engine.core").setLevel(logging.WARNING)
     from cadence.sim.profile import default_profile_path  # (not calibrate: that imports torch)
 
-    if path is not None and not Path(path).is_file():
-        raise ValueError(f"--profile {path}: no such file (write one with `cadence calibrate --out {path}`)")
+    shipped = shipped_profile(path) if path is not None and not Path(path).is_file() else None
+    if path is not None and shipped is None and not Path(path).is_file():
+        raise ValueError(f"--profile {path}: no such file or shipped profile (shipped: {', '.join(shipped_profiles())}; "
+                         f"write one with `cadence calibrate --out {path}`)")
     try:
-        model = StepCostModel.load(path or default_profile_path())
+        model = StepCostModel.load(shipped or path or default_profile_path())
     except (ValueError, TypeError, AttributeError) as e:  # the loader's own messages name the file, mostly
         message = str(e) if isinstance(e, ValueError) else f"malformed profile ({e})"
         raise ValueError(message if path is None or message.startswith(str(path)) else f"{path}: {message}") from None
@@ -115,6 +134,7 @@ def check_sim_args(args: argparse.Namespace) -> None:
     from cadence.bench.cli import refuse_sweep_options
 
     refuse_sweep_options(args, "`cadence sim plan`" if args.func is run_plan else "`cadence sim`")
+    args.replicas_given = args.replicas is not None
     if args.replicas is None:
         args.replicas = 1
     if not (math.isfinite(args.rate_scale) and args.rate_scale > 0):
@@ -123,6 +143,24 @@ def check_sim_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--repeat: must be >= 1 (1 plays the workload once), got {args.repeat}")
     if args.replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {args.replicas}")
+    pd_options(args)  # (refuses a half-given or out-of-range P/D fleet)
+
+
+def pd_options(args: argparse.Namespace) -> PDOptions | None:
+    """The P/D fleet the flags ask for; None for a colocated one."""
+    p, d = args.prefill_replicas, args.decode_replicas
+    if p is None and d is None:
+        return None
+    if p is None or d is None:
+        given, missing = ("--prefill-replicas", "--decode-replicas") if d is None else ("--decode-replicas", "--prefill-replicas")
+        raise ValueError(f"{given}: a P/D fleet needs {missing} too")
+    if getattr(args, "replicas_given", False):
+        raise ValueError("--replicas: give either --replicas (colocated) or --prefill-replicas and --decode-replicas")
+    try:
+        return PDOptions(p, d, args.kv_transfer_bandwidth, args.kv_transfer_latency).validate()
+    except ValueError as e:
+        name, _, msg = str(e).partition(": ")
+        raise ValueError(f"--{name.replace('_', '-')}: {msg}") from None
 
 
 def prepare_workload(args: argparse.Namespace):
@@ -182,7 +220,13 @@ def run_sim(args: argparse.Namespace) -> int:
     engine_cfg = sim_engine_config(args)
     workload, cfg = prepare_workload(args)
     opts = _sim_options(args, cfg)
-    res = Simulator(engine_cfg, model, opts).run(workload)
+    pd = pd_options(args)
+    if pd is None:
+        res = Simulator(engine_cfg, model, opts).run(workload)
+    else:
+        from cadence.sim.disagg import PDSimulator
+
+        res = PDSimulator(engine_cfg, model, opts, pd).run(workload)
     meta = {"label": args.label, "simulated": True, "model": model.metadata.get("model"),
             "workload": workload.name, "arrival": cfg.arrival, "rate": report.json_rate(cfg.rate),
             "burstiness": cfg.burstiness, "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
@@ -192,12 +236,19 @@ def run_sim(args: argparse.Namespace) -> int:
             "replica_stats": [{"index": r.index, "requests": r.requests, "steps": r.steps, "busy_s": r.busy_s,
                                "preemptions": r.preemptions, "prefix_cache_query_tokens": r.prefix_cache_queries,
                                "prefix_cache_hit_tokens": r.prefix_cache_hits} for r in res.replicas]}
+    if pd is not None:  # (a colocated report stays as it was)
+        meta["replicas"] = pd.prefill_replicas + pd.decode_replicas
+        for row, pool in zip(meta["replica_stats"], res.pools, strict=True):
+            row["pool"] = pool
+        meta["disaggregated"] = res.transfers
     validation = Validation.from_profile(model.metadata)
     if validation is not None:
         meta["fidelity"] = validation.describe()
     summary = report.summarize(res.records, cfg.slos, meta)
     print(report.format_table(summary))
     print(_replica_table(res))
+    if pd is not None:
+        print(_transfer_line(res.transfers))
     print(_band_lines(summary, validation))
     if args.out:
         for f in write_outputs(BenchResult(res.records, summary, time.time()), args.out):
@@ -227,6 +278,8 @@ def _band_lines(summary: dict, validation: Validation | None) -> str:
 
 def _profile_line(model: Any) -> str:
     m = model.metadata
+    if m.get("synthetic"):
+        return f"{m.get('model')} {m.get('dtype')} on {m.get('device')}: synthetic, roofline arithmetic, not measured"
     cpu = (m.get("machine") or {}).get("cpu", "?")
     return f"{m.get('model')} {m.get('dtype')} on {m.get('device')} ({cpu}), held-out error {model.fit_report.get('heldout_mape', float('nan')):.1%}"
 
@@ -237,12 +290,25 @@ def _sim_note(res: Any, model: Any) -> str:
 
 
 def _replica_table(res: Any) -> str:
-    lines = [f"{'replica':<8}{'requests':>9}{'steps':>9}{'busy':>8}{'preempt':>9}{'prefix hit':>11}"]
-    for r in res.replicas:
+    """One row per replica; a P/D fleet's rows name their pool."""
+    w = 9 if res.pools else 0
+    pools = res.pools or [""] * len(res.replicas)
+    lines = [f"{'replica':<8}{'pool' if w else '':<{w}}{'requests':>9}{'steps':>9}{'busy':>8}{'preempt':>9}{'prefix hit':>11}"]
+    for r, pool in zip(res.replicas, pools, strict=True):
         util = r.busy_s / res.virtual_s if res.virtual_s else 0.0
         hit = r.prefix_cache_hits / r.prefix_cache_queries if r.prefix_cache_queries else 0.0
-        lines.append(f"{r.index:<8}{r.requests:>9}{r.steps:>9}{util:>8.0%}{r.preemptions:>9}{hit:>11.0%}")
+        lines.append(f"{r.index:<8}{pool:<{w}}{r.requests:>9}{r.steps:>9}{util:>8.0%}{r.preemptions:>9}{hit:>11.0%}")
     return "\n".join(lines)
+
+
+def _transfer_line(t: dict[str, Any]) -> str:
+    """A P/D fleet's KV transfers in two lines."""
+    return (f"KV transfers: {t['transfers']} ({t['bytes_total'] / 1e9:.2f} GB, {t['bytes_mean'] / 1e6:.1f} MB each on "
+            f"average) at {t['kv_transfer_bandwidth_gbps']:g} GB/s + {t['kv_transfer_latency_ms']:g} ms; time per request "
+            f"p50 {t['seconds_p50'] * 1e3:.1f} ms, p99 {t['seconds_p99'] * 1e3:.1f} ms\n"
+            f"decode admission: {t['waited_for_decode_admission']} waited for KV blocks "
+            f"(p95 {t['decode_admission_wait_p95_s'] * 1e3:.0f} ms); {t['resident_blocks_skipped']} blocks already "
+            f"on the decode replica were not sent")
 
 
 # -- plan -----------------------------------------------------------------------------------------
@@ -293,6 +359,17 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         raise ValueError("--replicas: `cadence sim plan` searches the number of replicas itself; "
                          "give --max-replicas N to bound it (or use `cadence sim --replicas N`)")
+    for flag in ("prefill_replicas", "decode_replicas"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')}: `cadence sim plan --disaggregate` searches the split itself "
+                             "(or use `cadence sim --prefill-replicas P --decode-replicas D`)")
+    link = None
+    if args.disaggregate:
+        try:
+            link = PDOptions(1, 1, args.kv_transfer_bandwidth, args.kv_transfer_latency).validate()
+        except ValueError as e:
+            name, _, msg = str(e).partition(": ")
+            raise ValueError(f"--{name.replace('_', '-')}: {msg}") from None
     objectives = [Objective.parse(s) for s in args.objectives]
     if not objectives:
         raise ValueError("--slo: give at least one objective, e.g. --slo ttft_p95=1.0")
@@ -303,15 +380,18 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-error-rate: must be a fraction in [0, 1], got {args.max_error_rate:g}")
     model = load_profile(args.profile, args)
     engine_cfg = sim_engine_config(args)
+    if link is not None and not engine_cfg.cache.enable_prefix_caching:
+        raise ValueError("--disaggregate: a decode replica takes the transferred KV as prefix-cache blocks; "
+                         "P/D needs prefix caching on")
     workload, cfg = prepare_workload(args)
     print(f"planning for {len(workload)} requests of {workload.name}; " + "; ".join(workload.notes[-2:]), flush=True)
     print(format_header(objectives), flush=True)  # each row is printed once, as it is tried
     result = plan(workload, engine_cfg, model, objectives, grid=grid, router=args.router,
                   max_replicas=args.max_replicas, max_model_len=args.max_model_len, seed=args.seed,
-                  max_error_rate=args.max_error_rate,
+                  max_error_rate=args.max_error_rate, disaggregate=link,
                   progress=lambda t: print(format_trial(t, objectives), flush=True))
     print(format_plan(result, with_table=False))
-    return 0 if result.best is not None else 1
+    return 0 if result.best is not None or result.pd_best is not None else 1
 
 
 # -- calibrate ------------------------------------------------------------------------------------

@@ -10,6 +10,13 @@ When the cost profile carries a validation (sim/real ratios measured against rea
 tightened by how optimistic the simulator was at the low end of those ratios: the raw count is
 what the simulator says, the safe count what still holds if the real run is that far off.
 
+With `disaggregate`, the same traffic is also planned on P/D fleets (sim/disagg.py): for each
+total count, splits into P prefill and D decode replicas (every split up to 8 replicas; above,
+the splits at fixed shares of prefill, `PD_SHARES`), the total searched by doubling then
+bisection on "some split meets the SLOs", with the engine options of the cheapest colocated
+configuration. The cheapest split is the one with the fewest replicas; ties go to the lower p95
+TTFT. The validation's margin applies to the colocated count only.
+
 Requests the engine refuses outright (400: longer than max_model_len) cannot be helped by more
 replicas: they are reported, not counted against the SLOs. Any other failure (429 from a full
 queue, a passed deadline) fails the configuration unless `max_error_rate` allows it.
@@ -26,11 +33,15 @@ from cadence.bench import report
 from cadence.config import EngineConfig, option_flags
 from cadence.executor.cost_model import StepCostModel, StepFeatures
 from cadence.sim.fidelity import Validation, safe_bound
+from cadence.sim.pd import PDOptions
 from cadence.sim.simulator import SimOptions, Simulator
 from cadence.wording import counted
 from cadence.workload import Workload
 
 PLAN_METRICS = ("ttft", "itl", "tpot", "e2e", "queue")
+# Shares of a P/D fleet's replicas that prefill, tried at each total above `ALL_SPLITS_UP_TO`.
+PD_SHARES = (1 / 8, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 3 / 4, 7 / 8)
+ALL_SPLITS_UP_TO = 8
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,15 @@ class Trial:
     meets: bool
     wall_s: float
     margin: bool = False  # judged against the objectives tightened by the profile's validation
+    split: tuple[int, int] | None = None  # a P/D fleet's (prefill, decode) replicas
+    ttft_p95: float | None = None
+
+    @property
+    def fleet(self) -> str:
+        """The configuration's replicas in words."""
+        if self.split is None:
+            return f"{self.replicas} replica{'s' if self.replicas > 1 else ''}"
+        return f"{self.split[0]} prefill + {self.split[1]} decode = {self.replicas} replicas"
 
 
 @dataclass
@@ -86,6 +106,8 @@ class PlanResult:
     validation: Validation | None = None
     safe_objectives: list[Objective] = field(default_factory=list)  # tightened by the validation
     safe: Trial | None = None  # the cheapest configuration's count under safe_objectives
+    disaggregated: bool = False  # P/D fleets were searched too
+    pd_best: Trial | None = None  # the cheapest P/D split (with `disaggregated`)
 
 
 def unloaded_ttft(workload: Workload, config: EngineConfig, model: StepCostModel) -> list[float]:
@@ -112,8 +134,15 @@ def unloaded_ttft(workload: Workload, config: EngineConfig, model: StepCostModel
 
 def evaluate(workload: Workload, config: EngineConfig, model: StepCostModel, replicas: int,
              objectives: list[Objective], *, router: str, max_model_len: int | None, seed: int,
-             max_error_rate: float, options: dict[str, Any]) -> Trial:
-    sim = Simulator(config, model, SimOptions(replicas=replicas, router=router, max_model_len=max_model_len, seed=seed))
+             max_error_rate: float, options: dict[str, Any], pd: PDOptions | None = None) -> Trial:
+    """One simulation judged against the objectives: `replicas` colocated, or the P/D fleet `pd`."""
+    sim_options = SimOptions(replicas=replicas, router=router, max_model_len=max_model_len, seed=seed)
+    if pd is None:
+        sim = Simulator(config, model, sim_options)
+    else:
+        from cadence.sim.disagg import PDSimulator
+
+        sim = PDSimulator(config, model, sim_options, pd)
     res = sim.run(workload)
     servable = [r for r in res.records if r.status != 400]
     summary = report.summarize(servable, {})
@@ -121,7 +150,9 @@ def evaluate(workload: Workload, config: EngineConfig, model: StepCostModel, rep
     values = {o.key: o.value(summary) for o in objectives}
     meets = (failed <= max_error_rate * max(1, len(servable))
              and all(v is not None and v <= o.bound for o, v in zip(objectives, values.values(), strict=True)))
-    return Trial(options, replicas, values, len(res.records) - len(servable), failed, len(res.records), meets, res.wall_s)
+    return Trial(options, len(sim.replicas), values, len(res.records) - len(servable), failed, len(res.records), meets,
+                 res.wall_s, split=None if pd is None else (pd.prefill_replicas, pd.decode_replicas),
+                 ttft_p95=summary["overall"]["ttft"]["p95"])
 
 
 def min_replicas(run, max_replicas: int, start: int = 1) -> tuple[Trial | None, list[Trial]]:
@@ -152,11 +183,56 @@ def min_replicas(run, max_replicas: int, start: int = 1) -> tuple[Trial | None, 
     return hi, trials
 
 
+def pd_splits(n: int) -> list[int]:
+    """Prefill replicas to try in a P/D fleet of `n` (the rest decode): all up to ALL_SPLITS_UP_TO, else
+    the shares of PD_SHARES."""
+    if n < 2:
+        return []
+    if n <= ALL_SPLITS_UP_TO:
+        return list(range(1, n))
+    return sorted({min(n - 1, max(1, round(n * share))) for share in PD_SHARES})
+
+
+def _pd_better(a: Trial, b: Trial) -> bool:
+    """Whether split `a` beats `b` at the same total: meeting the SLOs, then the lower p95 TTFT."""
+    inf = math.inf
+    return (not a.meets, a.ttft_p95 if a.ttft_p95 is not None else inf) < \
+        (not b.meets, b.ttft_p95 if b.ttft_p95 is not None else inf)
+
+
+def search_disaggregated(workload: Workload, config: EngineConfig, model: StepCostModel,
+                         objectives: list[Objective], *, link: PDOptions, router: str, max_replicas: int,
+                         max_model_len: int | None, seed: int, max_error_rate: float, options: dict[str, Any],
+                         progress: Any = None) -> tuple[Trial | None, list[Trial]]:
+    """The cheapest P/D split meeting the objectives (see the module docstring), and every trial."""
+    tried: list[Trial] = []
+
+    def best_split(n: int) -> Trial:
+        best: Trial | None = None
+        for p in pd_splits(n):
+            pd = PDOptions(p, n - p, link.kv_transfer_bandwidth, link.kv_transfer_latency_ms)
+            t = evaluate(workload, config, model, n, objectives, router=router, max_model_len=max_model_len,
+                         seed=seed, max_error_rate=max_error_rate, options=options, pd=pd)
+            tried.append(t)
+            if progress is not None:
+                progress(t)
+            if best is None or _pd_better(t, best):
+                best = t
+        assert best is not None
+        return best
+
+    if max_replicas < 2:
+        return None, tried
+    best, _ = min_replicas(best_split, max_replicas, start=2)
+    return best, tried
+
+
 def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objectives: list[Objective], *,
          grid: dict[str, list[Any]] | None = None, router: str = "least-loaded", max_replicas: int = 64,
          max_model_len: int | None = None, seed: int = 0, max_error_rate: float = 0.0,
-         progress: Any = None) -> PlanResult:
-    """Search the grid of engine options x replica counts; see the module docstring."""
+         progress: Any = None, disaggregate: PDOptions | None = None) -> PlanResult:
+    """Search the grid of engine options x replica counts; with `disaggregate` (its link's bandwidth
+    and latency; its counts are searched), P/D splits too. See the module docstring."""
     if not objectives:
         raise ValueError("--slo: give at least one objective, e.g. --slo ttft_p95=1.0")
     result = PlanResult(list(objectives), validation=Validation.from_profile(model.metadata))
@@ -189,6 +265,16 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
     elif result.validation is not None:
         _search_safe(result, workload, config, model, router=router, max_replicas=max_replicas,
                      max_model_len=max_model_len, seed=seed, max_error_rate=max_error_rate, progress=progress)
+    if disaggregate is not None:
+        result.disaggregated = True
+        opts = result.best.options if result.best is not None else {}
+        cfg = config.replace(**opts) if opts else config
+        result.pd_best, trials = search_disaggregated(
+            workload, cfg, model, objectives, link=disaggregate, router=router, max_replicas=max_replicas,
+            max_model_len=max_model_len, seed=seed, max_error_rate=max_error_rate, options=opts, progress=progress)
+        result.trials += trials
+        if result.pd_best is None:
+            result.notes.append(f"no P/D split met the SLOs with up to {max_replicas} replicas")
     return result
 
 
@@ -231,6 +317,8 @@ def format_trial(t: Trial, objectives: list[Objective]) -> str:
     opts = " ".join(f"{k}={v}" for k, v in t.options.items()) or "(engine options as given)"
     if t.margin:
         opts += " +margin"
+    if t.split is not None:
+        opts = f"{t.split[0]}P{t.split[1]}D " + opts
     vals = "".join(f"{'n/a' if t.values[o.key] is None else format(t.values[o.key], '.3f'):>12}" for o in objectives)
     return f"{opts:<48}{t.replicas:>9}{vals}{t.failed:>8}{'yes' if t.meets else 'no':>6}{t.wall_s:>8.1f}"
 
@@ -256,12 +344,33 @@ def format_plan(result: PlanResult, with_table: bool = True) -> str:
                      "they are left out of the SLOs")
     lines += [f"note: {n}" for n in result.notes]
     if result.best is not None:
-        b = result.best
-        opts = " ".join(" ".join(option_flags(k, v)) for k, v in b.options.items())
-        lines.append(f"cheapest: {b.replicas} replica{'s' if b.replicas > 1 else ''}{(' with ' + opts) if opts else ''} "
-                     "(" + ", ".join(f"{o.key} {b.values[o.key]:.3f}s" for o in objs) + ")")
+        lines.append(("cheapest colocated: " if result.disaggregated else "cheapest: ") + _cheapest(result.best, objs))
         lines.append(_safe_line(result))
+    if result.disaggregated:
+        lines.append("cheapest P/D: " + (_cheapest(result.pd_best, objs) if result.pd_best is not None else "none found"))
+        lines.append(_verdict(result))
     return "\n".join(lines)
+
+
+def _cheapest(t: Trial, objectives: list[Objective]) -> str:
+    opts = " ".join(" ".join(option_flags(k, v)) for k, v in t.options.items())
+    return (f"{t.fleet}{(' with ' + opts) if opts else ''} ("
+            + ", ".join(f"{o.key} {t.values[o.key]:.3f}s" for o in objectives) + ")")
+
+
+def _verdict(result: PlanResult) -> str:
+    """Whether to disaggregate, for this traffic: the fewer replicas win, then the lower p95 TTFT."""
+    c, d = result.best, result.pd_best
+    if c is None and d is None:
+        return "disaggregate: unknown (neither meets the SLOs)"
+    if c is None or d is None:
+        return "disaggregate: yes (only P/D meets the SLOs)" if c is None else "disaggregate: no (only colocated meets the SLOs)"
+    if d.replicas != c.replicas:
+        fewer = d.replicas < c.replicas
+        return (f"disaggregate: {'yes' if fewer else 'no'} ({d.replicas} P/D replicas against {c.replicas} colocated)")
+    pd_ttft, co_ttft = d.ttft_p95 or math.inf, c.ttft_p95 or math.inf
+    return (f"disaggregate: {'yes' if pd_ttft < co_ttft else 'no'} (the same {c.replicas} replicas; p95 TTFT "
+            f"{pd_ttft:.3f}s P/D against {co_ttft:.3f}s colocated)")
 
 
 def _safe_line(result: PlanResult) -> str:

@@ -46,7 +46,7 @@ from cadence.workload import Workload, WorkloadRequest
 
 # HTTP status of a request that ended without success, by finish reason (evicted: refused from the queue).
 _END_STATUS = {"deadline": 408, "evicted": 429}
-_OK_REASONS = ("stop", "length")
+OK_REASONS = ("stop", "length")
 _INF = math.inf
 # Longest decode stretch planned at once: its step times are a list, and a request arriving early
 # wastes the rest of the plan.
@@ -103,9 +103,11 @@ class SimResult:
     steps: int = 0
     t0: float = 0.0  # clock reading at the start: record times are relative to it
     notes: list[str] = field(default_factory=list)
+    pools: list[str] = field(default_factory=list)  # a P/D fleet's: each replica's pool (sim/disagg.py)
+    transfers: dict[str, Any] = field(default_factory=dict)  # a P/D fleet's KV transfers (sim/disagg.py)
 
 
-class _Replica:
+class SimReplica:
     __slots__ = ("index", "core", "clock", "executor", "ff", "stats", "in_heap", "last_end", "busy_from", "stretch",
                  "finish_points", "entry", "digest", "digest_time")
 
@@ -195,15 +197,15 @@ class Simulator:
         self._hash_chain = block_hashers(config.cache.prefix_caching_hash_algo)[1]
         self._block_size = config.cache.block_size
         self.on_step = on_step
-        self.replicas: list[_Replica] = []
+        self.replicas: list[SimReplica] = []
         for i in range(options.replicas):
             clock = clock_factory()
             ex = executor_factory(clock)
             core = EngineCore(config, ex, clock=clock, max_model_len=max_len, eos_token_ids=frozenset(),
                               snapshot_gauges=False, decode_ids=True)
-            self.replicas.append(_Replica(i, core, clock, ex))
+            self.replicas.append(SimReplica(i, core, clock, ex))
         self._params: dict[int, SamplingParams] = {}
-        self._live: dict[str, tuple[RequestRecord, _Replica]] = {}
+        self._live: dict[str, tuple[RequestRecord, SimReplica]] = {}
         self._times: dict[str, MutableSequence[float]] = {}  # each live request's token times (its record's array)
         self._steps = 0
         # A step hook must see every step, so it turns the fast-forward off.
@@ -221,6 +223,10 @@ class Simulator:
             sp = self._params[n] = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
         return sp
 
+    def _first_leg_tokens(self, wr: WorkloadRequest) -> int:
+        """Output tokens the replica a request is routed to produces (a P/D fleet's prefill: one)."""
+        return wr.output_tokens
+
     def _send(self, i: int, t: float) -> None:
         """Request i is sent at virtual time t: route it and queue it on its replica."""
         wr = self._workload.requests[i]
@@ -235,7 +241,7 @@ class Simulator:
             self._cut(rep, t)
         if not rep.in_heap:  # idle: its clock jumps to the arrival
             rep.clock.advance_to(t)
-        req = Request(str(i), prompt, self._sampling(wr.output_tokens), arrival_time=t,
+        req = Request(str(i), prompt, self._sampling(self._first_leg_tokens(wr)), arrival_time=t,
                       priority=wr.priority, tenant=wr.tenant,
                       deadline=None if wr.deadline is None else t + wr.deadline)
         try:
@@ -264,7 +270,7 @@ class Simulator:
         chain = fingerprints(self._hash_chain(prompt, self._block_size, None, ()))
         return router.route(chain, [self._replica_stats(rep, t) for rep in self.replicas])
 
-    def _replica_stats(self, rep: _Replica, t: float) -> routing.ReplicaStats:
+    def _replica_stats(self, rep: SimReplica, t: float) -> routing.ReplicaStats:
         core = rep.core
         waiting = len(core.scheduler.waiting)
         if t - rep.digest_time >= STATS_PERIOD_S:
@@ -279,7 +285,7 @@ class Simulator:
     # -- the loop ----------------------------------------------------------------------------------
 
     @staticmethod
-    def _busy(rep: _Replica, start: float, end: float) -> None:
+    def _busy(rep: SimReplica, start: float, end: float) -> None:
         """Steps ran on `rep` from `start` to `end`: a new run of busy time unless they follow its last step."""
         if start != rep.last_end:
             if rep.busy_from is not None:
@@ -287,7 +293,7 @@ class Simulator:
             rep.busy_from = start
         rep.last_end = end
 
-    def _step(self, rep: _Replica) -> None:
+    def _step(self, rep: SimReplica) -> None:
         ex = rep.executor
         ex.last_step_cost = 0.0
         t_before = rep.clock.now()
@@ -341,7 +347,7 @@ class Simulator:
     # late then changes no result: the records, the routing, the closed loop's sends and every
     # replica's stats are those of stepping one at a time.
 
-    def _coast(self, rep: _Replica) -> bool:
+    def _coast(self, rep: SimReplica) -> bool:
         """Plan a stretch of decode steps on `rep` (its turn has come); False if none."""
         ff = rep.ff
         stretch = ff.plan(MAX_STRETCH_STEPS) if ff is not None else None
@@ -352,7 +358,7 @@ class Simulator:
         self._push_entry(rep)
         return True
 
-    def _push_entry(self, rep: _Replica) -> None:
+    def _push_entry(self, rep: SimReplica) -> None:
         """Queue coasting `rep` where its stretch next has an effect: the start of the next step that
         finishes requests, else the stretch's end."""
         stretch, ff = rep.stretch, rep.ff
@@ -366,7 +372,7 @@ class Simulator:
             rep.entry = stretch.step_ends[-1]
         heapq.heappush(self._heap, (rep.entry, rep.index))
 
-    def _arrive(self, rep: _Replica) -> None:
+    def _arrive(self, rep: SimReplica) -> None:
         """Coasting `rep` came up: the requests its next finishing step ends are done (the steps wait,
         but for the last one's: the stretch is applied); or, at its end, apply it and step on as
         `_step` would."""
@@ -389,7 +395,7 @@ class Simulator:
         else:
             rep.in_heap = False
 
-    def _finish_rows(self, rep: _Replica, stretch: DecodeStretch, step: int, rows: list[int]) -> None:
+    def _finish_rows(self, rep: SimReplica, stretch: DecodeStretch, step: int, rows: list[int]) -> None:
         """The records of the requests (`rows` of the stretch) that its step `step` finishes (by
         length, the steps not applied yet): their token times to that step's end, then their end."""
         assert rep.ff is not None  # (a stretch was planned by it)
@@ -416,7 +422,7 @@ class Simulator:
         # (A virtual clock starts at 0, and t - 0.0 is t: no subtraction to make.)
         return array("d", ends) if t0 == 0.0 else array("d", [t - t0 for t in ends])
 
-    def _cut(self, rep: _Replica, t: float) -> None:
+    def _cut(self, rep: SimReplica, t: float) -> None:
         """A request reaches coasting `rep` at `t`: apply the stretch's steps that start before it
         (they ran first; the requests they finish are done already) and drop the rest; the
         replica's next step starts where they end."""
@@ -434,7 +440,7 @@ class Simulator:
             heapq.heappush(heap, (ends[m - 1] if m else stretch.start_time, rep.index))
         self._land(rep, m)
 
-    def _land(self, rep: _Replica, m: int) -> None:
+    def _land(self, rep: SimReplica, m: int) -> None:
         """Apply the first `m` steps of `rep`'s stretch and record them as `_step` would have (the
         requests they finish have been recorded as done, each at its step's start)."""
         stretch, ff = rep.stretch, rep.ff
@@ -467,13 +473,13 @@ class Simulator:
             if rec_times is not None:
                 rec_times.extend(rels)
 
-    def _finish(self, d: Any, rec: RequestRecord, rep: _Replica, rel: float) -> None:
+    def _finish(self, d: Any, rec: RequestRecord, rep: SimReplica, rel: float) -> None:
         m = d.metrics
         if d.retry_after is not None:
             rec.retry_after = d.retry_after
         self._end(d.request_id, rec, rep, rel, d.finish_reason.value, None if m is None else m.queue_time, d.error)
 
-    def _end(self, rid: str, rec: RequestRecord, rep: _Replica, rel: float, reason: str, queue_time: float | None,
+    def _end(self, rid: str, rec: RequestRecord, rep: SimReplica, rel: float, reason: str, queue_time: float | None,
              error: str | None) -> None:
         del self._live[rid], self._times[rid]
         rec.output_tokens = len(rec.token_times)
@@ -481,7 +487,7 @@ class Simulator:
         rec.end_time = rel
         if queue_time is not None:
             rec.queue_time = queue_time
-        if reason in _OK_REASONS:
+        if reason in OK_REASONS:
             rec.status = 200
         else:
             rec.status = _END_STATUS.get(reason, 500)
