@@ -21,14 +21,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter, Histogram
-
 from cadence.engine.kv_transfer import KVExport
 from cadence.errors import AdmissionError, CadenceError
 from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
 from cadence.fleet.replica import CadenceReplica
-
-TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -44,17 +40,9 @@ class Reserved:
 class PDReplica(CadenceReplica):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        r = self.exporter.registry
-        self._bytes = Counter("cadence:kv_transfer_bytes", "KV bytes imported from prefill replicas.", registry=r)
-        self._blocks = Counter("cadence:kv_transfer_blocks",
-                               "Prompt blocks of imported requests: transferred, or found in this cache.",
-                               ("source",), registry=r)
-        self._refused = Counter("cadence:kv_reservations_refused",
-                                "Requests' KV reservations refused for want of free blocks (they wait and ask again).",
-                                registry=r)
-        self._seconds = Histogram("cadence:kv_transfer_seconds",
-                                  "From reading a request's KV blocks on the prefill replica to their "
-                                  "publication here.", buckets=TRANSFER_BUCKETS, registry=r)
+        from cadence.metrics.prometheus import KVTransferMetrics
+
+        self.transfer_metrics = KVTransferMetrics(self.exporter.registry)
 
     # -- the prefill pool ----------------------------------------------------------------------------
 
@@ -77,7 +65,7 @@ class PDReplica(CadenceReplica):
         transfer = self.engine.kv_transfer
         missing = await self.engine.run_in_engine(lambda: transfer.reserve(key, prompt, salt, ttl))
         if missing is None:
-            self._refused.inc()
+            self.transfer_metrics.refused.inc()
         return Reserved(self.name, None if missing is None else tuple(missing),
                         self.engine.core.scheduler_stats.num_free_blocks)
 
@@ -95,10 +83,9 @@ class PDReplica(CadenceReplica):
             await self._release(key)
             yield Refused("unavailable", f"importing the KV blocks failed: {e}", None, None, False, self.name)
             return
-        self._seconds.observe(max(0.0, time.time() - export.sent_at))
-        self._bytes.inc(export.nbytes)
-        self._blocks.labels("transferred").inc(len(export.positions))
-        self._blocks.labels("cached").inc(max(0, published - len(export.positions)))
+        self.transfer_metrics.record_import(export.nbytes, len(export.positions),
+                                            max(0, published - len(export.positions)),
+                                            max(0.0, time.time() - export.sent_at))
         try:
             stream = await self.engine.submit(call.prompts, call.params, request_id=call.request_id,
                                               policy=call.policy)
