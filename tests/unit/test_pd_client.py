@@ -185,3 +185,37 @@ def test_a_prefill_refusal_releases_the_reservation_and_no_room_is_a_429() -> No
 async def _collect_submit(pools: FakePools, timeout: float = 5.0) -> list[StreamDelta]:
     client = _client(pools, timeout)
     return await _collect(await client.submit([PROMPT], SamplingParams(max_tokens=4), request_id="r"))
+
+
+class _Hangs:
+    """A prefill stream whose KV never comes after the first token."""
+
+    def __init__(self, first: list[Any]) -> None:
+        self.items = list(first)
+        self.cancelled = False
+
+    async def __anext__(self) -> Any:
+        if self.items:
+            return self.items.pop(0)
+        await asyncio.Event().wait()  # (never set: the transfer times out)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_kv_that_does_not_come_in_time_is_recomputed_by_the_decode_replica() -> None:
+    pools = FakePools()
+    hanging: list[_Hangs] = []
+
+    def prefill(call: Any, missing: Any) -> _Hangs:
+        first = StreamDelta(call.request_id, "a", [5], finish_reason="length", num_prompt_tokens=len(PROMPT),
+                            num_output_tokens=1)
+        hanging.append(_Hangs([Admitted("p1"), first]))
+        return hanging[-1]
+
+    pools._prefill = prefill  # type: ignore[method-assign]
+    deltas = asyncio.run(_collect_submit(pools, timeout=0.3))
+    assert [t for d in deltas for t in d.token_ids] == [5, 7, 7, 7]
+    [(_, _, export, _)] = pools.decode_calls
+    assert export.positions == () and export.data is None  # nothing arrived: the decode side computes it
+    assert hanging[0].cancelled
