@@ -188,19 +188,24 @@ async def _collect_submit(pools: FakePools, timeout: float = 5.0) -> list[Stream
 
 
 class _Hangs:
-    """A prefill stream whose KV never comes after the first token."""
+    """A prefill stream whose KV never comes after the first token (until it is cancelled)."""
 
     def __init__(self, first: list[Any]) -> None:
         self.items = list(first)
         self.cancelled = False
+        self.waiting = asyncio.Event()  # set once a reader waits for the KV
+        self._cancel = asyncio.Event()
 
     async def __anext__(self) -> Any:
         if self.items:
             return self.items.pop(0)
-        await asyncio.Event().wait()  # (never set: the transfer times out)
+        self.waiting.set()
+        await self._cancel.wait()
+        raise RuntimeError("the call was cancelled")  # (as a cancelled Serve call ends its reader)
 
     def cancel(self) -> None:
         self.cancelled = True
+        self._cancel.set()
 
 
 def test_kv_that_does_not_come_in_time_is_recomputed_by_the_decode_replica() -> None:
@@ -219,3 +224,32 @@ def test_kv_that_does_not_come_in_time_is_recomputed_by_the_decode_replica() -> 
     [(_, _, export, _)] = pools.decode_calls
     assert export.positions == () and export.data is None  # nothing arrived: the decode side computes it
     assert hanging[0].cancelled
+
+
+def test_a_request_ended_from_outside_during_the_hand_off_gets_that_error_and_releases_its_blocks() -> None:
+    """A drain (or abort) while the KV is on its way: the client's error, not a decode."""
+    pools = FakePools()
+    streams: list[_Hangs] = []
+
+    def prefill(call: Any, missing: Any) -> _Hangs:
+        first = StreamDelta(call.request_id, "a", [5], finish_reason="length", num_prompt_tokens=len(PROMPT),
+                            num_output_tokens=1)
+        streams.append(_Hangs([Admitted("p1"), first]))
+        return streams[-1]
+
+    pools._prefill = prefill  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        client = _client(pools, timeout=30.0)
+        stream = await client.submit([PROMPT], SamplingParams(max_tokens=4), request_id="r")
+        first = await stream.__anext__()
+        assert first.token_ids == [5]
+        waiting = asyncio.ensure_future(stream.__anext__())
+        await streams[0].waiting.wait()
+        client.abort_all(CadenceError(ErrorKind.UNAVAILABLE, "the server shut down"))
+        with pytest.raises(CadenceError, match="shut down"):
+            await waiting
+        assert client.num_in_flight == 0
+
+    asyncio.run(scenario())
+    assert pools.decode_calls == [] and pools.released == pools.reserved != []

@@ -239,10 +239,17 @@ class PDStream(FleetStream):
         self._num_cached = 0
 
     async def __anext__(self) -> StreamDelta:
-        if self._phase == "prefill":
-            return await self._next_prefill()
-        if self._phase == "handoff":
-            await self._hand_off()
+        if self._phase in ("prefill", "handoff"):
+            try:
+                if self._phase == "prefill":
+                    return await self._next_prefill()
+                await self._hand_off()
+            except Exception:
+                if self._error is None:
+                    raise
+                await self._drop_reservation()  # (ended from outside: a drain, an abort)
+                self._close()
+                raise self._error from None
         return self._adjust(await super().__anext__())
 
     async def _next_prefill(self) -> StreamDelta:
@@ -279,6 +286,8 @@ class PDStream(FleetStream):
         """The prompt's KV to the decode replica, and the request's admission there."""
         h, client = self._h, self._client
         export = await self._receive_export()
+        if self._error is not None:
+            raise self._error
         h.state = "transferring"
         prompt = self._prompt + h.first
         params = replace(self._params, max_tokens=self._params.max_tokens - len(h.first),
