@@ -253,3 +253,32 @@ def test_a_request_ended_from_outside_during_the_hand_off_gets_that_error_and_re
 
     asyncio.run(scenario())
     assert pools.decode_calls == [] and pools.released == pools.reserved != []
+
+
+@pytest.mark.parametrize("params,prompts,pool", [
+    (SamplingParams(max_tokens=4, n=2), [PROMPT], "decode"),
+    (SamplingParams(max_tokens=4), [PROMPT, PROMPT], "decode"),
+    (SamplingParams(max_tokens=4, frequency_penalty=0.5), [PROMPT], "decode"),
+    (SamplingParams(max_tokens=1), [PROMPT], "prefill"),
+])
+def test_requests_whose_state_would_not_follow_are_served_whole(params, prompts, pool) -> None:
+    pools = FakePools()
+    whole: list[str] = []
+
+    def generate(name: str):
+        def call(c: Any) -> _Gen:
+            whole.append(name)
+            return _Gen([Admitted(name), StreamDelta(c.request_id, "a", [5], finish_reason="length")])
+        return call
+
+    prefill, decode = pools.handles()
+    prefill.generate = _Call(generate("prefill"))
+    decode.generate = _Call(generate("decode"))
+    client = PDFleetClient(prefill, decode, ReplicaInfo("tiny", 1024, 1024, 1000, 16, "sha256"), None,
+                           EngineConfig.from_options(), 5.0)
+
+    async def scenario() -> None:
+        await client.submit(prompts, params, request_id="r")
+
+    asyncio.run(scenario())
+    assert whole == [pool] and pools.reserved == [] and pools.prefill_calls == 0

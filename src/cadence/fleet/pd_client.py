@@ -19,8 +19,8 @@ request is replaced once by another (which recomputes the prompt). A decode repl
 that ends the stream with an error. Reservations are released on every path, and a decode
 engine drops one left unbound after its time to live.
 
-Requests with several prompts or choices are served whole by the decode pool, and one-token
-requests by the prefill pool.
+Requests with several prompts or choices, structured outputs, or presence or frequency penalties
+are served whole by the decode pool (`_hands_off`), and one-token requests by the prefill pool.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class PDFleetClient(FleetClient):
 
     async def submit(self, prompts: Sequence[list[int]], params: SamplingParams, *, request_id: str,
                      policy: RequestPolicy = DEFAULT_POLICY) -> FleetStream:
-        if len(prompts) != 1 or params.n != 1:
+        if not _hands_off(prompts, params):
             return await super().submit(prompts, params, request_id=request_id, policy=policy)
         if params.max_tokens <= 1:
             return await self._submit_to(self._prefill, prompts, params, request_id, policy)
@@ -373,6 +373,15 @@ class PDStream(FleetStream):
             self._close()
             return
         await super().aclose()
+
+
+def _hands_off(prompts: Sequence[list[int]], params: SamplingParams) -> bool:
+    """Whether the request goes through the hand-off, or is served whole by a decode replica: one
+    that state from its first token would not follow across (several prompts or choices; a
+    structured-output grammar's progress; presence and frequency penalties, which count output
+    tokens only, and the first one would arrive as a prompt token)."""
+    return (len(prompts) == 1 and params.n == 1 and params.structured_outputs is None
+            and not params.presence_penalty and not params.frequency_penalty)
 
 
 def _is_ray_error(e: BaseException) -> bool:
