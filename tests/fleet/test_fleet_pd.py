@@ -81,6 +81,9 @@ def test_greedy_outputs_equal_a_single_engines_and_the_header_names_both(pd) -> 
             body = r.json()
             got.append(body["choices"][0]["text"])
             assert body["usage"]["completion_tokens"] == 12
+            status = c.get(f"/v1/requests/{body['id']}").json()  # (from the decode replica)
+            assert (status["state"], status["output_tokens"]) == ("finished", 12), status
+            assert status["prompt_tokens"] == body["usage"]["prompt_tokens"], status
         with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0,
                                                         "ignore_eos": True, "stream": True}) as r:
             text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()

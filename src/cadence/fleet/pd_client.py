@@ -26,6 +26,7 @@ are served whole by the decode pool (`_hands_off`), and one-token requests by th
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -41,6 +42,7 @@ from cadence.engine.output_processor import StreamDelta
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.fleet.client import (
     BUSY_RETRY_AFTER_S,
+    PLACED_KEEP,
     FleetClient,
     FleetStream,
     _note_replica,
@@ -88,6 +90,9 @@ class PDFleetClient(FleetClient):
         self._decode = decode
         self.transfer_timeout = transfer_timeout
         self._handoffs: dict[str, _HandOff] = {}
+        # Requests handed over (the last PLACED_KEEP): their first tokens, which the decode replica
+        # counts as prompt tokens.
+        self._handed: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     async def submit(self, prompts: Sequence[list[int]], params: SamplingParams, *, request_id: str,
                      policy: RequestPolicy = DEFAULT_POLICY) -> FleetStream:
@@ -207,7 +212,18 @@ class PDFleetClient(FleetClient):
             wait = WaitInfo(0, HandOffWait.DECODE_KV_BLOCKS) if h.state == "waiting" and h.waits else None  # type: ignore[arg-type]
             return (RequestSnapshot(request_id, h.policy.tenant, h.state, 0 if h.state == "waiting" else None, wait,
                                     h.num_prompt_tokens, 0, len(h.first), 0, h.policy.priority),)
-        return await super().request_status(request_id, tenant)
+        snaps = await super().request_status(request_id, tenant)
+        n = self._handed.get(request_id, 0)
+        if not snaps or not n:
+            return snaps
+        return tuple(replace(s, num_prompt_tokens=max(0, s.num_prompt_tokens - n),
+                             num_computed_prompt_tokens=min(s.num_computed_prompt_tokens, s.num_prompt_tokens - n),
+                             num_output_tokens=s.num_output_tokens + n) for s in snaps)
+
+    def _handed_over(self, request_id: str, num_first: int) -> None:
+        self._handed[request_id] = num_first
+        while len(self._handed) > PLACED_KEEP:
+            self._handed.popitem(last=False)
 
     def _metrics_targets(self) -> list[tuple[Any, str]]:
         from cadence.fleet.deploy import DECODE_NAME, PREFILL_NAME
@@ -327,6 +343,7 @@ class PDStream(FleetStream):
             break
         self._reserved = None  # (the decode engine holds it now, and releases it)
         self._gen = gen
+        client._handed_over(h.request_id, len(h.first))
         h.state = "decoding"
         self._phase = "decode"
 
