@@ -247,6 +247,15 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
                    help="torch threads (and CPUs reserved) per replica (default: the cores divided among the replicas)")
     f.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests the ingress holds for busy replicas; beyond it, 429 (default %(default)s)")
+    f.add_argument("--prefill-replicas", type=int, default=None,
+                   help="disaggregated prefill and decode: engines that prefill prompts (with --decode-replicas)")
+    f.add_argument("--decode-replicas", type=int, default=None,
+                   help="disaggregated prefill and decode: engines that decode, importing the prompts' KV blocks")
+    f.add_argument("--kv-transfer-timeout", type=float, default=None,
+                   help="seconds a request may wait for decode room and for its KV blocks (default 30)")
+
+
+PD_OBJECT_STORE_BYTES = 1024 * 1024 * 1024  # KV blocks travel through Ray's object store
 
 
 def _serve_fleet(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
@@ -257,7 +266,8 @@ def _serve_fleet(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg:
     engine_cfg, fleet = fleet_options(args, engine_cfg)
     # A local Ray gets the replicas' CPUs and the ingress's, whatever this machine counts.
     ray_opts = RayOptions(address=args.ray_address, num_cpus=None if args.ray_address else
-                          math.ceil(fleet.replicas * fleet.replica_cpus + fleet.ingress_cpus))
+                          math.ceil(fleet.num_replicas * fleet.replica_cpus + fleet.ingress_cpus),
+                          object_store_bytes=PD_OBJECT_STORE_BYTES if fleet.disaggregated else None)
     return run_fleet(engine_cfg, server_cfg, fleet, ray_opts)
 
 
@@ -266,14 +276,30 @@ def fleet_options(args: argparse.Namespace, engine_cfg: EngineConfig) -> tuple[E
     replica's threads."""
     from cadence.fleet.deploy import FleetOptions
 
-    replicas = 1 if args.replicas is None else args.replicas  # (--ray-address alone: one replica)
+    prefill, decode = args.prefill_replicas, args.decode_replicas
+    if (prefill is None) != (decode is None):
+        raise ValueError("--prefill-replicas and --decode-replicas: give both (or neither)")
+    if prefill is not None and args.replicas is not None:
+        raise ValueError("--replicas: not with --prefill-replicas/--decode-replicas (the pools are the replicas)")
+    if prefill is None and args.kv_transfer_timeout is not None:
+        raise ValueError("--kv-transfer-timeout: an option of disaggregated prefill and decode; "
+                         "give --prefill-replicas and --decode-replicas too")
+    for flag, n in (("--prefill-replicas", prefill), ("--decode-replicas", decode)):
+        if n is not None and n < 1:
+            raise ValueError(f"{flag}: must be >= 1, got {n}")
+    pd = {} if prefill is None else {"prefill_replicas": prefill, "decode_replicas": decode}
+    if args.kv_transfer_timeout is not None:
+        if not args.kv_transfer_timeout > 0:
+            raise ValueError(f"--kv-transfer-timeout: must be > 0, got {args.kv_transfer_timeout}")
+        pd["kv_transfer_timeout_s"] = args.kv_transfer_timeout
+    replicas = (1 if args.replicas is None else args.replicas) if prefill is None else prefill + decode
     if replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {replicas}")
     if args.replica_threads is not None and args.replica_threads < 1:
         raise ValueError(f"--replica-threads: must be >= 1, got {args.replica_threads}")
     threads = args.replica_threads or engine_cfg.model.num_threads or max(1, (os.cpu_count() or 1) // replicas)
     fleet = FleetOptions(replicas=replicas, router=args.router or "prefix-affinity", replica_cpus=float(threads),
-                         max_queued_requests=args.max_queued_requests, tiny=args.tiny).validate()
+                         max_queued_requests=args.max_queued_requests, tiny=args.tiny, **pd).validate()
     return engine_cfg.replace(num_threads=threads), fleet
 
 
@@ -288,9 +314,10 @@ def _serve(args: argparse.Namespace) -> int:
     from cadence.server.app import run_server
 
     engine_cfg, server_cfg = serve_configs(args)
-    if args.replicas is not None or args.ray_address is not None:
+    if args.replicas is not None or args.ray_address is not None or args.prefill_replicas is not None \
+            or args.decode_replicas is not None:
         return _serve_fleet(args, engine_cfg, server_cfg)
-    for flag in ("router", "replica_threads"):
+    for flag in ("router", "replica_threads", "kv_transfer_timeout"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')}: a fleet option; give --replicas N (or --ray-address) too")
     return run_server(engine_cfg, server_cfg, tiny=args.tiny)

@@ -72,12 +72,13 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def running_fleet(router: str = "prefix-affinity", **server_options: Any) -> Iterator[Fleet]:
-    """Ray and a fleet of two tiny replicas, stopped on exit."""
-    engine_config = EngineConfig.from_options(**TINY_ENGINE)
+def running_fleet(router: str = "prefix-affinity", fleet_options: dict[str, Any] | None = None,
+                  engine_options: dict[str, Any] | None = None, **server_options: Any) -> Iterator[Fleet]:
+    """Ray and a fleet of two tiny replicas (or as `fleet_options` say), stopped on exit."""
+    engine_config = EngineConfig.from_options(**{**TINY_ENGINE, **(engine_options or {})})
     server_config = ServerConfig(host="127.0.0.1", port=free_port(), **server_options)
-    options = FleetOptions(replicas=2, router=router, replica_cpus=0.5, ingress_cpus=0.5,
-                           max_queued_requests=2, tiny=True)
+    options = FleetOptions(**{"replicas": 2, "router": router, "replica_cpus": 0.5, "ingress_cpus": 0.5,
+                              "max_queued_requests": 2, "tiny": True, **(fleet_options or {})})
     try:
         start_fleet(engine_config, server_config, options, RayOptions(num_cpus=2))
         yield Fleet(f"http://127.0.0.1:{server_config.port}", engine_config, server_config, options)

@@ -31,3 +31,16 @@ def test_bad_arguments_are_refused() -> None:
         app({"router": "random"})
     with pytest.raises(ValueError, match="replicas"):
         app({"replicas": 0})
+
+
+def test_a_disaggregated_application_has_two_pools() -> None:
+    application = app({"prefill-replicas": 2, "decode-replicas": 3, "replica-threads": 1, "kv-transfer-timeout": 9,
+                       "max-num-seqs": 8, "max-queue-len": 4, "tiny": True})
+    ingress = application._bound_deployment
+    decode = ingress.init_args[0]._bound_deployment
+    prefill = ingress.init_kwargs["prefill"]._bound_deployment
+    assert (prefill.name, prefill.num_replicas) == ("CadencePrefill", 2)
+    assert (decode.name, decode.num_replicas) == ("CadenceDecode", 3)
+    assert prefill._deployment_config.request_router_config.request_router_kwargs == {"policy": "prefix-affinity"}
+    assert decode._deployment_config.request_router_config.request_router_kwargs == {"policy": "least-loaded"}
+    assert ingress.init_kwargs["kv_transfer_timeout_s"] == 9

@@ -35,3 +35,28 @@ def test_an_unreachable_ray_address_is_a_clear_error_at_once() -> None:
 def test_fleet_flags_without_a_fleet_or_out_of_range_are_refused(flags, says, capsys) -> None:
     assert main(["serve", "--tiny", *flags]) == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--prefill-replicas", "1"], "--prefill-replicas and --decode-replicas: give both"),
+    (["--decode-replicas", "2"], "--prefill-replicas and --decode-replicas: give both"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--replicas", "2"], "--replicas: not with"),
+    (["--prefill-replicas", "0", "--decode-replicas", "1"], "--prefill-replicas: must be >= 1"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--kv-transfer-timeout", "0"],
+     "--kv-transfer-timeout: must be > 0"),
+    (["--replicas", "2", "--kv-transfer-timeout", "5"], "--kv-transfer-timeout: an option of disaggregated"),
+    (["--kv-transfer-timeout", "5"], "--kv-transfer-timeout: a fleet option"),
+])
+def test_disaggregation_flags_that_cannot_work_are_refused(flags, says, capsys) -> None:
+    assert main(["serve", "--tiny", *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_disaggregation_flags_make_two_pools() -> None:
+    from cadence.cli import fleet_options, serve_configs, serve_parser
+
+    args = serve_parser().parse_args(["--tiny", "--prefill-replicas", "2", "--decode-replicas", "3",
+                                      "--kv-transfer-timeout", "7.5", "--replica-threads", "1"])
+    engine_cfg, fleet = fleet_options(args, serve_configs(args)[0])
+    assert (fleet.prefill_replicas, fleet.decode_replicas, fleet.kv_transfer_timeout_s) == (2, 3, 7.5)
+    assert fleet.disaggregated and fleet.num_replicas == 5 and engine_cfg.model.num_threads == 1

@@ -42,6 +42,7 @@ from cadence.boundary import (
 )
 from cadence.clock import Clock
 from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
+from cadence.engine.kv_transfer import KVTransfer
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
 from cadence.engine.thread_times import EngineThreadTimes, StepTimer, name_os_thread
 from cadence.engine.watchdog import STALL_FACTOR, StepPace, Watchdog
@@ -74,7 +75,16 @@ class StatusItem:
     future: asyncio.Future
 
 
-Inbox = AddItem | AbortItem | StatusItem
+@dataclass
+class CallItem:
+    """A function to run on the engine thread between steps (`run_in_engine`)."""
+
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+Inbox = AddItem | AbortItem | StatusItem | CallItem
 
 
 class AsyncEngine:
@@ -110,6 +120,7 @@ class AsyncEngine:
         self._watchdog = Watchdog(self.step_timeout, pace, self._has_work, self._stalled)
         # Set by the server: predicts a waiting request's time to first token when asked (ttft.py).
         self.predictor: TTFTPredictor | None = None
+        self._transfer: KVTransfer | None = None  # made on first use (engines that move KV blocks)
         self._thread = threading.Thread(target=self._run, name="cadence-engine", daemon=True)
         if start:
             self._thread.start()
@@ -250,6 +261,21 @@ class AsyncEngine:
             raise ValueError("structured_outputs: this engine has no grammar support")
         await structured.validate_async(spec)
 
+    async def run_in_engine(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread between steps and return its result (or raise its error)."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._post(CallItem(fn, loop, future))
+        return await future
+
+    @property
+    def kv_transfer(self) -> KVTransfer:
+        """This engine's side of KV transfer; its methods run on the engine thread (`run_in_engine`)."""
+        if self._transfer is None:
+            self._transfer = KVTransfer(self.core)
+        return self._transfer
+
     def abort(self, request_id: str, error: CadenceError | None = None) -> None:
         """End a request (all its choices) between steps; its blocks are freed. Unknown ids are ignored."""
         self._post(AbortItem(request_id, error))
@@ -323,6 +349,7 @@ class AsyncEngine:
                 stop = self._stop
             timer.mark("idle")
             self._apply(inbox)
+            self._settle_transfers()
             timer.mark("inbox")
             if stop:
                 return
@@ -426,10 +453,27 @@ class AsyncEngine:
                     self._admit(item)
                 elif isinstance(item, AbortItem):
                     self._abort(item)
+                elif isinstance(item, CallItem):
+                    self._run_call(item)
                 else:
                     self._answer_status(item)
             except Exception:
                 log.exception("applying %s failed", type(item).__name__)
+
+    def _run_call(self, item: CallItem) -> None:
+        try:
+            result = item.fn()
+        except Exception as exc:  # the caller gets it
+            self._call(item.loop, self._resolve, item.future, exc)
+            return
+        self._call(item.loop, self._resolve, item.future, None, result)
+
+    def _settle_transfers(self) -> None:
+        if self._transfer is not None:
+            try:
+                self._transfer.settle(self._owner.__contains__)
+            except Exception:
+                log.exception("settling KV reservations failed")
 
     # -- request status (the engine thread) ---------------------------------------------------------
 
@@ -579,7 +623,7 @@ class AsyncEngine:
             err = CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {reason}")
             if isinstance(item, AddItem):
                 self._call(item.group.loop, self._resolve, item.future, err)
-            elif isinstance(item, StatusItem):
+            elif isinstance(item, (StatusItem, CallItem)):
                 self._call(item.loop, self._resolve, item.future, err)
 
     # -- stalls (the watchdog's thread) -------------------------------------------------------------

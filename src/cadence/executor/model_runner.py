@@ -94,6 +94,27 @@ class ModelRunner:
             logprobs={ids[i]: lp for i, lp in sampled.logprobs.items()},
         )
 
+    # -- KV blocks moved between engines ------------------------------------------------------------
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of these blocks' K and V, every layer: `[num_layers, 2, num_kv_heads, n, block_size,
+        head_dim]` on the CPU, in `block_ids` order."""
+        assert self.kv_cache is not None
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv_cache.kv.device)
+        return self.kv_cache.kv.index_select(3, index).cpu()
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Overwrite these blocks with `data` as `read_blocks` gives it (of another engine of the
+        same model, dtype and block size)."""
+        assert self.kv_cache is not None
+        kv = self.kv_cache.kv
+        expected = (*kv.shape[:3], len(block_ids), *kv.shape[4:])
+        if tuple(data.shape) != expected or data.dtype != kv.dtype:
+            raise ValueError(f"KV blocks of shape {tuple(data.shape)} {data.dtype}; this cache takes "
+                             f"{expected} {kv.dtype}")
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
+        kv.index_copy_(3, index, data.to(kv.device))
+
     # -- Also used by tests and benchmarks --------------------------------------------------------
 
     def compute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:

@@ -210,6 +210,11 @@ class FleetClient:
 
     async def submit(self, prompts: Sequence[list[int]], params: SamplingParams, *, request_id: str,
                      policy: RequestPolicy = DEFAULT_POLICY, queue_status: bool = False) -> FleetStream:
+        return await self._submit_to(self._handle, prompts, params, request_id, policy, queue_status)
+
+    async def _submit_to(self, handle: Any, prompts: Sequence[list[int]], params: SamplingParams, request_id: str,
+                         policy: RequestPolicy, queue_status: bool = False) -> FleetStream:
+        """`submit` to the replicas behind `handle`."""
         from ray.serve.exceptions import BackPressureError
 
         if self._draining:
@@ -220,7 +225,7 @@ class FleetClient:
                             TRACE_CARRIER.get(), queue_status)
         gen = None
         try:
-            gen = self._handle.options(stream=True).generate.remote(call)
+            gen = handle.options(stream=True).generate.remote(call)
             first = await gen.__anext__()
         except asyncio.CancelledError:  # the client left while the request waited for a replica
             if gen is not None:
@@ -282,25 +287,34 @@ class FleetClient:
         _note_replica(replica)
         try:
             return await asyncio.wait_for(
-                self._handle.request_status.remote(request_id, tenant, Target(replica)), REPLICA_CALL_TIMEOUT_S)
+                self._status_handle(replica).request_status.remote(request_id, tenant, Target(replica)),
+                REPLICA_CALL_TIMEOUT_S)
         except CadenceError:
             raise
         except Exception as e:  # the replica is restarting: what it knew went with it
             log.warning("replica %s: no request status (%s)", replica, type(e).__name__)
             return None
 
+    def _status_handle(self, replica: str) -> Any:
+        """The handle that reaches `replica` (by a `Target`)."""
+        return self._handle
+
+    def _metrics_targets(self) -> list[tuple[Any, str]]:
+        """Every replica, as (a handle that reaches it, its id)."""
+        from cadence.fleet.state import replica_ids
+
+        return [(self._handle, rid) for rid in replica_ids()]
+
     # -- the replicas' metrics ----------------------------------------------------------------------
 
     async def render_metrics(self, exporter: PrometheusExporter) -> bytes:
         """The fleet's /metrics: this ingress's refusals and every replica's metrics, merged."""
-        from cadence.fleet.state import replica_ids
-
         replicas = {}
         # One replica at a time: Serve's router may leave one of several calls pinned to
         # different replicas waiting (for seconds) while it routes the others.
-        for rid in replica_ids():
+        for handle, rid in self._metrics_targets():
             try:
-                replicas[rid] = await asyncio.wait_for(self._handle.metrics.remote(Target(rid)), REPLICA_CALL_TIMEOUT_S)
+                replicas[rid] = await asyncio.wait_for(handle.metrics.remote(Target(rid)), REPLICA_CALL_TIMEOUT_S)
             except Exception as e:  # a replica restarting: its last counters stand in for it (below)
                 log.warning("replica %s: no metrics (%s)", rid, type(e).__name__)
         # A replica that died (or did not answer) keeps its last counters in the sums: a counter
@@ -311,7 +325,5 @@ class FleetClient:
 
     async def replica_loads(self) -> dict[str, tuple[int, int]]:
         """Each replica's (requests in flight, requests running), by name."""
-        from cadence.fleet.state import replica_ids
-
-        loads = [await self._handle.load.remote(Target(rid)) for rid in replica_ids()]
+        loads = [await handle.load.remote(Target(rid)) for handle, rid in self._metrics_targets()]
         return {name: (in_flight, running) for name, in_flight, running in loads}

@@ -24,6 +24,8 @@ from cadence.routing import STATS_PERIOD_S, check_router
 
 INGRESS_NAME = "CadenceIngress"
 REPLICA_NAME = "CadenceReplica"
+PREFILL_NAME = "CadencePrefill"  # the pools of a fleet with disaggregated prefill and decode
+DECODE_NAME = "CadenceDecode"
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,19 @@ class FleetOptions:
     max_queued_requests: int = 256
     health_check_period_s: float = 5.0
     tiny: bool = False
+    # Disaggregated prefill and decode (both > 0): the two pools replace `replicas`.
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+    kv_transfer_timeout_s: float = 30.0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replicas > 0 or self.decode_replicas > 0
+
+    @property
+    def num_replicas(self) -> int:
+        """Engines in all (both pools when disaggregated)."""
+        return self.prefill_replicas + self.decode_replicas if self.disaggregated else self.replicas
 
     def validate(self) -> FleetOptions:
         if self.replicas < 1:
@@ -51,13 +66,22 @@ class FleetOptions:
             raise ValueError("ingress_cpus: must be >= 0")
         if self.max_queued_requests < 1:
             raise ValueError("max_queued_requests: must be >= 1")
+        if self.disaggregated and (self.prefill_replicas < 1 or self.decode_replicas < 1):
+            raise ValueError(f"prefill_replicas and decode_replicas: both must be >= 1 (got {self.prefill_replicas} "
+                             f"and {self.decode_replicas})")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError("kv_transfer_timeout_s: must be > 0")
         return self
 
 
 @serve.ingress()
 class CadenceIngress:
-    def __init__(self, replicas: Any, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    def __init__(self, replicas: Any, engine_config: EngineConfig, server_config: ServerConfig,
+                 prefill: Any = None, kv_transfer_timeout_s: float = 30.0) -> None:
+        """`replicas`: the replica deployment (the decode pool when `prefill`, the prefill pool, is given)."""
         self._replicas = replicas
+        self._prefill = prefill
+        self._kv_transfer_timeout_s = kv_transfer_timeout_s
         self._engine_config = engine_config
         self._server_config = server_config
 
@@ -70,7 +94,13 @@ class CadenceIngress:
         info = await self._replicas.info.remote()
         model = self._engine_config.model.model
         tokenizer = Tokenizer.from_model_path(model if model else default_model_path())
-        client = FleetClient(self._replicas, info, tokenizer, self._engine_config)
+        if self._prefill is not None:
+            from cadence.fleet.pd_client import PDFleetClient
+
+            client: FleetClient = PDFleetClient(self._prefill, self._replicas, info, tokenizer, self._engine_config,
+                                                self._kv_transfer_timeout_s)
+        else:
+            client = FleetClient(self._replicas, info, tokenizer, self._engine_config)
         app = create_app(client, self._server_config, render_metrics=client.render_metrics)
         app.add_middleware(ReplicaHeaderMiddleware)
         self._client, self._serving = client, app.state.serving
@@ -109,27 +139,30 @@ def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, option
     engine_config.validate()
     server_config.validate()
     sched = engine_config.scheduler
-    replica = serve.deployment(
-        CadenceReplica,
-        name=REPLICA_NAME,
-        num_replicas=options.replicas,
-        ray_actor_options={"num_cpus": options.replica_cpus},
-        max_ongoing_requests=sched.max_num_seqs + sched.max_queue_len,
-        max_queued_requests=options.max_queued_requests,
-        health_check_period_s=options.health_check_period_s,
-        graceful_shutdown_timeout_s=server_config.shutdown_timeout,
-        request_router_config=RequestRouterConfig(
-            request_router_class="cadence.fleet.router:CadenceRequestRouter",
-            request_router_kwargs={"policy": options.router},
-            request_routing_stats_period_s=STATS_PERIOD_S,
-            request_routing_stats_timeout_s=5.0,
-        ),
-    )
+    replica_args = (engine_config, options.tiny, server_config.metrics_compat, ReplicaObservability.of(server_config))
+    if options.disaggregated:
+        from cadence.fleet.pd import PDReplica
+
+        # The prefill pool routes by prefix (where the prompt's blocks are cached), the decode pool
+        # by load; a decode replica also answers each request's KV reservation (one more call).
+        prefill = _replica_deployment(PDReplica, PREFILL_NAME, options.prefill_replicas, options.router,
+                                      options, engine_config, server_config)
+        decode = _replica_deployment(PDReplica, DECODE_NAME, options.decode_replicas, "least-loaded",
+                                     options, engine_config, server_config)
+        replicas: Any = decode.bind(*replica_args)
+        ingress_args: dict[str, Any] = {"prefill": prefill.bind(*replica_args),
+                                        "kv_transfer_timeout_s": options.kv_transfer_timeout_s}
+    else:
+        replica = _replica_deployment(CadenceReplica, REPLICA_NAME, options.replicas, options.router, options,
+                                      engine_config, server_config)
+        replicas = replica.bind(*replica_args)
+        ingress_args = {}
     # The ingress only forwards: it takes what the replicas and their queue can hold, and twice
     # that again, so that a request over the replicas' bounds gets cadence's own 429 (JSON, with
     # Retry-After). Serve's proxy holds requests while it routes them to the ingress; beyond four
     # times that it answers 429 itself (plain text, with Retry-After).
-    ingress_capacity = 2 * (options.max_queued_requests + options.replicas * (sched.max_num_seqs + sched.max_queue_len))
+    ingress_capacity = 2 * (options.max_queued_requests
+                            + options.num_replicas * (sched.max_num_seqs + sched.max_queue_len))
     ingress = serve.deployment(
         CadenceIngress,
         name=INGRESS_NAME,
@@ -140,6 +173,26 @@ def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, option
         backpressure_config={"status_code": 429, "retry_after_s": 1.0},
         graceful_shutdown_timeout_s=server_config.shutdown_timeout,
     )
-    replicas = replica.bind(engine_config, options.tiny, server_config.metrics_compat,
-                            ReplicaObservability.of(server_config))
-    return ingress.bind(replicas, engine_config, server_config)
+    return ingress.bind(replicas, engine_config, server_config, **ingress_args)
+
+
+def _replica_deployment(cls: type, name: str, num_replicas: int, router: str, options: FleetOptions,
+                        engine_config: EngineConfig, server_config: ServerConfig) -> Any:
+    sched = engine_config.scheduler
+    return serve.deployment(
+        cls,
+        name=name,
+        num_replicas=num_replicas,
+        ray_actor_options={"num_cpus": options.replica_cpus},
+        # (a decode replica's reservations and imports are calls too: room for one of each per seat)
+        max_ongoing_requests=(sched.max_num_seqs + sched.max_queue_len) * (2 if options.disaggregated else 1),
+        max_queued_requests=options.max_queued_requests,
+        health_check_period_s=options.health_check_period_s,
+        graceful_shutdown_timeout_s=server_config.shutdown_timeout,
+        request_router_config=RequestRouterConfig(
+            request_router_class="cadence.fleet.router:CadenceRequestRouter",
+            request_router_kwargs={"policy": router},
+            request_routing_stats_period_s=STATS_PERIOD_S,
+            request_routing_stats_timeout_s=5.0,
+        ),
+    )

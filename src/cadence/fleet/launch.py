@@ -28,6 +28,7 @@ OBJECT_STORE_BYTES = 128 * 1024 * 1024  # replicas exchange small messages: keep
 class RayOptions:
     address: str | None = None  # None: a local Ray in this process
     num_cpus: int | None = None  # a local Ray's CPUs (None: Ray's count)
+    object_store_bytes: int | None = None  # a local Ray's object store (None: OBJECT_STORE_BYTES)
 
 
 def check_reachable(address: str, timeout: float = 5.0) -> None:
@@ -54,7 +55,7 @@ def start_ray(opts: RayOptions) -> None:
             check_reachable(opts.address)
         ray.init(address=opts.address, include_dashboard=False, log_to_driver=False)
     else:
-        ray.init(num_cpus=opts.num_cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+        ray.init(num_cpus=opts.num_cpus, include_dashboard=False, object_store_memory=opts.object_store_bytes or OBJECT_STORE_BYTES,
                  log_to_driver=False)
 
 
@@ -121,7 +122,7 @@ def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: A
     except BaseException:
         stop_fleet()
         raise
-    log.info("fleet of %d replicas (%s routing) on http://%s:%d", fleet.replicas, fleet.router,
+    log.info("fleet of %d replicas (%s routing) on http://%s:%d", fleet.num_replicas, fleet.router,
              server_config.host, server_config.port)
     try:
         while not stop.wait(0.5):  # (a timed wait lets the signal handlers run)

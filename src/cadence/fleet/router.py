@@ -32,8 +32,8 @@ class CadenceRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        state.REPLICA_IDS.clear()
-        state.REPLICA_IDS.update(r.replica_id.unique_id for r in replicas)
+        deployment = getattr(getattr(self, "_deployment_id", None), "name", "")
+        state.set_deployment_replicas(deployment, {r.replica_id.unique_id for r in replicas})
 
     def _stats(self, replica: RunningReplica) -> ReplicaStats:
         published = ReplicaStats.from_dict(replica.routing_stats or {})

@@ -66,6 +66,8 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # leading blocks of the table already hashed
         self._queries = 0
         self._hits = 0
+        # Blocks held for KV arriving from another engine (see `reserve_import`), by reservation key.
+        self._imports: dict[str, list[Block]] = {}
 
     # ----------------------------------------------------------------- queries
     @property
@@ -325,6 +327,65 @@ class KVCacheManager:
         if table:
             self.pool.free(reversed(table))
 
+    # ------------------------------------------------------- blocks from another engine
+    def prefix_block_ids(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The blocks caching the longest prefix of `hashes` (a chain), by id."""
+        found = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            found.append(block.block_id)
+        return found
+
+    def reserve_import(self, key: str, hashes: Sequence[BlockHash]) -> list[int] | None:
+        """Hold a block for each hash of the chain `hashes` under `key`: the cached ones (their KV is
+        here already) and a newly allocated one for each other, which the caller fills and then
+        publishes (`publish_import`). Returns the positions in `hashes` that need filling, or None
+        (nothing changed) when too few blocks are free. Held blocks count as used until
+        `release_import`, so arriving KV never overruns the cache and is not evicted before the
+        request it is for takes it as a prefix hit."""
+        if key in self._imports:
+            raise ValueError(f"reservation {key!r} exists")
+        cached = [self.pool.lookup(h) for h in hashes]
+        missing = [i for i, b in enumerate(cached) if b is None]
+        reclaimed = sum(1 for b in cached if b is not None and b.ref_cnt == 0)
+        if len(missing) + reclaimed > self.pool.num_free_blocks:
+            return None
+        held = [b for b in cached if b is not None]
+        self.pool.touch(held)  # (before allocating: an allocation could evict them)
+        new = self.pool.allocate(len(missing))
+        assert new is not None, "free count checked above"
+        blocks: list[Block] = []
+        fresh = iter(new)
+        for b in cached:
+            blocks.append(b if b is not None else next(fresh))
+        self._imports[key] = blocks
+        return missing
+
+    def import_block_ids(self, key: str) -> tuple[int, ...]:
+        """The blocks reserved under `key`, in chain order."""
+        return tuple(b.block_id for b in self._imports.get(key, ()))
+
+    def publish_import(self, key: str, hashes: Sequence[BlockHash]) -> None:
+        """Make the reservation's first `len(hashes)` blocks findable by these hashes (their KV has
+        been written)."""
+        if self.enable_prefix_caching:
+            self.pool.cache_blocks(self._imports[key][: len(hashes)], hashes)
+
+    def release_import(self, key: str) -> bool:
+        """Drop the reservation's hold (its published blocks stay cached); False if there is none."""
+        blocks = self._imports.pop(key, None)
+        if blocks is None:
+            return False
+        self.pool.free(reversed(blocks))
+        return True
+
+    @property
+    def num_import_blocks(self) -> int:
+        """Blocks held by reservations for arriving KV."""
+        return sum(len(b) for b in self._imports.values())
+
     # ---------------------------------------------------------------- checking
     def check_integrity(
         self, running_requests: list[Request] | tuple[Request, ...] = (), *, published: bool = False
@@ -338,6 +399,8 @@ class KVCacheManager:
         """
         self.pool.check_integrity()
         expected = [0] * self.pool.num_blocks
+        for block in (b for held in self._imports.values() for b in held):
+            expected[block.block_id] += 1
         for rid, table in self._tables.items():
             for block in table:
                 expected[block.block_id] += 1

@@ -316,6 +316,32 @@ class PrometheusExporter:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class KVTransferMetrics:
+    """A decode replica's KV imports (disaggregated prefill and decode), in its exporter's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.bytes = Counter("cadence:kv_transfer_bytes", "KV bytes imported from prefill replicas.", registry=r)
+        self.blocks = Counter("cadence:kv_transfer_blocks",
+                              "Prompt blocks of imported requests: transferred, or found in this cache.",
+                              ("source",), registry=r)
+        self.seconds = Histogram("cadence:kv_transfer_seconds",
+                                 "From reading a request's KV blocks on the prefill replica to their publication "
+                                 "here.", buckets=KV_TRANSFER_BUCKETS, registry=r)
+        self.refused = Counter("cadence:kv_reservations_refused",
+                               "KV reservations refused for want of free blocks (the request waits and asks again).",
+                               registry=r)
+
+    def record_import(self, nbytes: int, transferred: int, cached: int, seconds: float) -> None:
+        self.bytes.inc(nbytes)
+        self.blocks.labels("transferred").inc(transferred)
+        self.blocks.labels("cached").inc(cached)
+        self.seconds.observe(seconds)
+
+
 class _ThreadTimesCollector(Collector):
     """The engine thread's running totals as counters: no work per step, one read per scrape."""
 

@@ -1,0 +1,115 @@
+"""Disaggregated prefill and decode: the replica side.
+
+A `PDReplica` is a fleet replica (one `AsyncEngine`) with the calls of both pools:
+
+- prefill: `prefill` runs a request for its first token, then sends the prompt's KV blocks that
+  the decode side asked for (a `KVExport`, the last item of the stream);
+- decode: `reserve_kv` holds blocks for a prompt's full blocks (pinning those it has cached and
+  allocating the rest) and answers which must come; `decode` writes the arrived blocks, publishes
+  them as prefix-cache entries and admits the request (prompt and first token), which finds them
+  as hits; `release_kv` drops a reservation nobody will use.
+
+The ingress (`pd_client.PDFleetClient`) drives the hand-off. A reservation not bound to a request
+within its time to live is dropped by the engine itself, so an ingress that goes away leaks nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from cadence.engine.kv_transfer import KVExport
+from cadence.errors import AdmissionError, CadenceError
+from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
+from cadence.fleet.replica import CadenceReplica
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """A decode replica's answer to `reserve_kv`: `missing` the chain positions whose KV must come
+    (None: too few free blocks now)."""
+
+    replica: str
+    missing: tuple[int, ...] | None
+    free_blocks: int
+
+
+class PDReplica(CadenceReplica):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from cadence.metrics.prometheus import KVTransferMetrics
+
+        self.transfer_metrics = KVTransferMetrics(self.exporter.registry)
+
+    # -- the prefill pool ----------------------------------------------------------------------------
+
+    async def prefill(self, call: GenerateCall, positions: tuple[int, ...] | None) -> AsyncIterator[Any]:
+        """`generate` (the call's max_tokens is 1), then the prompt's blocks at `positions` as a
+        `KVExport` unless the request failed."""
+        failed = False
+        async for item in self.generate(call):
+            failed = failed or isinstance(item, (Refused, Failed)) or getattr(item, "error", None) is not None
+            yield item
+        if failed:
+            return
+        prompt, salt = call.prompts[0], call.policy.cache_salt
+        transfer = self.engine.kv_transfer
+        yield await self.engine.run_in_engine(lambda: transfer.export(prompt, salt, positions))
+
+    # -- the decode pool -----------------------------------------------------------------------------
+
+    async def reserve_kv(self, key: str, prompt: list[int], salt: str | None, ttl: float) -> Reserved:
+        transfer = self.engine.kv_transfer
+        missing = await self.engine.run_in_engine(lambda: transfer.reserve(key, prompt, salt, ttl))
+        if missing is None:
+            self.transfer_metrics.refused.inc()
+        return Reserved(self.name, None if missing is None else tuple(missing),
+                        self.engine.core.scheduler_stats.num_free_blocks)
+
+    async def release_kv(self, key: str, target: Target | None = None) -> bool:
+        transfer = self.engine.kv_transfer
+        return bool(await self.engine.run_in_engine(lambda: transfer.release(key)))
+
+    async def decode(self, call: GenerateCall, key: str, export: KVExport, target: Target | None = None
+                     ) -> AsyncIterator[Any]:
+        """Import the blocks reserved under `key`, then `generate` the call there."""
+        transfer = self.engine.kv_transfer
+        try:
+            published = await self.engine.run_in_engine(lambda: transfer.write(key, export))
+        except (KeyError, ValueError, CadenceError) as e:
+            await self._release(key)
+            yield Refused("unavailable", f"importing the KV blocks failed: {e}", None, None, False, self.name)
+            return
+        self.transfer_metrics.record_import(export.nbytes, len(export.positions),
+                                            max(0, published - len(export.positions)),
+                                            max(0.0, time.time() - export.sent_at))
+        try:
+            stream = await self.engine.submit(call.prompts, call.params, request_id=call.request_id,
+                                              policy=call.policy)
+        except CadenceError as e:
+            await self._release(key)
+            yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)
+            return
+        await self.engine.run_in_engine(lambda: transfer.bind(key, call.request_id))
+        try:
+            yield Admitted(self.name)
+            async for delta in stream:
+                yield delta
+        except CadenceError as e:
+            yield Failed(e.kind.value, str(e))
+        finally:
+            await stream.aclose()
+
+    async def _release(self, key: str) -> None:
+        transfer = self.engine.kv_transfer
+        with contextlib.suppress(CadenceError):  # the engine is down: its blocks went with it
+            await self.engine.run_in_engine(lambda: transfer.release(key))
+
+    def kv_state(self, target: Target | None = None) -> tuple[str, int, int, int]:
+        """(name, free blocks, blocks held for arriving KV, reservations): for tests and operators."""
+        core = self.engine.core
+        transfer = self.engine.kv_transfer
+        return self.name, core.kv.num_free_blocks, core.kv.num_import_blocks, transfer.num_reservations

@@ -1,0 +1,114 @@
+"""KV blocks moved between two engines of one model (engine/kv_transfer.py), without Ray: a prefill
+engine exports a prompt's blocks, a decode engine reserves, writes and publishes them, and the
+request admitted there finds them as prefix hits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from cadence.config import EngineConfig
+from cadence.engine.async_engine import AsyncEngine
+from cadence.engine.builder import build_engine
+from cadence.request import SamplingParams
+
+CONFIG = {"num_kv_blocks": 64, "block_size": 16, "max_model_len": 512, "device": "cpu", "dtype": "float32",
+          "num_threads": 1, "max_num_seqs": 4}
+PROMPT = [(7 * i + 3) % 500 + 10 for i in range(83)]  # 5 full blocks and 3 tokens
+
+
+@pytest.fixture
+def engines() -> Iterator[tuple[AsyncEngine, AsyncEngine]]:
+    cfg = EngineConfig.from_options(**CONFIG)
+    prefill, decode = AsyncEngine(build_engine(cfg, tiny=True)), AsyncEngine(build_engine(cfg, tiny=True))
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+async def _run(engine: AsyncEngine, prompt: list[int], max_tokens: int, rid: str) -> tuple[list[int], int]:
+    """Greedy tokens of one request, and the prompt tokens it found cached."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    tokens, cached = [], 0
+    async for d in engine.generate(prompt, params, request_id=rid):
+        tokens += d.token_ids
+        cached = max(cached, d.num_cached_tokens)
+    return tokens, cached
+
+
+async def _hand_off(prefill: AsyncEngine, decode: AsyncEngine, rid: str, max_tokens: int):
+    """Prefill's first token, its export of what decode lacks, decode's import and the rest."""
+    first, _ = await _run(prefill, PROMPT, 1, rid)
+    pt, dt = prefill.kv_transfer, decode.kv_transfer
+    missing = await decode.run_in_engine(lambda: dt.reserve(rid, PROMPT, None, 30.0))
+    export = await prefill.run_in_engine(lambda: pt.export(PROMPT, None, missing))
+    await decode.run_in_engine(lambda: dt.write(rid, export))
+    stream = decode.generate(PROMPT + first, SamplingParams(max_tokens=max_tokens - 1, temperature=0.0,
+                                                            ignore_eos=True), request_id=rid)
+    rest, cached = [], 0
+    bound = False
+    async for d in stream:
+        if not bound:
+            await decode.run_in_engine(lambda: dt.bind(rid, rid))
+            bound = True
+        rest += d.token_ids
+        cached = max(cached, d.num_cached_tokens)
+    return first + rest, cached, missing, export
+
+
+def test_greedy_output_through_a_hand_off_equals_one_engines(engines) -> None:
+    prefill, decode = engines
+    colocated = AsyncEngine(build_engine(EngineConfig.from_options(**CONFIG), tiny=True))
+    try:
+        expected, _ = asyncio.run(_run(colocated, PROMPT, 12, "c"))
+    finally:
+        colocated.shutdown()
+    got, cached, missing, export = asyncio.run(_hand_off(prefill, decode, "r1", 12))
+    assert got == expected
+    assert missing == [0, 1, 2, 3, 4] and export.positions == (0, 1, 2, 3, 4)
+    assert cached == 5 * 16  # the imported blocks were prefix hits: only the partial block was computed
+
+
+def test_imported_blocks_are_byte_identical_and_a_repeat_moves_nothing(engines) -> None:
+    prefill, decode = engines
+
+    async def scenario():
+        _, _, _, export = await _hand_off(prefill, decode, "r1", 4)
+        ids = await decode.run_in_engine(lambda: decode.core.kv.prefix_block_ids(decode.kv_transfer.chain(PROMPT, None)))
+        imported = await decode.run_in_engine(lambda: decode.core.executor.read_blocks(ids))
+        pids = await prefill.run_in_engine(lambda: prefill.core.kv.prefix_block_ids(prefill.kv_transfer.chain(PROMPT, None)))
+        local = await prefill.run_in_engine(lambda: prefill.core.executor.read_blocks(pids))
+        _, _, missing2, export2 = await _hand_off(prefill, decode, "r2", 4)
+        return export, imported, local, missing2, export2
+
+    export, imported, local, missing2, export2 = asyncio.run(scenario())
+    assert len(export.positions) == 5 and export.nbytes == imported.numel() * imported.element_size()
+    assert torch.equal(imported, local) and torch.equal(imported, export.data)
+    assert missing2 == [] and export2.nbytes == 0 and export2.data is None
+
+
+def test_a_reservation_counts_against_the_cache_and_an_unbound_one_expires(engines) -> None:
+    _, decode = engines
+    dt, kv = decode.kv_transfer, decode.core.kv
+    long_prompt = list(range(10, 10 + 40 * 16))  # 40 full blocks of a 64-block cache
+
+    async def scenario():
+        first = await decode.run_in_engine(lambda: dt.reserve("a", long_prompt, None, 30.0))
+        free_after_first = kv.num_free_blocks
+        second = await decode.run_in_engine(lambda: dt.reserve("b", long_prompt[::-1], None, 30.0))
+        released = await decode.run_in_engine(lambda: dt.release("a"))
+        # A reservation nobody binds to a request is dropped at its time to live (here at once).
+        third = await decode.run_in_engine(lambda: dt.reserve("c", long_prompt, None, 0.0))
+        await decode.run_in_engine(lambda: None)
+        return first, free_after_first, second, released, third
+
+    first, free_after_first, second, released, third = asyncio.run(scenario())
+    assert len(first) == 40 and free_after_first == 24
+    assert second is None  # 40 more blocks do not fit: refused, nothing taken
+    # "a"'s blocks, released without their KV, were never published: all 40 must come again.
+    assert released and third == list(range(40))
+    assert kv.num_free_blocks == 64 and kv.num_import_blocks == 0 and dt.num_reservations == 0
+    kv.check_integrity()
