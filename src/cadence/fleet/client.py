@@ -66,7 +66,7 @@ class ReplicaHeaderMiddleware:
             _REPLICA_SLOT.reset(token)
 
 
-def _note_replica(name: str) -> None:
+def note_replica(name: str) -> None:
     slot = _REPLICA_SLOT.get()
     if slot is not None:
         slot["replica"] = name
@@ -82,7 +82,7 @@ class _FixedRetryAfter:
         return BUSY_RETRY_AFTER_S
 
 
-def _ray_unavailable(exc: BaseException) -> CadenceError:
+def ray_unavailable(exc: BaseException) -> CadenceError:
     return CadenceError(ErrorKind.UNAVAILABLE, f"the replica serving the request failed ({type(exc).__name__})")
 
 
@@ -130,7 +130,7 @@ class FleetStream:
             raise
         except RayError as e:
             self._close()
-            raise (self._error or _ray_unavailable(e)) from None
+            raise (self._error or ray_unavailable(e)) from None
         if self._error is not None:
             self._close()
             raise self._error
@@ -240,13 +240,13 @@ class FleetClient:
             from ray.exceptions import RayError
 
             if isinstance(e, RayError):
-                raise _ray_unavailable(e) from None
+                raise ray_unavailable(e) from None
             raise
         if isinstance(first, Refused):
-            _note_replica(first.replica)
+            note_replica(first.replica)
             raise refusal_error(first)
         assert isinstance(first, Admitted), type(first)
-        _note_replica(first.replica)
+        note_replica(first.replica)
         self._placed[request_id] = first.replica
         while len(self._placed) > PLACED_KEEP:
             self._placed.popitem(last=False)
@@ -284,7 +284,7 @@ class FleetClient:
         replica = self._placed.get(request_id)
         if replica is None or replica not in replica_ids():
             return None
-        _note_replica(replica)
+        note_replica(replica)
         try:
             return await asyncio.wait_for(
                 self._status_handle(replica).request_status.remote(request_id, tenant, Target(replica)),

@@ -45,8 +45,8 @@ from cadence.fleet.client import (
     PLACED_KEEP,
     FleetClient,
     FleetStream,
-    _note_replica,
-    _ray_unavailable,
+    note_replica,
+    ray_unavailable,
 )
 from cadence.fleet.pd import Reserved
 from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
@@ -132,7 +132,7 @@ class PDFleetClient(FleetClient):
             asyncio.ensure_future(self._release(reserved.replica, key))
             raise
         h.prefill_replica, h.state = first.replica, "prefilling"
-        _note_replica(f"prefill={first.replica}, decode={reserved.replica}")
+        note_replica(f"prefill={first.replica}, decode={reserved.replica}")
         self._placed[h.request_id] = reserved.replica
         return PDStream(self, h, prompt, params, key, reserved, gen)
 
@@ -183,7 +183,7 @@ class PDFleetClient(FleetClient):
                     continue
                 raise self._unavailable(e) from None
             if isinstance(first, Refused):
-                _note_replica(first.replica)
+                note_replica(first.replica)
                 raise refusal_error(first)
             assert isinstance(first, Admitted), type(first)
             return gen, first
@@ -199,7 +199,7 @@ class PDFleetClient(FleetClient):
     def _unavailable(e: BaseException) -> CadenceError:
         if isinstance(e, CadenceError):
             return e
-        return _ray_unavailable(e) if _is_ray_error(e) else CadenceError(ErrorKind.INTERNAL, str(e))
+        return ray_unavailable(e) if _is_ray_error(e) else CadenceError(ErrorKind.INTERNAL, str(e))
 
     def _closed(self, stream: Any) -> None:
         super()._closed(stream)
