@@ -91,12 +91,14 @@ class OpenAIServing:
         received_ns = time.time_ns()
         self.inputs.check_model(body.model)
         with self.counting_refusals():
+            constraint = self.inputs.constraint(body)
             prompts = [
                 await self.inputs.prompt_ids(p, "prompt", split_special_tokens=body.split_special_tokens,
                                              add_special_tokens=body.add_special_tokens)
                 for p in body.prompts()
             ]
-            job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt")
+            job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt",
+                                  constraint.params if constraint else None)
         fmt = CompletionFormatter(
             job.request_id,
             self.engine.model_name,
@@ -111,21 +113,27 @@ class OpenAIServing:
         received_ns = time.time_ns()
         self.inputs.check_model(body.model)
         with self.counting_refusals():
-            ids = await self.inputs.chat_ids(body.message_dicts(), body.add_generation_prompt, body.chat_template,
-                                             body.add_special_tokens)
+            plan = self.inputs.tool_plan(body)
+            constraint = self.inputs.constraint(body, plan)
+            messages, tools = self.inputs.chat_messages(body.messages, body.chat_template, plan)
+            ids = await self.inputs.chat_ids(messages, body.add_generation_prompt, body.chat_template,
+                                             body.add_special_tokens, tools)
             job = self.inputs.job(
-                "chatcmpl", body, raw, [ids], body.requested_max_tokens(), body.num_logprobs(), "messages"
+                "chatcmpl", body, raw, [ids], body.requested_max_tokens(), body.num_logprobs(), "messages",
+                constraint.params if constraint else None,
             )
         fmt = ChatFormatter(
-            job.request_id, self.engine.model_name, int(time.time()), body.n, self.tokens, body.logprobs
+            job.request_id, self.engine.model_name, int(time.time()), body.n, self.tokens, body.logprobs,
+            extractor=plan.extractor(),
         )
         return await self._run(job, fmt, raw, received_ns)
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.inputs.check_model(body.model)
         if body.messages is not None:
+            messages, _ = self.inputs.chat_messages(body.messages, None)
             ids = await self.inputs.chat_ids(
-                [m.as_template_input() for m in body.messages],
+                messages,
                 body.add_generation_prompt,
                 None,
                 bool(body.add_special_tokens),
