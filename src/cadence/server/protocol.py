@@ -118,13 +118,14 @@ class ResponseFormat(StrictModel):
     """`response_format`: text (no constraint), any JSON object, or JSON that follows a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+    json_schema: JsonSchemaFormat | None = Field(default=None, validate_default=True)
 
-    @model_validator(mode="after")
-    def _schema_with_its_type(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format.json_schema: required when type is 'json_schema'")
-        return self
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_with_its_type(cls, v: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
+        if v is None and info.data.get("type") == "json_schema":
+            raise ValueError("required when type is 'json_schema'")
+        return v
 
 
 class StructuredOutputsField(StrictModel):
