@@ -194,6 +194,19 @@ class InputBuilder:
             forced = plan.constraint() if plan is not None else None
             return only_one(found + ([forced] if forced is not None else []))
 
+    async def check_constraint(self, constraint: Constraint | None, params: SamplingParams) -> None:
+        """Have the engine compile the constraint now (cached for when the request is admitted), so
+        that one its grammar library refuses is a 400 naming the request's field. An engine client
+        without a local compiler (a fleet's) leaves the check to the replica the request reaches."""
+        validate = getattr(self.engine, "validate_structured", None)
+        if constraint is None or validate is None:
+            return
+        try:
+            await validate(params)
+        except ValueError as e:
+            with _refusing():
+                raise constraint.compile_error(e) from None
+
     def chat_messages(self, messages: list[ChatMessage], template: str | None,
                       plan: ToolPlan = NO_TOOLS) -> tuple[list[dict[str, Any]], Any]:
         """(messages, tools) for the chat template: natively when the template mentions tools, else

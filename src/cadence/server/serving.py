@@ -99,6 +99,7 @@ class OpenAIServing:
             ]
             job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt",
                                   constraint.params if constraint else None)
+            await self.inputs.check_constraint(constraint, job.params)
         fmt = CompletionFormatter(
             job.request_id,
             self.engine.model_name,
@@ -122,6 +123,7 @@ class OpenAIServing:
                 "chatcmpl", body, raw, [ids], body.requested_max_tokens(), body.num_logprobs(), "messages",
                 constraint.params if constraint else None,
             )
+            await self.inputs.check_constraint(constraint, job.params)
         fmt = ChatFormatter(
             job.request_id, self.engine.model_name, int(time.time()), body.n, self.tokens, body.logprobs,
             extractor=plan.extractor(),

@@ -19,19 +19,29 @@ from cadence.server.protocol import MAX_GRAMMAR_CHARS, StructuredFields, Structu
 
 # The JSON text of one schema (a response format's, a guided_json, a tool's parameters).
 MAX_SCHEMA_CHARS = 65536
-# guided_decoding_backend values taken: "auto" and the library cadence compiles grammars with (a
-# vLLM client may name it, with vLLM's ":option" suffixes); another backend is refused, since the
-# output would not be that backend's.
-GRAMMAR_BACKEND = "xgrammar"
-ACCEPTED_BACKENDS = ("auto", GRAMMAR_BACKEND)
+# guided_decoding_backend values taken: "auto" and the library cadence compiles grammars with,
+# llguidance ("guidance" in vLLM's spelling; with vLLM's ":option" suffixes); another backend is
+# refused, since the output would not be that backend's.
+GRAMMAR_BACKEND = "guidance"
+ACCEPTED_BACKENDS = ("auto", GRAMMAR_BACKEND, "llguidance")
 
 
 @dataclass(frozen=True)
 class Constraint:
-    """A constraint and the request field it came from (errors from compiling it name that field)."""
+    """A constraint and the request field it came from; `schema_field` is the one a compile error
+    names, when another field than `field` holds what the grammar was made from (a tool's schema)."""
 
     params: StructuredOutputsParams
     field: str
+    schema_field: str | None = None
+
+    def compile_error(self, error: ValueError) -> ValueError:
+        """The grammar library's refusal ("structured_outputs.json: why") in the request's own terms."""
+        message = str(error)
+        head, sep, why = message.partition(": ")
+        if sep and head.startswith("structured_outputs"):
+            message = why
+        return ValueError(f"{self.schema_field or self.field}: {message}")
 
 
 def check_json_schema(schema: Any, field: str) -> dict[str, Any] | bool:

@@ -55,14 +55,13 @@ class ToolPlan:
     def names(self) -> tuple[str, ...]:
         return tuple(t.function.name for t in self.tools)
 
-    def tool(self, name: str) -> Tool:
-        return next(t for t in self.tools if t.function.name == name)
-
     def constraint(self) -> Constraint | None:
         """The grammar that forces the call(s): for `required` and a named function only."""
         if self.mode == "named":
             assert self.named is not None
-            return Constraint(StructuredOutputsParams(json=parameters_of(self.tool(self.named))), "tool_choice")
+            i = self.names.index(self.named)
+            return Constraint(StructuredOutputsParams(json=parameters_of(self.tools[i])), "tool_choice",
+                              f"tools[{i}].function.parameters")
         if self.mode != "required":
             return None
         calls: dict[str, Any] = {
@@ -72,7 +71,7 @@ class ToolPlan:
         }
         if not self.parallel:
             calls["maxItems"] = 1
-        return Constraint(StructuredOutputsParams(json=calls), "tool_choice")
+        return Constraint(StructuredOutputsParams(json=calls), "tool_choice", "tools")
 
     def extractor(self) -> Callable[[], Extractor] | None:
         """What reads calls out of the output (None: no tools, the output is all content)."""
