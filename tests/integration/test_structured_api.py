@@ -165,3 +165,14 @@ def test_a_template_that_handles_tools_gets_them_natively(served):
     assert text.startswith("TOOL:get_weather\nTOOL:add\n")
     assert 'assistant:CALL:add({"a": 2})' in text  # arguments as an object, as vLLM passes them
     assert "tool:2[c9]" in text and "<tools>" not in text
+
+
+def test_tokenize_renders_tools_as_the_chat_does(served):
+    client, recorder, _ = served
+    history = [*CHAT, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    ask(served, "/v1/chat/completions", {"messages": history, "tools": [WEATHER, ADD]})
+    r = client.post("/tokenize", json={"messages": history, "tools": [WEATHER, ADD]})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == recorder.calls[-1][0][0]

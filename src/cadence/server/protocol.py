@@ -414,6 +414,7 @@ class TokenizeRequest(StrictModel):
     model: str | None = Field(default=None, max_length=256)
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)  # with messages: as a chat offers them
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     split_special_tokens: bool = False  # for `prompt`, as on /v1/completions

@@ -42,6 +42,7 @@ from cadence.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from cadence.server.tools import NO_TOOLS, ToolPlan
 from cadence.wording import counted
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is loaded only when tracing is on
@@ -133,12 +134,14 @@ class OpenAIServing:
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.inputs.check_model(body.model)
         if body.messages is not None:
-            messages, _ = self.inputs.chat_messages(body.messages, None)
+            plan = ToolPlan("auto", tuple(body.tools)) if body.tools else NO_TOOLS
+            messages, tools = self.inputs.chat_messages(body.messages, None, plan)
             ids = await self.inputs.chat_ids(
                 messages,
                 body.add_generation_prompt,
                 None,
                 bool(body.add_special_tokens),
+                tools,
             )
         else:
             ids = await self.inputs.prompt_ids(
