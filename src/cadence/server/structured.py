@@ -69,6 +69,12 @@ def check_json_schema(schema: Any, field: str) -> dict[str, Any] | bool:
     return schema
 
 
+def json_constraint(schema: dict[str, Any] | bool) -> StructuredOutputsParams:
+    """The constraint "JSON that follows `schema`" (kept as canonical JSON text: equal schemas share
+    one compiled grammar)."""
+    return StructuredOutputsParams(json=json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+
 def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -100,14 +106,13 @@ def _from_response_format(body: StructuredFields) -> Constraint | None:
         return Constraint(StructuredOutputsParams(json_object=True), "response_format")
     assert rf.json_schema is not None  # the protocol requires it with this type
     schema = check_json_schema(rf.json_schema.schema_, "response_format.json_schema.schema")
-    return Constraint(StructuredOutputsParams(json=schema), "response_format")
+    return Constraint(json_constraint(schema), "response_format")
 
 
 def _from_guided(body: StructuredFields) -> list[Constraint]:
     found = []
     if body.guided_json is not None:
-        found.append(Constraint(StructuredOutputsParams(json=check_json_schema(body.guided_json, "guided_json")),
-                                "guided_json"))
+        found.append(Constraint(json_constraint(check_json_schema(body.guided_json, "guided_json")), "guided_json"))
     if body.guided_regex is not None:
         found.append(Constraint(StructuredOutputsParams(regex=body.guided_regex), "guided_regex"))
     if body.guided_choice is not None:
@@ -135,7 +140,7 @@ def _from_structured_outputs(so: StructuredOutputsField) -> Constraint:
         schema = check_json_schema(so.json_, f"{field}.json")
         if so.disable_additional_properties:
             schema = _without_additional_properties(schema)
-        return Constraint(StructuredOutputsParams(json=schema), field)
+        return Constraint(json_constraint(schema), field)
     if so.regex is not None:
         return Constraint(StructuredOutputsParams(regex=so.regex), field)
     if so.choice is not None:

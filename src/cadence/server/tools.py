@@ -26,9 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cadence.request import StructuredOutputsParams
 from cadence.server.protocol import ChatCompletionRequest, ChatMessage, Tool
-from cadence.server.structured import Constraint, check_json_schema
+from cadence.server.structured import Constraint, check_json_schema, json_constraint
 from cadence.server.tool_parser import ArrayExtractor, Extractor, HermesExtractor, NamedExtractor
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -60,7 +59,7 @@ class ToolPlan:
         if self.mode == "named":
             assert self.named is not None
             i = self.names.index(self.named)
-            return Constraint(StructuredOutputsParams(json=parameters_of(self.tools[i])), "tool_choice",
+            return Constraint(json_constraint(parameters_of(self.tools[i])), "tool_choice",
                               f"tools[{i}].function.parameters")
         if self.mode != "required":
             return None
@@ -71,7 +70,7 @@ class ToolPlan:
         }
         if not self.parallel:
             calls["maxItems"] = 1
-        return Constraint(StructuredOutputsParams(json=calls), "tool_choice", "tools")
+        return Constraint(json_constraint(calls), "tool_choice", "tools")
 
     def extractor(self) -> Callable[[], Extractor] | None:
         """What reads calls out of the output (None: no tools, the output is all content)."""
