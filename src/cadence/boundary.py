@@ -95,6 +95,16 @@ NO_DECODES = DecodeBatch()
 
 
 @dataclass(frozen=True)
+class GrammarMask:
+    """The tokens a step's constrained rows may sample: `bitmask` row i (an int32 tensor [R,
+    ceil(V / 32)], bit j of word w allowing token 32 * w + j) is for `request_ids[i]`. Only rows
+    that sample under a grammar are in it; the others are not masked at all."""
+
+    request_ids: tuple[str, ...]
+    bitmask: Any
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """One step's plan. `scheduled` holds every scheduled request, in scheduling order, unless the
     executor accepts a `DecodeBatch`: then the plain decodes are in `decodes` instead, and
@@ -110,6 +120,7 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     decodes: DecodeBatch = NO_DECODES
     decodes_before: tuple[int, ...] = ()
+    grammar: GrammarMask | None = None  # set by the engine core when constrained rows sample
 
     @property
     def is_empty(self) -> bool:
@@ -288,6 +299,7 @@ class WaitReason(str, Enum):
     PARTIAL_PREFILL_CAP = "max_num_partial_prefills"  # it would start one partial prefill too many
     STATIC_BATCH = "static_batch"  # static batching: the running batch has not finished
     NOT_REACHED = "not_reached"  # queued since the last step: not considered yet
+    GRAMMAR_COMPILING = "grammar_compiling"  # its structured-output grammar is compiling; not queued yet
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,7 @@ class LLM:
         tenants = _per_prompt(tenant, n, "tenant", str, "a non-empty string")
         name = (lambda i: f"prompts[{i}]") if n > 1 else (lambda i: "prompt")
         token_lists = [self._check_prompt(name(i), toks, p) for i, (toks, p) in enumerate(zip(token_lists, params, strict=True))]
+        self._compile_grammars(params)
         results: list[RequestOutput] = []
         pending: list[Request] = []
         owner: dict[str, tuple[RequestOutput, int]] = {}
@@ -165,6 +166,18 @@ class LLM:
         except AdmissionError as e:
             raise ValueError(f"{name}: {e.message}") from None
         return toks
+
+    def _compile_grammars(self, params: Sequence[SamplingParams]) -> None:
+        """Compile every constraint of the batch (at once, in the compiler's threads) before queuing
+        any request: a bad one fails the batch with a ValueError naming the field, as a bad prompt does."""
+        specs = list(dict.fromkeys(p.structured_outputs for p in params if p.structured_outputs is not None))
+        structured = self.engine.core.structured
+        if not specs or structured is None:
+            return
+        for spec in specs:
+            structured.compiler.submit(spec)
+        for spec in specs:
+            structured.validate(spec)  # the compile submitted above: waits for it, within the time cap
 
     def _drive(self, pending: list[Request], owner: dict, use_tqdm: bool) -> None:
         core = self.engine.core

@@ -88,12 +88,24 @@ def _token_key(k: object) -> int:
     raise ValueError(k)
 
 
+def _canonical(schema: object, keep_order: bool = False) -> object:
+    """A JSON schema with its keys sorted, except those of a `properties` object (see below)."""
+    if isinstance(schema, dict):
+        keys = list(schema) if keep_order else sorted(schema, key=str)
+        return {k: _canonical(schema[k], k == "properties" and not keep_order) for k in keys}
+    if isinstance(schema, list):
+        return [_canonical(v) for v in schema]
+    return schema
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """A constraint on what a request may generate (vLLM's `StructuredOutputsParams`): exactly one
     of a JSON schema (`json`, kept as canonical JSON text so that equal schemas share one compiled
     grammar), any JSON object (`json_object`), a regular expression, a list of choices, or a
-    grammar. Checked here for shape only; whether the grammar library accepts it is checked when
+    grammar. The keys of `properties` keep their order, the others are sorted: properties are
+    generated in schema order, which a prompt may rely on (reasoning before the answer). Checked
+    here for shape only; whether the grammar library accepts it is checked when
     it is compiled, before the request reaches the engine."""
 
     json: str | None = None
@@ -104,7 +116,7 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, (dict, bool)):
-            object.__setattr__(self, "json", _json.dumps(self.json, sort_keys=True, separators=(",", ":")))
+            object.__setattr__(self, "json", _json.dumps(_canonical(self.json), separators=(",", ":")))
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,

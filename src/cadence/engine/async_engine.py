@@ -31,7 +31,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from cadence.boundary import IterationStats, QueueCensus, RequestDelta, RequestSnapshot, SchedulerStats
+from cadence.boundary import (
+    IterationStats,
+    QueueCensus,
+    RequestDelta,
+    RequestSnapshot,
+    SchedulerStats,
+    WaitInfo,
+    WaitReason,
+)
 from cadence.clock import Clock, RealClock
 from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
@@ -88,6 +96,8 @@ class AsyncEngine:
         # Recently ended groups, oldest first: (engine-clock time ended, each choice's last state).
         self._ended: OrderedDict[str, tuple[float, tuple[RequestSnapshot, ...]]] = OrderedDict()
         self._in_flight = 0  # groups admitted and not yet finished (read from the loop side)
+        # Client requests whose grammar is compiling: id -> (arrival, tenant, prompt tokens); loop side only.
+        self._compiling: dict[str, tuple[float, str, int]] = {}
         self._stop = False
         self._draining = False
         self._dead: str | None = None
@@ -138,6 +148,9 @@ class AsyncEngine:
         another tenant's. Answered by the engine thread between steps."""
         if not self.is_healthy:
             raise CadenceError(ErrorKind.UNAVAILABLE, f"the engine is not running: {self.dead_reason}")
+        compiling = self._compiling.get(request_id)
+        if compiling is not None:
+            return self._compiling_snapshot(request_id, tenant, *compiling)
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         self._post(StatusItem(request_id, tenant, loop, future))
@@ -147,6 +160,16 @@ class AsyncEngine:
             raise CadenceError(ErrorKind.UNAVAILABLE, "the engine did not answer within "
                                f"{STATUS_TIMEOUT_S:g} s (a long step)") from None
         return result
+
+    @staticmethod
+    def _compiling_snapshot(request_id: str, tenant: str | None, arrival: float, owner: str,
+                            num_prompt_tokens: int) -> tuple[RequestSnapshot, ...] | None:
+        """A request waiting for its grammar, not yet in the engine."""
+        if tenant is not None and tenant != owner:
+            return None
+        wait = WaitInfo(0, WaitReason.GRAMMAR_COMPILING)
+        return (RequestSnapshot(request_id, owner, "waiting", None, wait, num_prompt_tokens, 0, 0, 0,
+                                arrival_time=arrival),)
 
     # -- the asyncio side ---------------------------------------------------------------------------
 
@@ -182,6 +205,14 @@ class AsyncEngine:
         self._check_open()
         loop = asyncio.get_running_loop()
         now = self.clock.now()
+        if params.structured_outputs is not None:
+            # Compiled here, in the compiler's threads, before the engine thread sees the request:
+            # a slow grammar holds only its own request, which shows as waiting meanwhile.
+            self._compiling[request_id] = (now, policy.tenant, sum(len(p) for p in prompts))
+            try:
+                await self.validate_structured(params)
+            finally:
+                self._compiling.pop(request_id, None)
         requests = fan_out(prompts, params, request_id, now, policy)
         group = Group(request_id, [r.request_id for r in requests], loop, asyncio.Queue())
         future: asyncio.Future = loop.create_future()
@@ -192,6 +223,17 @@ class AsyncEngine:
             self.abort(request_id)  # the client left while we waited for admission
             raise
         return RequestStream(group, self.abort)
+
+    async def validate_structured(self, params: SamplingParams) -> None:
+        """Compile `params.structured_outputs` (or find it cached): ValueError naming the field when
+        it is refused (the server answers 400). Nothing to do without a constraint."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        structured = self.core.structured
+        if structured is None:
+            raise ValueError("structured_outputs: this engine has no grammar support")
+        await structured.validate_async(spec)
 
     def abort(self, request_id: str, error: CadenceError | None = None) -> None:
         """End a request (all its choices) between steps; its blocks are freed. Unknown ids are ignored."""

@@ -20,6 +20,7 @@ from cadence.model.cpu_kernels import cpu_flags
 from cadence.model.loader import default_model_path, load_checkpoint
 from cadence.model.template_limits import RenderLimits
 from cadence.model.tokenizer import Tokenizer
+from cadence.structured import StructuredOutputs
 
 log = logging.getLogger("cadence")
 
@@ -136,7 +137,9 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
         raise ValueError(
             f"max_model_len: {max_len} exceeds the model's context length ({arch.max_position_embeddings})"
         )
-    core = EngineCore(config, runner, clock=clock, max_model_len=max_len, eos_token_ids=tokenizer.eos_token_ids)
+    structured = StructuredOutputs(tokenizer, arch.vocab_size)  # the grammar library loads on first use
+    core = EngineCore(config, runner, clock=clock, max_model_len=max_len, eos_token_ids=tokenizer.eos_token_ids,
+                      structured=structured)
     name = config.model.served_model_name or (arch.name if tiny else _model_name(path))
     log.info("model %s (%s) on %s in %s, max_model_len %d", name, path.name, device, dtype, max_len)
     return Engine(core, tokenizer, name, max_len, arch.vocab_size, config, device, dtype)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from cadence.boundary import IterationStats, ModelOutput, RequestDelta, SchedulerStats
 from cadence.clock import Clock, RealClock
@@ -19,6 +21,9 @@ from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, RequestStatus
 from cadence.sched.scheduler import Scheduler
 from cadence.wording import counted
+
+if TYPE_CHECKING:
+    from cadence.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 _NO_OUTPUT = ModelOutput()
@@ -35,10 +40,12 @@ class EngineCore:
         eos_token_ids: frozenset[int] = frozenset(),
         check_integrity: bool = False,
         snapshot_gauges: bool = True,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         """`snapshot_gauges`: keep `scheduler_stats` as of the last step, for gauges read from
         other threads (the server's); without it, each read computes them then (the simulator
-        reads none, and would otherwise build a snapshot per step for nothing)."""
+        reads none, and would otherwise build a snapshot per step for nothing). `structured`:
+        grammar matchers for requests with `structured_outputs` (None: such requests are refused)."""
         config.validate()
         if max_model_len < 1:
             raise ValueError("max_model_len: must be >= 1")
@@ -49,6 +56,7 @@ class EngineCore:
         self.check_integrity = check_integrity
         self._snapshot_gauges = snapshot_gauges
         self._max_model_len = max_model_len
+        self.structured = structured
 
         cache = config.cache
         num_blocks = self._size_kv_cache()
@@ -123,11 +131,22 @@ class EngineCore:
                 request.arrival_time = now
             if not request.eos_token_ids:
                 request.eos_token_ids = self.eos_token_ids
-        self.scheduler.add_requests(group, now, evict=evict)
+        constrained = [r for r in group if r.sampling_params.structured_outputs is not None]
+        if constrained and self.structured is None:
+            raise ValueError("structured_outputs: this engine has no grammar support")
+        if constrained:
+            self.structured.attach(constrained)  # ValueError naming the field; compiled beforehand, a cache hit
+        try:
+            self.scheduler.add_requests(group, now, evict=evict)
+        except BaseException:
+            if constrained:
+                self.structured.detach(r.request_id for r in constrained)
+            raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestDelta]:
         """Abort requests (a client went away); frees their blocks at once. Unknown ids are ignored."""
         deltas = self.scheduler.abort(tuple(request_ids), self.clock.now())
+        self._advance_grammars(deltas)
         # Refresh the snapshot the gauges read: with nothing left to run, no step would.
         self._snapshot()
         return deltas
@@ -141,6 +160,7 @@ class EngineCore:
     ) -> list[RequestDelta]:
         """End requests for a reason found outside the engine, e.g. a stop string in the detokenized text."""
         deltas = self.scheduler.finish_requests(tuple(request_ids), status, self.clock.now(), stop_reason=stop_reason)
+        self._advance_grammars(deltas)
         self._snapshot()
         return deltas
 
@@ -149,6 +169,8 @@ class EngineCore:
         """One iteration: schedule, execute, update. Returns what happened to each request."""
         sched = self.scheduler
         out = sched.schedule(self.clock.now())
+        if self.structured is not None and self.structured.active:
+            out = self.structured.with_bitmask(out)
         step_time = 0.0
         if out.is_empty:
             deltas = sched.update(out, _NO_OUTPUT, self.clock.now())
@@ -163,10 +185,32 @@ class EngineCore:
                 now = self.clock.now()
                 step_time = now - start
                 deltas = sched.update(out, result, now)
+        deltas = self._advance_grammars(deltas)
         if out.preempted_ids:
             logger.debug("step %d preempted %s", out.step, ", ".join(out.preempted_ids))
         self.steps_ran(step_time)
         return deltas
+
+    def _advance_grammars(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """Advance the matchers with the accepted tokens; a request whose grammar has ended (or
+        failed) ends too, its final delta carrying its last tokens."""
+        if self.structured is None or not self.structured.active:
+            return deltas
+        ends = self.structured.advance(deltas)
+        if not ends:
+            return deltas
+        now = self.clock.now()
+        finals: dict[str, RequestDelta] = {}
+        for end in ends:
+            status = RequestStatus.FINISHED_STOPPED if end.error is None else RequestStatus.FINISHED_ERROR
+            for d in self.scheduler.finish_requests((end.request_id,), status, now):
+                finals[d.request_id] = d if end.error is None else replace(d, error=end.error)
+        self.structured.detach(finals)
+        out = []
+        for d in deltas:
+            final = finals.pop(d.request_id, None)
+            out.append(d if final is None else replace(final, new_token_ids=d.new_token_ids, new_logprobs=d.new_logprobs))
+        return out + list(finals.values())
 
     def steps_ran(self, step_time: float) -> None:
         """Record the steps just run (one `step`, or several at once from outside, as the

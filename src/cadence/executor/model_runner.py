@@ -86,7 +86,7 @@ class ModelRunner:
             if not batch.sampling:
                 return ModelOutput()
             # The only host sync of the step: reading the sampled tokens back.
-            sampled = self.sampler(logits, batch.sampling)
+            sampled = self.sampler(logits, batch.sampling, _grammar_rows(scheduler_output, batch.sampling))
         ids = [r.request_id for r in batch.sampling]
         return ModelOutput(
             sampled_token_ids=dict(zip(ids, sampled.token_ids, strict=True)),
@@ -149,3 +149,12 @@ class ModelRunner:
                 raise ValueError(f"request {r.request_id}: token id outside the vocabulary [0, {vocab})")
             if r.block_table and (min(r.block_table) < 0 or max(r.block_table) >= num_blocks):
                 raise ValueError(f"request {r.request_id}: block id outside [0, {num_blocks})")
+
+
+def _grammar_rows(out: SchedulerOutput, sampling: Sequence[ScheduledRequest]) -> tuple[list[int], torch.Tensor] | None:
+    """The step's grammar bitmask with the logits row of each of its requests."""
+    mask = out.grammar
+    if mask is None:
+        return None
+    row = {r.request_id: i for i, r in enumerate(sampling)}
+    return [row[rid] for rid in mask.request_ids], mask.bitmask

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cadence.boundary import ScheduledRequest, TokenLogprobs
@@ -70,16 +71,24 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> SamplerOutput:
-        """logits: [S, V] float32, row i belongs to reqs[i]."""
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest],
+                 grammar: tuple[Sequence[int], torch.Tensor] | None = None) -> SamplerOutput:
+        """logits: [S, V] float32, row i belongs to reqs[i]. `grammar`: (rows, bitmask), bitmask row
+        j saying which tokens row rows[j] may sample (see `GrammarMask`); the other rows are untouched."""
         if logits.dim() != 2 or logits.shape[0] != len(reqs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(reqs)} requests")
         if logits.dtype != torch.float32:
             raise ValueError("logits must be float32")
-        if all(_is_plain_greedy(r) for r in reqs):
+        if grammar is None and all(_is_plain_greedy(r) for r in reqs):
             # Fast path: the common serving case, one argmax and one host transfer for the batch.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), {})
         raw = logits
+        if grammar is not None:
+            # Masked first, so every later step (penalties, min_tokens, filters, the draw) sees only
+            # what the grammar allows. In place unless a row's logprobs need the raw logits.
+            if any(r.sampling_params.logprobs is not None for r in reqs):
+                logits = logits.clone()
+            apply_token_bitmask(logits, grammar[0], grammar[1])
         if any(_needs_processing(r) for r in reqs):
             logits = self._processed(logits.clone(), reqs)  # a copy: `raw` feeds the logprobs
         token_ids = self._pick(logits, reqs)  # (reads `logits`; its torch path divides a copy)
@@ -183,6 +192,19 @@ def _filter_tensors(reqs: Sequence[ScheduledRequest]) -> tuple[torch.Tensor | No
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32) if any(p.top_p < 1.0 for p in params) else None
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32) if any(p.min_p > 0 for p in params) else None
     return top_k, top_p, min_p
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    """Tokens a bitmask row does not allow get -inf in logits[rows[j]], in place. [S, V], [R, W] int32."""
+    vocab = logits.shape[1]
+    words = bitmask.contiguous().cpu().numpy()
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # bit j of word w: token 32w + j
+    keep = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    width = min(vocab, allowed.shape[1])
+    keep[:, :width] = torch.from_numpy(allowed[:, :width]).bool()
+    idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, idx).masked_fill_(~keep.to(logits.device), float("-inf"))
+    logits.index_copy_(0, idx, sub)
 
 
 def step_seed(seed: int, step: int) -> int:
