@@ -70,9 +70,9 @@ def check_json_schema(schema: Any, field: str) -> dict[str, Any] | bool:
 
 
 def json_constraint(schema: dict[str, Any] | bool) -> StructuredOutputsParams:
-    """The constraint "JSON that follows `schema`" (kept as canonical JSON text: equal schemas share
-    one compiled grammar)."""
-    return StructuredOutputsParams(json=json.dumps(schema, sort_keys=True, separators=(",", ":")))
+    """The constraint "JSON that follows `schema`". StructuredOutputsParams takes the schema as an
+    object too and keeps it as its canonical JSON text (the order of `properties` kept)."""
+    return StructuredOutputsParams(json=schema)  # type: ignore[arg-type]
 
 
 def _short(text: str, limit: int = 300) -> str:
