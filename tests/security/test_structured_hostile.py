@@ -170,3 +170,26 @@ def test_control_token_text_in_tools_stays_plain_text_in_the_fallback(served):
     # One <|im_end|> per message the template wrote (system, user, assistant, tool), none from the text.
     assert ids.count(end[0]) == 4
     assert engine.tokenizer.decode(ids, skip_special_tokens=False).count(MARKER) == 4 + 3
+
+
+LOOKBEHIND = "(?<=a)b"  # no regular language: the grammar library refuses it
+PATTERNED = {"type": "object", "properties": {"a": {"type": "string", "pattern": LOOKBEHIND}}}
+LIBRARY_REFUSES = [
+    ({"guided_regex": LOOKBEHIND}, "guided_regex"),
+    ({"structured_outputs": {"regex": LOOKBEHIND}}, "structured_outputs"),
+    ({"guided_json": {"not": {"type": "string"}}}, "guided_json"),
+    ({"guided_json": {"type": "object", "dependentSchemas": {"a": {}}}}, "guided_json"),
+    ({"guided_json": {"type": "string", "format": "made-up"}}, "guided_json"),
+    ({"guided_json": {"$ref": "#/$defs/missing"}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": PATTERNED}}},
+     "response_format"),
+    ({"tools": [tool("f"), tool("g", PATTERNED)], "tool_choice": named("g")}, "tools[1].function.parameters"),
+    ({"tools": [tool("f"), tool("g", PATTERNED)], "tool_choice": "required"}, "tools"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), LIBRARY_REFUSES)
+def test_what_the_grammar_library_refuses_is_a_400_naming_the_request_field(served, body: dict, param: str):
+    err = refused(served, body)
+    assert err["param"] == param, err
+    assert err["message"].startswith(f"{param}: ") and "structured_outputs." not in err["message"], err

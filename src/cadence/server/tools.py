@@ -107,6 +107,7 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
             "parameters": parameters_of(tool),
         },
         "required": ["name", "parameters"],
+        "additionalProperties": False,  # a call is its name and its arguments, nothing else
     }
 
 
