@@ -81,7 +81,7 @@ BOTH_ROUTES = [
     ({"guided_choice": ["a"] * (MAX_GUIDED_CHOICES + 1)}, "guided_choice"),
     ({"guided_choice": ["a", 1]}, "guided_choice.1"),
     ({"guided_grammar": "root ::= " + '"a" | ' * (MAX_GRAMMAR_CHARS // 6) + '"b"'}, "guided_grammar"),
-    ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"guided_decoding_backend": "my-backend"}, "guided_decoding_backend"),
     ({"guided_whitespace_pattern": "[ ]?"}, "guided_whitespace_pattern"),
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),

@@ -19,11 +19,11 @@ from cadence.server.protocol import MAX_GRAMMAR_CHARS, StructuredFields, Structu
 
 # The JSON text of one schema (a response format's, a guided_json, a tool's parameters).
 MAX_SCHEMA_CHARS = 65536
-# guided_decoding_backend values taken: "auto" and the library cadence compiles grammars with,
-# llguidance ("guidance" in vLLM's spelling; with vLLM's ":option" suffixes); another backend is
-# refused, since the output would not be that backend's.
+# guided_decoding_backend: vLLM's backend names (with or without its ":option" suffixes) are taken,
+# so that a vLLM client's request runs unchanged; whichever is named, the constraint is compiled by
+# llguidance ("guidance" in vLLM's spelling) and holds the same. A name vLLM does not know is refused.
 GRAMMAR_BACKEND = "guidance"
-ACCEPTED_BACKENDS = ("auto", GRAMMAR_BACKEND, "llguidance")
+ACCEPTED_BACKENDS = ("auto", GRAMMAR_BACKEND, "llguidance", "xgrammar", "outlines", "lm-format-enforcer")
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,8 @@ def _from_structured_outputs(so: StructuredOutputsField) -> Constraint:
 def _check_backend(body: StructuredFields) -> None:
     backend = body.guided_decoding_backend
     if backend is not None and backend.split(":", 1)[0] not in ACCEPTED_BACKENDS:
-        raise ValueError(f"guided_decoding_backend: {backend[:64]!r} is not available; this server compiles "
-                         f"grammars with {GRAMMAR_BACKEND} (give 'auto', {GRAMMAR_BACKEND!r} or leave it out)")
+        raise ValueError(f"guided_decoding_backend: {backend[:64]!r} is not a backend this server knows; "
+                         f"give one of {', '.join(ACCEPTED_BACKENDS)} (all served by llguidance) or leave it out")
     if body.guided_whitespace_pattern is not None:
         raise ValueError("guided_whitespace_pattern: not supported (a whitespace pattern); leave it out")
 
