@@ -22,6 +22,7 @@ TINY = {"num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 4, "device"
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
           "required": ["city"]}
+CLOSED = {**SCHEMA, "additionalProperties": False}  # strict mode: no property the schema does not declare
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
                                             "parameters": SCHEMA}}
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
@@ -80,7 +81,8 @@ SHAPES = [
     ({"response_format": {"type": "text"}}, None),
     ({"response_format": {"type": "json_object"}}, so(json_object=True)),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True,
-                                                                 "description": "a city"}}}, so(json=SCHEMA)),
+                                                                 "description": "a city"}}}, so(json=CLOSED)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}}, so(json=SCHEMA)),
     ({"guided_json": SCHEMA}, so(json=SCHEMA)),
     ({"guided_json": json.dumps(SCHEMA), "guided_decoding_backend": "auto"}, so(json=SCHEMA)),
     ({"guided_regex": "[a-z]{3}", "guided_whitespace_pattern": None, "guided_decoding_backend": "xgrammar:no-fallback"},
@@ -107,10 +109,10 @@ def test_every_shape_reaches_the_engine_on_both_routes(served, fields: dict, wan
         assert got == want, (path, fields)
 
 
-def test_named_tool_forces_its_arguments_schema(served):
+def test_named_tool_forces_its_arguments_schema_closed_to_undeclared_properties(served):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     got, _ = ask(served, "/v1/chat/completions", {"messages": CHAT, "tools": [WEATHER, ADD], "tool_choice": choice})
-    assert got == so(json=SCHEMA)
+    assert got == so(json=CLOSED)
 
 
 @pytest.mark.parametrize("parallel", [None, True, False])
@@ -124,7 +126,8 @@ def test_required_forces_an_array_of_calls(served, parallel):
     assert schema.get("maxItems") == (1 if parallel is False else None)
     options = schema["items"]["anyOf"]
     assert [o["properties"]["name"]["enum"] for o in options] == [["get_weather"], ["add"]]
-    assert options[0]["properties"]["parameters"] == SCHEMA and options[0]["required"] == ["name", "parameters"]
+    assert options[0]["properties"]["parameters"] == CLOSED and options[0]["required"] == ["name", "parameters"]
+    assert options[0]["additionalProperties"] is False
 
 
 @pytest.mark.parametrize("choice", [None, "auto", "none"])

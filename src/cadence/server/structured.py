@@ -79,14 +79,14 @@ def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _without_additional_properties(schema: Any) -> Any:
+def closed_objects(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object schema that does not say
-    otherwise (vLLM's `disable_additional_properties`)."""
+    otherwise (vLLM's `disable_additional_properties`, OpenAI's strict mode)."""
     if isinstance(schema, list):
-        return [_without_additional_properties(s) for s in schema]
+        return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _without_additional_properties(v) for k, v in schema.items()}
+    out = {k: closed_objects(v) for k, v in schema.items()}
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -106,7 +106,7 @@ def _from_response_format(body: StructuredFields) -> Constraint | None:
         return Constraint(StructuredOutputsParams(json_object=True), "response_format")
     assert rf.json_schema is not None  # the protocol requires it with this type
     schema = check_json_schema(rf.json_schema.schema_, "response_format.json_schema.schema")
-    return Constraint(json_constraint(schema), "response_format")
+    return Constraint(json_constraint(closed_objects(schema) if rf.json_schema.strict else schema), "response_format")
 
 
 def _from_guided(body: StructuredFields) -> list[Constraint]:
@@ -139,7 +139,7 @@ def _from_structured_outputs(so: StructuredOutputsField) -> Constraint:
     if so.json_ is not None:
         schema = check_json_schema(so.json_, f"{field}.json")
         if so.disable_additional_properties:
-            schema = _without_additional_properties(schema)
+            schema = closed_objects(schema)
         return Constraint(json_constraint(schema), field)
     if so.regex is not None:
         return Constraint(StructuredOutputsParams(regex=so.regex), field)

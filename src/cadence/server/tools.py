@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cadence.server.protocol import ChatCompletionRequest, ChatMessage, Tool
-from cadence.server.structured import Constraint, check_json_schema, json_constraint
+from cadence.server.structured import Constraint, check_json_schema, closed_objects, json_constraint
 from cadence.server.tool_parser import ArrayExtractor, Extractor, HermesExtractor, NamedExtractor
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -96,8 +96,11 @@ NO_TOOLS = ToolPlan("none")
 
 
 def parameters_of(tool: Tool) -> dict[str, Any]:
+    """The schema a forced call's arguments follow: the tool's, its objects closed to properties it
+    does not declare (as OpenAI's strict function calling and vLLM's default backend have it)."""
     params = tool.function.parameters
-    return params if params else dict(EMPTY_PARAMETERS)
+    schema: dict[str, Any] = closed_objects(params if params else EMPTY_PARAMETERS)
+    return schema
 
 
 def _call_schema(tool: Tool) -> dict[str, Any]:
