@@ -17,6 +17,7 @@ whole text at once it returns the same calls and content as fed piece by piece.
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from dataclasses import dataclass
@@ -51,8 +52,8 @@ class CallArguments:
 Piece = Content | CallStart | CallArguments
 
 
-class Extractor:
-    """Base: numbering of calls."""
+class Extractor(abc.ABC):
+    """Reads one output's calls: `feed` each new piece of text, then `finish` once at its end."""
 
     def __init__(self) -> None:
         self.num_calls = 0
@@ -62,10 +63,12 @@ class Extractor:
         self.num_calls += 1
         return [CallStart(index, new_call_id(), name), CallArguments(index, arguments)]
 
+    @abc.abstractmethod
     def feed(self, text: str) -> list[Piece]:
-        raise NotImplementedError
+        """The pieces `text` completes (what may still turn out otherwise is held back)."""
 
     def finish(self) -> list[Piece]:
+        """What was held back, at the end of the output."""
         return []
 
 
