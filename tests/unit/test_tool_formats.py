@@ -37,9 +37,7 @@ def streamed(extractor, text: str, size: int = 3, finish: str = "stop"):
     fmt = formatter(extractor)
     chunks = list(fmt.start_chunks())
     for d in deltas(text, size, finish):
-        c = fmt.chunk(0, d)
-        if c is not None:
-            chunks.append(c)
+        chunks += fmt.chunks(0, d)
     state = ChatCompletionStreamState()
     for c in chunks:
         ChunkShape.model_validate(c)
@@ -70,9 +68,10 @@ def test_auto_calls_stream_and_answer_alike():
     ids = [c.id for c in choice.message.tool_calls]
     assert all(i.startswith("call_") for i in ids) and len(set(ids)) == 2
     # OpenAI's shape: a call's first delta has index, id, type and name; the arguments follow.
-    firsts = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", []) if "id" in tc]
-    assert [(tc["index"], tc["type"], tc["function"]["name"]) for tc in firsts] == [
-        (0, "function", "get_weather"), (1, "function", "add")]
+    firsts = [c["choices"][0]["delta"] for c in chunks if "id" in c["choices"][0]["delta"].get("tool_calls", [{}])[0]]
+    assert [[(tc["index"], tc["type"], tc["function"]["name"], tc["function"]["arguments"]) for tc in d["tool_calls"]]
+            for d in firsts] == [[(0, "function", "get_weather", "")], [(1, "function", "add", "")]]
+    assert all(set(d) == {"tool_calls"} for d in firsts)  # an opening chunk carries the opening alone
     body = whole(make, TEXT)
     assert body["finish_reason"] == "tool_calls" and body["message"]["content"] == "Checking."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in body["message"]["tool_calls"]] == want
@@ -91,7 +90,11 @@ def test_named_function_arguments_stream_in_fragments():
     args = '{"city": "Oslo", "unit": "c"}'
     chunks, final = streamed(lambda: NamedExtractor("get_weather"), args, size=4)
     assert calls_of(final.choices[0].message) == [("get_weather", {"city": "Oslo", "unit": "c"})]
-    fragments = [tc["function"]["arguments"] for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    # OpenAI's shape: the opening alone (empty arguments), then the arguments in fragments.
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and calls[0]["id"].startswith("call_")
+    fragments = [tc["function"]["arguments"] for tc in calls[1:]]
+    assert all(set(tc) == {"index", "function"} for tc in calls[1:])
     assert len(fragments) > 3 and "".join(fragments) == args
     assert whole(lambda: NamedExtractor("get_weather"), args)["message"]["content"] is None
 

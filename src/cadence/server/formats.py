@@ -136,22 +136,22 @@ class Formatter(abc.ABC):
     def start_chunks(self) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, index: int, d: StreamDelta) -> dict[str, Any] | None:
-        """One SSE chunk for a delta, or None when it carries nothing to send."""
+    def chunks(self, index: int, d: StreamDelta) -> list[dict[str, Any]]:
+        """The SSE chunks for a delta: one, or none when it carries nothing to send."""
         if not d.text and not d.finished and not d.logprobs:
-            return None  # nothing a client could see (bytes of a character, or a possible stop string)
-        fields = self._delta(index, d)
-        if fields is None:
-            return None  # nothing to show yet (text held back by a tool-call parser)
+            return []  # nothing a client could see (bytes of a character, or a possible stop string)
+        return [self._chunk(index, self._delta(index, d), d)]
+
+    def _chunk(self, index: int, fields: dict[str, Any], d: StreamDelta) -> dict[str, Any]:
+        """A chunk of `fields`, ending the choice when `d` is its last delta."""
         choice = {"index": index, **fields, "finish_reason": self._finish_reason(index, d.finish_reason)}
         if d.finished:
             choice["stop_reason"] = d.stop_reason
         return self._envelope(self.chunk_object_name, [choice])
 
     @abc.abstractmethod
-    def _delta(self, index: int, d: StreamDelta) -> dict[str, Any] | None:
-        """A chunk's choice fields between its index and its finish reason: the text and logprobs
-        (None: no chunk for this delta)."""
+    def _delta(self, index: int, d: StreamDelta) -> dict[str, Any]:
+        """A chunk's choice fields between its index and its finish reason: the text and logprobs."""
 
     def _finish_reason(self, index: int, reason: str | None) -> str | None:
         return reason
@@ -264,15 +264,26 @@ class ChatFormatter(Formatter):
             for i in range(len(self.choices))
         ]
 
-    def _delta(self, index: int, d: StreamDelta) -> dict[str, Any] | None:
+    def _delta(self, index: int, d: StreamDelta) -> dict[str, Any]:
         lp = self._logprobs(d.logprobs) if d.logprobs is not None else None
-        if self._extractors is None:
-            return {"delta": {"content": d.text} if d.text else {}, "logprobs": lp}
+        return {"delta": {"content": d.text} if d.text else {}, "logprobs": lp}
+
+    def chunks(self, index: int, d: StreamDelta) -> list[dict[str, Any]]:
+        """With tools, a call's opening (index, id, type, name, empty arguments) gets a chunk of its
+        own, as OpenAI streams it; what the parser holds back waits for a later delta."""
+        if self._extractors is None or (not d.text and not d.finished and not d.logprobs):
+            return super().chunks(index, d)
         ext = self._extractors[index]
-        delta = _tool_delta(ext.feed(d.text) + (ext.finish() if d.finished else []))
-        if not delta and not d.finished and lp is None:
-            return None
-        return {"delta": delta, "logprobs": lp}
+        deltas = [_tool_delta(g) for g in _split_at_calls(ext.feed(d.text) + (ext.finish() if d.finished else []))]
+        lp = self._logprobs(d.logprobs) if d.logprobs is not None else None
+        if not deltas:
+            if not d.finished and lp is None:
+                return []
+            deltas = [{}]
+        last = len(deltas) - 1
+        out = [self._envelope(self.chunk_object_name, [{"index": index, "delta": delta, "logprobs": None,
+                                                        "finish_reason": None}]) for delta in deltas[:last]]
+        return [*out, self._chunk(index, {"delta": deltas[last], "logprobs": lp}, d)]
 
     def _final(self, st: ChoiceState) -> dict[str, Any]:
         lp = self._logprobs(st.logprobs) if self.want_logprobs else None
@@ -291,8 +302,19 @@ class ChatFormatter(Formatter):
         return {"message": message, "logprobs": lp}
 
 
+def _split_at_calls(pieces: list[Piece]) -> list[list[Piece]]:
+    """The pieces in groups, each call's start alone in its own."""
+    groups: list[list[Piece]] = [[]]
+    for p in pieces:
+        if isinstance(p, CallStart):
+            groups += [[p], []]
+        else:
+            groups[-1].append(p)
+    return [g for g in groups if g]
+
+
 def _tool_delta(pieces: list[Piece]) -> dict[str, Any]:
-    """One delta from a step's pieces: content joined, a call's start and arguments merged per call."""
+    """One delta from a group of pieces: content joined, arguments fragments joined per call."""
     content = "".join(p.text for p in pieces if isinstance(p, Content))
     calls: list[dict[str, Any]] = []
     for p in pieces:

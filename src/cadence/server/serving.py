@@ -343,8 +343,7 @@ class OpenAIServing:
             while d is not None:
                 i = stream.index_of(d.request_id)
                 usage.add(i, d)
-                chunk = fmt.chunk(i, d)
-                if chunk is not None:
+                for chunk in fmt.chunks(i, d):
                     yield sse(_with_usage(chunk, job, usage))
                 d = await anext(stream, None)
             if job.include_usage:
