@@ -174,10 +174,7 @@ class LLM:
         structured = self.engine.core.structured
         if not specs or structured is None:
             return
-        for spec in specs:
-            structured.compiler.submit(spec)
-        for spec in specs:
-            structured.validate(spec)  # the compile submitted above: waits for it, within the time cap
+        structured.validate_all(specs)
 
     def _drive(self, pending: list[Request], owner: dict, use_tqdm: bool) -> None:
         core = self.engine.core

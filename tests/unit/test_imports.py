@@ -94,7 +94,7 @@ LAYERS = (
     ("request", "config"),
     ("boundary",),  # the records crossing the scheduler's boundary, and the stats
     ("kv", "model", "outputs"),
-    ("sched", "routing"),
+    ("sched", "routing", "structured"),
     ("executor",),
     ("engine",),
     ("metrics",),  # the exporters of the stats

@@ -211,6 +211,8 @@ class AsyncEngine:
             self._compiling[request_id] = (now, policy.tenant, sum(len(p) for p in prompts))
             try:
                 await self.validate_structured(params)
+            except ValueError as e:  # refused like any other admission: a 400 naming the field
+                raise CadenceError(ErrorKind.INVALID_REQUEST, str(e)) from None
             finally:
                 self._compiling.pop(request_id, None)
         requests = fan_out(prompts, params, request_id, now, policy)

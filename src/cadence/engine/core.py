@@ -11,19 +11,32 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cadence.boundary import IterationStats, ModelOutput, RequestDelta, SchedulerStats
 from cadence.clock import Clock, RealClock
 from cadence.config import EngineConfig
 from cadence.executor.base import DecodeBatchExecutor, Executor
 from cadence.kv.manager import KVCacheManager
-from cadence.request import Request, RequestStatus
+from cadence.request import Request, RequestStatus, StructuredOutputsParams
 from cadence.sched.scheduler import Scheduler
 from cadence.wording import counted
 
 if TYPE_CHECKING:
-    from cadence.structured import StructuredOutputs
+    from cadence.boundary import SchedulerOutput
+
+
+class Grammars(Protocol):
+    """The engine's grammar matchers (`cadence.structured.StructuredOutputs`), as the core uses them."""
+
+    @property
+    def active(self) -> bool: ...
+    def attach(self, requests: Sequence[Request]) -> None: ...
+    def detach(self, request_ids: Iterable[str]) -> None: ...
+    def with_bitmask(self, out: SchedulerOutput) -> SchedulerOutput: ...
+    def advance(self, deltas: Sequence[RequestDelta]) -> Sequence[Any]: ...
+    def validate_all(self, specs: Sequence[StructuredOutputsParams]) -> None: ...
+    async def validate_async(self, spec: StructuredOutputsParams) -> object: ...
 
 logger = logging.getLogger(__name__)
 _NO_OUTPUT = ModelOutput()
@@ -40,7 +53,7 @@ class EngineCore:
         eos_token_ids: frozenset[int] = frozenset(),
         check_integrity: bool = False,
         snapshot_gauges: bool = True,
-        structured: StructuredOutputs | None = None,
+        structured: Grammars | None = None,
     ) -> None:
         """`snapshot_gauges`: keep `scheduler_stats` as of the last step, for gauges read from
         other threads (the server's); without it, each read computes them then (the simulator
@@ -132,15 +145,16 @@ class EngineCore:
             if not request.eos_token_ids:
                 request.eos_token_ids = self.eos_token_ids
         constrained = [r for r in group if r.sampling_params.structured_outputs is not None]
-        if constrained and self.structured is None:
-            raise ValueError("structured_outputs: this engine has no grammar support")
+        grammars = self.structured
         if constrained:
-            self.structured.attach(constrained)  # ValueError naming the field; compiled beforehand, a cache hit
+            if grammars is None:
+                raise ValueError("structured_outputs: this engine has no grammar support")
+            grammars.attach(constrained)  # ValueError naming the field; compiled beforehand, a cache hit
         try:
             self.scheduler.add_requests(group, now, evict=evict)
         except BaseException:
-            if constrained:
-                self.structured.detach(r.request_id for r in constrained)
+            if constrained and grammars is not None:
+                grammars.detach(r.request_id for r in constrained)
             raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestDelta]:

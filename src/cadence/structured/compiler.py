@@ -8,6 +8,7 @@ equal specs (n > 1 choices, repeated schemas) compile once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -20,6 +21,7 @@ from cadence.request import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import llguidance
+    from llguidance._lib import JsonCompileOptions
 
     from cadence.model.tokenizer import Tokenizer
 
@@ -56,7 +58,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     import llguidance
 
     from_json = llguidance.LLMatcher.grammar_from_json_schema
-    options = {"whitespace_flexible": False}
+    options: JsonCompileOptions = {"whitespace_flexible": False}
     try:
         if spec.json is not None:
             schema = json.loads(spec.json)
@@ -76,7 +78,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 
             text = gbnf_to_lark(text)
         return llguidance.LLMatcher.grammar_from_lark(text)
-    except (ValueError, TypeError, RuntimeError, AssertionError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever the library raises about a spec, it is the sender's error
         raise ValueError(f"{field_name(spec)}: {_short(e)}") from None
 
 
@@ -147,11 +149,13 @@ class GrammarCompiler:
                 done.set_result(hit)
                 return done
             fut = self._pending.get(spec)
-            if fut is None:
-                fut = self._pool.submit(self._build, spec)
-                self._pending[spec] = fut
-                fut.add_done_callback(lambda f, s=spec: self._done(s, f))
-            return fut
+            if fut is not None:
+                return fut
+            fut = self._pool.submit(self._build, spec)
+            self._pending[spec] = fut
+        # Outside the lock: a compile already done runs the callback here, and it takes the lock.
+        fut.add_done_callback(functools.partial(self._done, spec))
+        return fut
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """Blocking: the compiled spec, or ValueError naming the field (bad spec, or over the time cap)."""
@@ -187,7 +191,7 @@ class GrammarCompiler:
         grammar = grammar_text(spec)
         try:
             matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=self._limits)
-        except (ValueError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - as in grammar_text
             raise ValueError(f"{field_name(spec)}: {_short(e)}") from None
         if matcher.is_error():
             raise ValueError(f"{field_name(spec)}: {_short(matcher.get_error())}")

@@ -62,8 +62,15 @@ class StructuredOutputs:
 
     async def validate_async(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """`validate` without blocking the event loop (the compiler itself is built in a thread too)."""
-        compiler = self._compiler or await asyncio.to_thread(lambda: self.compiler)
+        compiler = self._compiler if self._compiler is not None else await asyncio.to_thread(lambda: self.compiler)
         return await compiler.compile_async(spec)
+
+    def validate_all(self, specs: Sequence[StructuredOutputsParams]) -> None:
+        """`validate` each spec, compiling them all at once in the compiler's threads."""
+        for spec in specs:
+            self.compiler.submit(spec)
+        for spec in specs:
+            self.validate(spec)  # the compile submitted above: waits for it, within the time cap
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -78,7 +85,10 @@ class StructuredOutputs:
         for r in requests:
             spec = r.sampling_params.structured_outputs
             if spec is not None:
-                new[r.request_id] = self.validate(spec).matcher()
+                m = self.validate(spec).matcher()
+                if r.output_token_ids:  # a request that arrives with tokens already generated for it
+                    m.consume_tokens(list(r.output_token_ids))
+                new[r.request_id] = m
         self._matchers.update(new)
 
     def detach(self, request_ids: Iterable[str]) -> None:
