@@ -94,6 +94,8 @@ BOTH_ROUTES = [
     ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "response_format"),
     ({"guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "guided_choice"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"guided_choice": ["0"], "allowed_token_ids": [0]}, "allowed_token_ids"),
+    ({"response_format": {"type": "json_object"}, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
 ]
 
 

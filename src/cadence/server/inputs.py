@@ -192,7 +192,12 @@ class InputBuilder:
         with _refusing():
             found = request_constraints(body)
             forced = plan.constraint() if plan is not None else None
-            return only_one(found + ([forced] if forced is not None else []))
+            constraint = only_one(found + ([forced] if forced is not None else []))
+            if constraint is not None and body.allowed_token_ids is not None:
+                # Two hard masks whose intersection may be empty: no token could be sampled.
+                raise ValueError(f"allowed_token_ids: cannot be combined with {constraint.field} (both restrict "
+                                 f"the tokens that may be sampled; give one of them)")
+            return constraint
 
     async def check_constraint(self, constraint: Constraint | None, params: SamplingParams) -> None:
         """Have the engine compile the constraint now (cached for when the request is admitted), so
