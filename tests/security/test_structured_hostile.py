@@ -179,6 +179,7 @@ PATTERNED = {"type": "object", "properties": {"a": {"type": "string", "pattern":
 LIBRARY_REFUSES = [
     ({"guided_regex": LOOKBEHIND}, "guided_regex"),
     ({"structured_outputs": {"regex": LOOKBEHIND}}, "structured_outputs"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
     ({"guided_json": {"not": {"type": "string"}}}, "guided_json"),
     ({"guided_json": {"type": "object", "dependentSchemas": {"a": {}}}}, "guided_json"),
     ({"guided_json": {"type": "string", "format": "made-up"}}, "guided_json"),
