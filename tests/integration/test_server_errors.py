@@ -111,7 +111,7 @@ def test_nan_and_infinity_literals(client):
         ),
         (
             {"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
-            "messages.1.tool_calls",
+            "messages.1.tool_calls.0.function",
         ),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -54,6 +54,15 @@ SAMPLING = {
     "skip_special_tokens": st.booleans(),
     "priority": st.integers(-10, 10),
     "deadline": st.sampled_from([1e-9, 0.5, 30.0, 86400.0]),
+    "response_format": st.sampled_from([
+        {"type": "text"}, {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+            "a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}}}]),
+    "guided_choice": st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3),
+    "guided_regex": st.sampled_from(["[ab]{1,3}", "(", "a{99999}", "\\d+"]),
+    "guided_json": st.sampled_from([{"type": "integer"}, {"type": "objekt"}, "{", {"enum": [1, "a", None]}]),
+    "structured_outputs": st.fixed_dictionaries({}, optional={"choice": st.lists(st.text(max_size=3), max_size=2),
+                                                             "regex": st.text(max_size=5)}),
 }
 max_tokens = st.integers(1, 4) | st.sampled_from([64, 2**20])
 prompt = st.one_of(
@@ -83,8 +92,12 @@ CHAT = {
     "top_logprobs": st.integers(0, 20),
     "chat_template": st.sampled_from(["{{ messages }}", "{% for m in messages %}{{ m.content }}{% endfor %}"]),
     "add_generation_prompt": st.booleans(),
-    "tools": st.just([]),
-    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g", "bad name", ""])},
+        optional={"parameters": st.sampled_from([{"type": "object"}, {"type": "nope"}, {}]),
+                  "description": st.text(max_size=12)})}), max_size=3),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+    "parallel_tool_calls": st.booleans(),
 }
 
 

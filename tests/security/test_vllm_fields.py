@@ -103,15 +103,12 @@ def test_offline_generate_adds_the_bos_as_vllm_does(bos_model_dir: Path, hf: Any
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("guided_json", {"type": "object"}),
-    ("guided_choice", ["yes", "no"]),
     ("use_beam_search", True),
     ("prompt_logprobs", 1),
     ("truncate_prompt_tokens", 8),
     ("cache_salt", "tenant-a"),
     ("length_penalty", 0.5),
     ("spaces_between_special_tokens", False),
-    ("tool_choice", "auto"),
     ("continue_final_message", True),
     ("return_tokens_as_token_ids", 1),  # not False, though it equals it
 ])

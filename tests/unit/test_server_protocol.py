@@ -170,13 +170,18 @@ def test_message_content_is_required_but_for_the_assistant():
     assert param == "messages.0.content"
 
 
-def test_tool_calls_in_history_are_refused_like_tools():
+def test_tool_calls_in_history_are_taken_on_assistant_messages_only():
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    body = {"messages": [*CHAT["messages"], {"role": "assistant", "content": None, "tool_calls": [call]}]}
-    message, param = refused(ChatCompletionRequest, body)
-    assert param == "messages.1.tool_calls" and "not supported" in message
-    empty = {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}
-    ChatCompletionRequest.model_validate_json(json.dumps(empty))
+    answer = {"role": "tool", "tool_call_id": "c1", "content": "42"}
+    body = {"messages": [*CHAT["messages"], {"role": "assistant", "content": None, "tool_calls": [call]}, answer]}
+    req = ChatCompletionRequest.model_validate_json(json.dumps(body))
+    assert req.messages[1].tool_calls[0].function.name == "f" and req.messages[2].tool_call_id == "c1"
+    message, param = refused(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "tool_calls": [call]}]})
+    assert param == "messages.0.tool_calls" and "only an assistant message" in message
+    message, param = refused(ChatCompletionRequest, {"messages": [{"role": "tool", "content": "42"}]})
+    assert param == "messages.0.tool_call_id" and "required" in message
+    _, param = refused(ChatCompletionRequest, {"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]})
+    assert param == "messages.0.tool_calls.0.function"
 
 
 def test_choices_are_capped_across_prompts():

@@ -328,40 +328,58 @@ class Tokenizer:
 
     # ----- chat -----
 
-    def render_chat(self, messages: Any, add_generation_prompt: bool = True, chat_template: str | None = None) -> RenderedChat:
-        """The chat as text, with where each message's content lies in it. Raises ChatTemplateLimitError
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True, chat_template: str | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> RenderedChat:
+        """The chat as text, with where each message's content lies in it. `tools` reaches the template
+        as transformers' `apply_chat_template(tools=...)` passes it. Raises ChatTemplateLimitError
         (a ValueError) when the template goes over `template_limits`."""
+        variables = self._template_variables()
+        if tools is not None:
+            variables["tools"] = tools
         if chat_template is not None:  # a caller's template: in a worker process that can be killed
             return template_processes().render(chat_template, messages, add_generation_prompt,
-                                               self._template_variables(), self.template_limits)
+                                               variables, self.template_limits)
         if self.chat_template is None:
             raise ValueError("chat_template: this model has no chat template; pass one")
-        return render_chat(self.chat_template, messages, add_generation_prompt, self._template_variables(),
-                           self.template_limits)
+        return render_chat(self.chat_template, messages, add_generation_prompt, variables, self.template_limits)
 
     def apply_chat_template(
         self, messages: Any, add_generation_prompt: bool = True, chat_template: str | None = None,
-        max_tokens: int | None = None,
+        max_tokens: int | None = None, tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat: template markers as control tokens, message contents as plain
         text. With `max_tokens`, a rendering that cannot fit in as many tokens is refused untokenized."""
-        chat = self.render_chat(messages, add_generation_prompt, chat_template)
+        chat = self.render_chat(messages, add_generation_prompt, chat_template, tools)
         if max_tokens is not None:
             self.check_fits(chat.text, max_tokens, "chat_template" if chat_template is not None else "messages")
         if self._special_re is not None:
             self._refuse_markers_outside_content(messages)
+            self._refuse_markers("tools", tools)
             if any(self._special_re.search(c) for c in chat.unlocated):
                 raise ValueError("messages: a content holding control-token text was rewritten by the chat template")
         return self._encode_chat(chat)
 
     def _refuse_markers_outside_content(self, messages: Any) -> None:
-        """Roles and names are written by the template as they are: control-token text there would be
-        a control token, so it is refused (contents are safe, they are tokenized as plain text)."""
-        assert self._special_re is not None
+        """Roles, names, tool calls are written by the template as they are: control-token text there
+        would be a control token, so it is refused (contents are safe, they are tokenized as plain text)."""
         for i, m in enumerate(messages):
             for key, value in m.items():
-                if key != "content" and isinstance(value, str) and self._special_re.search(value):
-                    raise ValueError(f"messages[{i}].{key}: must not contain control-token text")
+                if key != "content":
+                    self._refuse_markers(f"messages[{i}].{key}", value)
+
+    def _refuse_markers(self, where: str, value: Any) -> None:
+        """ValueError naming `where` when any string inside `value` (keys too) holds control-token text."""
+        assert self._special_re is not None
+        if isinstance(value, str):
+            if self._special_re.search(value):
+                raise ValueError(f"{where}: must not contain control-token text")
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                self._refuse_markers(where, k)
+                self._refuse_markers(where, v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                self._refuse_markers(where, v)
 
     def _encode_chat(self, chat: RenderedChat) -> list[int]:
         text, ids, pos = chat.text, [], 0

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import abc
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from cadence.boundary import TokenLogprobs
 from cadence.engine.output_processor import StreamDelta
+from cadence.server.tool_parser import CallArguments, CallStart, Content, Extractor, Piece, gather
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -141,11 +143,15 @@ class Formatter(abc.ABC):
     def start_chunks(self) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, index: int, d: StreamDelta) -> dict[str, Any] | None:
-        """One SSE chunk for a delta, or None when it carries nothing to send."""
+    def chunks(self, index: int, d: StreamDelta) -> list[dict[str, Any]]:
+        """The SSE chunks for a delta: one, or none when it carries nothing to send."""
         if not d.text and not d.finished and not d.logprobs:
-            return None  # nothing a client could see (bytes of a character, or a possible stop string)
-        choice = {"index": index, **self._delta(index, d), "finish_reason": d.finish_reason}
+            return []  # nothing a client could see (bytes of a character, or a possible stop string)
+        return [self._chunk(index, self._delta(index, d), d)]
+
+    def _chunk(self, index: int, fields: dict[str, Any], d: StreamDelta) -> dict[str, Any]:
+        """A chunk of `fields`, ending the choice when `d` is its last delta."""
+        choice = {"index": index, **fields, "finish_reason": self._finish_reason(index, d.finish_reason)}
         if d.finished:
             choice["stop_reason"] = d.stop_reason
         return self._envelope(self.chunk_object_name, [choice])
@@ -154,6 +160,9 @@ class Formatter(abc.ABC):
     def _delta(self, index: int, d: StreamDelta) -> dict[str, Any]:
         """A chunk's choice fields between its index and its finish reason: the text and logprobs."""
 
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        return reason
+
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         body = self._envelope(self.chunk_object_name, [])
         body["usage"] = usage
@@ -161,8 +170,8 @@ class Formatter(abc.ABC):
 
     def response(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The whole non-streaming body."""
-        choices = [{"index": i, **self._final(st), "finish_reason": st.finish_reason, "stop_reason": st.stop_reason}
-                   for i, st in enumerate(self.choices)]
+        choices = [{"index": i, **self._final(st), "finish_reason": self._finish_reason(i, st.finish_reason),
+                    "stop_reason": st.stop_reason} for i, st in enumerate(self.choices)]
         body = self._envelope(self.object_name, choices)
         body["usage"] = usage
         return body
@@ -209,8 +218,23 @@ class CompletionFormatter(Formatter):
 
 
 class ChatFormatter(Formatter):
+    """Chat chunks and bodies. With `extractor` (a factory, one extractor per choice), the text is
+    read for tool calls (tool_parser.py): calls go out as `tool_calls` (streamed as OpenAI streams
+    them: the call's index, id, type and function name first, then its arguments in fragments),
+    the rest as `content`, and a choice that made a call and stopped finishes with "tool_calls"."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, extractor: Callable[[], Extractor] | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._make_extractor = extractor
+        self._extractors = [extractor() for _ in self.choices] if extractor is not None else None
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        if reason == "stop" and self._extractors is not None and self._extractors[index].num_calls:
+            return "tool_calls"
+        return reason
 
     def _logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
         content = []
@@ -251,6 +275,67 @@ class ChatFormatter(Formatter):
         lp = self._logprobs(d.logprobs) if d.logprobs is not None else None
         return {"delta": {"content": d.text} if d.text else {}, "logprobs": lp}
 
+    def chunks(self, index: int, d: StreamDelta) -> list[dict[str, Any]]:
+        """With tools, a call's opening (index, id, type, name, empty arguments) gets a chunk of its
+        own, as OpenAI streams it; what the parser holds back waits for a later delta."""
+        if self._extractors is None or (not d.text and not d.finished and not d.logprobs):
+            return super().chunks(index, d)
+        ext = self._extractors[index]
+        deltas = [_tool_delta(g) for g in _split_at_calls(ext.feed(d.text) + (ext.finish() if d.finished else []))]
+        lp = self._logprobs(d.logprobs) if d.logprobs is not None else None
+        if not deltas:
+            if not d.finished and lp is None:
+                return []
+            deltas = [{}]
+        last = len(deltas) - 1
+        out = [self._envelope(self.chunk_object_name, [{"index": index, "delta": delta, "logprobs": None,
+                                                        "finish_reason": None}]) for delta in deltas[:last]]
+        return [*out, self._chunk(index, {"delta": deltas[last], "logprobs": lp}, d)]
+
     def _final(self, st: ChoiceState) -> dict[str, Any]:
         lp = self._logprobs(st.logprobs) if self.want_logprobs else None
-        return {"message": {"role": "assistant", "content": "".join(st.text)}, "logprobs": lp}
+        text = "".join(st.text)
+        if self._make_extractor is None:
+            return {"message": {"role": "assistant", "content": text}, "logprobs": lp}
+        ext = self._make_extractor()
+        got = gather(ext.feed(text) + ext.finish())
+        message: dict[str, Any] = {"role": "assistant", "content": got.content}
+        if got.calls:
+            message["content"] = got.content or None
+            message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                                     for i, n, a in got.calls]
+        index = next(i for i, c in enumerate(self.choices) if c is st)
+        self._extractors[index] = ext  # type: ignore[index]  # its calls decide the finish reason
+        return {"message": message, "logprobs": lp}
+
+
+def _split_at_calls(pieces: list[Piece]) -> list[list[Piece]]:
+    """The pieces in groups, each call's start alone in its own."""
+    groups: list[list[Piece]] = [[]]
+    for p in pieces:
+        if isinstance(p, CallStart):
+            groups += [[p], []]
+        else:
+            groups[-1].append(p)
+    return [g for g in groups if g]
+
+
+def _tool_delta(pieces: list[Piece]) -> dict[str, Any]:
+    """One delta from a group of pieces: content joined, arguments fragments joined per call."""
+    content = "".join(p.text for p in pieces if isinstance(p, Content))
+    calls: list[dict[str, Any]] = []
+    for p in pieces:
+        if isinstance(p, CallStart):
+            calls.append({"index": p.index, "id": p.id, "type": "function",
+                          "function": {"name": p.name, "arguments": ""}})
+        elif isinstance(p, CallArguments):
+            if calls and calls[-1]["index"] == p.index:
+                calls[-1]["function"]["arguments"] += p.fragment
+            else:
+                calls.append({"index": p.index, "function": {"arguments": p.fragment}})
+    delta: dict[str, Any] = {}
+    if content:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta

@@ -7,10 +7,12 @@ rather than in protocol.py; each failure is a 400 naming the parameter.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import re
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +23,12 @@ from cadence.config import ServerConfig
 from cadence.errors import CadenceError, ErrorKind
 from cadence.model.template_limits import ChatTemplateLimitError
 from cadence.model.template_process import WORKERS
-from cadence.request import RequestPolicy, SamplingParams
+from cadence.request import RequestPolicy, SamplingParams, StructuredOutputsParams
 from cadence.server.engine_client import EngineClient
 from cadence.server.errors import APIError, HTTPKind, param_of
-from cadence.server.protocol import SamplingFields
+from cadence.server.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
+from cadence.server.structured import Constraint, only_one, request_constraints
+from cadence.server.tools import NO_TOOLS, ToolPlan, plan_tools, template_mentions_tools, template_messages
 from cadence.wording import counted
 
 TENANT_HEADER = "x-tenant"
@@ -120,18 +124,20 @@ class InputBuilder:
 
     async def chat_ids(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         template: str | None,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The chat's token ids. Rendering and tokenizing run in a worker thread: a template's work is
         bounded by the model's chat-template limits, not by the event loop's patience."""
-        ids = await self._render_chat(messages, add_generation_prompt, template)
+        ids = await self._render_chat(messages, add_generation_prompt, template, tools)
         return self.engine.tokenizer.add_special_tokens(ids) if add_special_tokens else ids
 
     async def _render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool, template: str | None
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template: str | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if template is not None and not self.config.allow_request_chat_template:
             raise APIError(
@@ -142,7 +148,7 @@ class InputBuilder:
             )
         render = functools.partial(self.engine.tokenizer.apply_chat_template, messages,
                                    add_generation_prompt=add_generation_prompt, chat_template=template,
-                                   max_tokens=self.engine.max_model_len)
+                                   max_tokens=self.engine.max_model_len, tools=tools)
         try:
             if template is None:
                 return list(await asyncio.to_thread(render))
@@ -178,6 +184,45 @@ class InputBuilder:
             f"the model's chat template {e.what} on this conversation, over this server's limit{e.hint()}",
         )
 
+    def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        with _refusing():
+            return plan_tools(body)
+
+    def constraint(self, body: SamplingFields, plan: ToolPlan | None = None) -> Constraint | None:
+        """The one constraint on the output the request asks for (None: none); 400 for two."""
+        with _refusing():
+            found = request_constraints(body)
+            forced = plan.constraint() if plan is not None else None
+            constraint = only_one(found + ([forced] if forced is not None else []))
+            if constraint is not None and body.allowed_token_ids is not None:
+                # Two hard masks whose intersection may be empty: no token could be sampled.
+                raise ValueError(f"allowed_token_ids: cannot be combined with {constraint.field} (both restrict "
+                                 f"the tokens that may be sampled; give one of them)")
+            return constraint
+
+    async def check_constraint(self, constraint: Constraint | None, params: SamplingParams) -> None:
+        """Have the engine compile the constraint now (cached for when the request is admitted), so
+        that one its grammar library refuses is a 400 naming the request's field. An engine client
+        without a local compiler (a fleet's) leaves the check to the replica the request reaches."""
+        validate = getattr(self.engine, "validate_structured", None)
+        if constraint is None or validate is None:
+            return
+        try:
+            await validate(params)
+        except ValueError as e:
+            with _refusing():
+                raise constraint.compile_error(e) from None
+
+    def chat_messages(self, messages: list[ChatMessage], template: str | None,
+                      plan: ToolPlan = NO_TOOLS) -> tuple[list[dict[str, Any]], Any]:
+        """(messages, tools) for the chat template: natively when the template mentions tools, else
+        through the fallback of tools.py (which puts the tools in the messages)."""
+        source = template if template is not None else self.engine.tokenizer.chat_template
+        native = template_mentions_tools(source)
+        with _refusing():
+            rendered = template_messages(messages, plan, native)
+        return rendered, (plan.template_tools() if native else None)
+
     def job(
         self,
         prefix: str,
@@ -187,8 +232,9 @@ class InputBuilder:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_param: str,
+        structured: StructuredOutputsParams | None = None,
     ) -> Job:
-        params = self._params(body, prompts, max_tokens, logprobs, prompt_param)
+        params = self._params(body, prompts, max_tokens, logprobs, prompt_param, structured)
         tenant, salt = self._tenant(raw, body.user)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         if self.config.log_requests:
@@ -212,6 +258,7 @@ class InputBuilder:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_param: str,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         longest, limit = max(len(p) for p in prompts), self.engine.max_model_len
         if longest >= limit:
@@ -260,6 +307,7 @@ class InputBuilder:
                 allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
+                structured_outputs=structured,
                 **{k: v for k, v in options.items() if v is not None},
             )
         except ValueError as e:
@@ -284,3 +332,13 @@ class InputBuilder:
             return tenant, None
         # A tenant only claimed (header or user) never shares cached blocks with a key-verified one.
         return tenant, ("key:" if verified else "claimed:") + tenant
+
+
+@contextlib.contextmanager
+def _refusing() -> Iterator[None]:
+    """A ValueError ("field: why") as the 400 naming that field."""
+    try:
+        yield
+    except ValueError as e:
+        message = str(e)
+        raise APIError(ErrorKind.INVALID_REQUEST, message, param=param_of(message)) from None

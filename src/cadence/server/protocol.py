@@ -35,6 +35,16 @@ MAX_USER_CHARS = 256
 MAX_DEADLINE_S = 86400.0
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = (1 << 31) - 1  # larger ids cannot be in any vocabulary; the vocab check comes later
+# Structured output and tools (docs/structured_output.md): the grammar library bounds its own work,
+# these bound what one request can hand it.
+MAX_TOOLS = 128
+MAX_TOOL_CALLS_IN_MESSAGE = 128
+MAX_GUIDED_CHOICES = 256
+MAX_GUIDED_CHOICE_CHARS = 1024
+MAX_REGEX_CHARS = 4096
+MAX_GRAMMAR_CHARS = 65536
+MAX_DESCRIPTION_CHARS = 8192
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 # vLLM's request fields that cadence does not implement, each with the values that ask for nothing
 # (its default, and what a client that sends every field sends). Any other value is a 400 naming it.
@@ -49,13 +59,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "bad_words": (None, []),
     "logits_processors": (None, []),
-    "guided_json": _NOTHING,
-    "guided_regex": _NOTHING,
-    "guided_choice": _NOTHING,
-    "guided_grammar": _NOTHING,
-    "guided_decoding_backend": _NOTHING,
-    "guided_whitespace_pattern": _NOTHING,
-    "structured_outputs": _NOTHING,
     "cache_salt": _NOTHING,
     "kv_transfer_params": _NOTHING,
     "vllm_xargs": (None, {}),
@@ -64,8 +67,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template_kwargs": (None, {}),
     "documents": _NOTHING,
     "continue_final_message": (None, False),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": _NOTHING,
 }
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -97,7 +98,78 @@ class StreamOptions(StrictModel):
     include_queue_status: bool | None = False
 
 
-class SamplingFields(StrictModel):
+class JsonSchemaFormat(StrictModel):
+    """`response_format.json_schema`, OpenAI's shape. `strict` is accepted either way: the schema is
+    always enforced by the grammar."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema_given(cls, v: dict[str, Any] | bool | None) -> dict[str, Any] | bool:
+        if v is None:
+            raise ValueError("schema: required (the JSON schema the output must follow)")
+        return v
+
+
+class ResponseFormat(StrictModel):
+    """`response_format`: text (no constraint), any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(default=None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_with_its_type(cls, v: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
+        if v is None and info.data.get("type") == "json_schema":
+            raise ValueError("required when type is 'json_schema'")
+        return v
+
+
+class StructuredOutputsField(StrictModel):
+    """vLLM's `structured_outputs` object: exactly one of json, regex, choice, grammar, json_object.
+    Its other options are taken where cadence implements them and refused otherwise (in structured.py);
+    an unknown key is refused rather than ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1, max_length=MAX_REGEX_CHARS)
+    choice: list[Annotated[str, Field(min_length=1, max_length=MAX_GUIDED_CHOICE_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_GUIDED_CHOICES
+    )
+    grammar: str | None = Field(default=None, min_length=1)
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+
+class StructuredFields(StrictModel):
+    """What constrains the output, in OpenAI's spelling (`response_format`) and vLLM's (`guided_*`,
+    `structured_outputs`); at most one per request. Turned into a StructuredOutputsParams by
+    structured.py, which also checks what needs more than a type."""
+
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = Field(default=None, min_length=1, max_length=MAX_REGEX_CHARS)
+    guided_choice: list[Annotated[str, Field(min_length=1, max_length=MAX_GUIDED_CHOICE_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_GUIDED_CHOICES
+    )
+    guided_grammar: str | None = Field(default=None, min_length=1)
+    guided_decoding_backend: str | None = Field(default=None, max_length=256)
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+
+class SamplingFields(StructuredFields):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(default=None, max_length=256)
@@ -228,6 +300,40 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(StrictModel):
+    """A call an assistant made earlier in the conversation."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # accepted either way: forced calls always follow the schema
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Required (as OpenAI and llama.cpp require it) but for an assistant turn; validated when
@@ -236,8 +342,8 @@ class ChatMessage(StrictModel):
         default=None, validate_default=True
     )
     name: str | None = Field(default=None, max_length=256)
-    # Refused when given, like `tools`: the model would never see the calls.
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_TOOL_CALLS_IN_MESSAGE)
+    tool_call_id: str | None = Field(default=None, max_length=256, validate_default=True)
 
     @field_validator("content")
     @classmethod
@@ -249,9 +355,17 @@ class ChatMessage(StrictModel):
 
     @field_validator("tool_calls")
     @classmethod
-    def _no_tool_calls(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("not supported (this server takes no tools)")
+    def _calls_by_assistant(cls, v: list[ToolCallIn] | None, info: ValidationInfo) -> list[ToolCallIn] | None:
+        role = info.data.get("role")
+        if v and role is not None and role != "assistant":
+            raise ValueError("only an assistant message carries tool calls")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None and info.data.get("role") == "tool":
+            raise ValueError("required for a 'tool' message (the id of the call it answers)")
         return v
 
     def text(self) -> str:
@@ -261,10 +375,11 @@ class ChatMessage(StrictModel):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         """The message as the chat template sees it: role and content, and its name when it has one
-        (as vLLM and transformers pass it; templates that write names see it)."""
-        out = {"role": self.role, "content": self.text()}
+        (as vLLM and transformers pass it; templates that write names see it). Tool calls and the
+        id a tool message answers are added by tools.py, which decides how the template gets them."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
         return out
@@ -280,8 +395,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # As vLLM: off, the chat template writes the BOS itself; on, the tokenizer's own are added too.
     add_special_tokens: bool = False
 
@@ -289,10 +405,6 @@ class ChatCompletionRequest(SamplingFields):
     def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools: not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -301,7 +413,7 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def message_dicts(self) -> list[dict[str, str]]:
+    def message_dicts(self) -> list[dict[str, Any]]:
         return [m.as_template_input() for m in self.messages]
 
 
@@ -309,6 +421,7 @@ class TokenizeRequest(StrictModel):
     model: str | None = Field(default=None, max_length=256)
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)  # with messages: as a chat offers them
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     split_special_tokens: bool = False  # for `prompt`, as on /v1/completions
@@ -383,9 +496,21 @@ class ChatLogprobs(ResponseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(ResponseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(ResponseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"]
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(ResponseModel):
@@ -405,9 +530,24 @@ class ChatCompletionResponse(ResponseModel):
     usage: Usage | None = None
 
 
+class FunctionCallDelta(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(ResponseModel):
+    """A call's first delta has its id, type and function name; the next ones add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(ResponseModel):

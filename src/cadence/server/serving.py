@@ -43,6 +43,7 @@ from cadence.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from cadence.server.tools import NO_TOOLS, ToolPlan
 from cadence.wording import counted
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is loaded only when tracing is on
@@ -92,12 +93,15 @@ class OpenAIServing:
         received_ns = time.time_ns()
         self.inputs.check_model(body.model)
         with self.counting_refusals():
+            constraint = self.inputs.constraint(body)
             prompts = [
                 await self.inputs.prompt_ids(p, "prompt", split_special_tokens=body.split_special_tokens,
                                              add_special_tokens=body.add_special_tokens)
                 for p in body.prompts()
             ]
-            job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt")
+            job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt",
+                                  constraint.params if constraint else None)
+            await self.inputs.check_constraint(constraint, job.params)
         fmt = CompletionFormatter(
             job.request_id,
             self.engine.model_name,
@@ -112,24 +116,33 @@ class OpenAIServing:
         received_ns = time.time_ns()
         self.inputs.check_model(body.model)
         with self.counting_refusals():
-            ids = await self.inputs.chat_ids(body.message_dicts(), body.add_generation_prompt, body.chat_template,
-                                             body.add_special_tokens)
+            plan = self.inputs.tool_plan(body)
+            constraint = self.inputs.constraint(body, plan)
+            messages, tools = self.inputs.chat_messages(body.messages, body.chat_template, plan)
+            ids = await self.inputs.chat_ids(messages, body.add_generation_prompt, body.chat_template,
+                                             body.add_special_tokens, tools)
             job = self.inputs.job(
-                "chatcmpl", body, raw, [ids], body.requested_max_tokens(), body.num_logprobs(), "messages"
+                "chatcmpl", body, raw, [ids], body.requested_max_tokens(), body.num_logprobs(), "messages",
+                constraint.params if constraint else None,
             )
+            await self.inputs.check_constraint(constraint, job.params)
         fmt = ChatFormatter(
-            job.request_id, self.engine.model_name, int(time.time()), body.n, self.tokens, body.logprobs
+            job.request_id, self.engine.model_name, int(time.time()), body.n, self.tokens, body.logprobs,
+            extractor=plan.extractor(),
         )
         return await self._run(job, fmt, raw, received_ns)
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.inputs.check_model(body.model)
         if body.messages is not None:
+            plan = ToolPlan("auto", tuple(body.tools)) if body.tools else NO_TOOLS
+            messages, tools = self.inputs.chat_messages(body.messages, None, plan)
             ids = await self.inputs.chat_ids(
-                [m.as_template_input() for m in body.messages],
+                messages,
                 body.add_generation_prompt,
                 None,
                 bool(body.add_special_tokens),
+                tools,
             )
         else:
             ids = await self.inputs.prompt_ids(
@@ -355,8 +368,7 @@ class OpenAIServing:
             while d is not None:
                 i = stream.index_of(d.request_id)
                 usage.add(i, d)
-                chunk = fmt.chunk(i, d)
-                if chunk is not None:
+                for chunk in fmt.chunks(i, d):
                     yield sse(_with_usage(chunk, job, usage))
                 d = await anext(stream, None)
             if job.include_usage:

@@ -1,0 +1,198 @@
+"""Hostile and mistaken structured-output and tool requests: each is a 400 whose `param` names the
+field at fault, and the engine never sees the request. Text a client writes in tools or calls never
+becomes a control token."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cadence.config import EngineConfig, ServerConfig
+from cadence.engine.async_engine import AsyncEngine
+from cadence.engine.builder import build_engine
+from cadence.server.app import create_app
+from cadence.server.protocol import MAX_GRAMMAR_CHARS, MAX_GUIDED_CHOICES, MAX_TOOLS
+from cadence.server.structured import MAX_SCHEMA_CHARS
+
+TINY = {"num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 4, "device": "cpu", "dtype": "float32"}
+CHAT = [{"role": "user", "content": "hi"}]
+OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+def tool(name: str = "f", parameters: Any = None, description: str | None = None) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": name}
+    if parameters is not None:
+        fn["parameters"] = parameters
+    if description is not None:
+        fn["description"] = description
+    return {"type": "function", "function": fn}
+
+
+def named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[TestClient, list[Any], AsyncEngine]]:
+    engine = AsyncEngine(build_engine(EngineConfig.from_options(**TINY), tiny=True))
+    submitted: list[Any] = []
+    submit = engine.submit
+
+    async def recording(prompts: Any, params: Any, **kw: Any) -> Any:
+        submitted.append((prompts, params))
+        return await submit(prompts, params, **kw)
+
+    engine.submit = recording  # type: ignore[method-assign]
+    try:
+        with TestClient(create_app(engine, ServerConfig(allow_request_chat_template=True)),
+                        raise_server_exceptions=False) as c:
+            yield c, submitted, engine
+    finally:
+        engine.shutdown(timeout=10)
+
+
+def refused(served, body: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
+    client, submitted, _ = served
+    before = len(submitted)
+    full = {"max_tokens": 2, **({"messages": CHAT} if path.endswith("chat/completions") else {"prompt": "hi"}), **body}
+    r = client.post(path, json=full)
+    assert r.status_code == 400, r.text
+    assert len(submitted) == before, "the engine saw a refused request"
+    return r.json()["error"]
+
+
+BOTH_ROUTES = [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "has space", "schema": OBJ}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"minimum": "zero"}}}}, "guided_json"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": "[1, 2]"}, "guided_json"),
+    ({"guided_json": {"type": "object", "description": "x" * MAX_SCHEMA_CHARS}}, "guided_json"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a"] * (MAX_GUIDED_CHOICES + 1)}, "guided_choice"),
+    ({"guided_choice": ["a", 1]}, "guided_choice.1"),
+    ({"guided_grammar": "root ::= " + '"a" | ' * (MAX_GRAMMAR_CHARS // 6) + '"b"'}, "guided_grammar"),
+    ({"guided_decoding_backend": "my-backend"}, "guided_decoding_backend"),
+    ({"guided_whitespace_pattern": "[ ]?"}, "guided_whitespace_pattern"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "frobnicate": 1}}, "structured_outputs.frobnicate"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"regex": "a", "structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"json": OBJ, "disable_any_whitespace": True}}, "structured_outputs.disable_any_whitespace"),
+    ({"structured_outputs": {"json": {"type": 5}}}, "structured_outputs.json"),
+    ({"guided_json": OBJ, "guided_regex": "a+"}, "guided_json"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "response_format"),
+    ({"guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "guided_choice"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"guided_choice": ["0"], "allowed_token_ids": [0]}, "allowed_token_ids"),
+    ({"response_format": {"type": "json_object"}, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BOTH_ROUTES)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_bad_constraints_are_refused_naming_the_field(served, body: dict, param: str, path: str):
+    err = refused(served, body, path)
+    assert err["param"] == param, err
+    if len([k for k in body if k in ("response_format", "guided_json", "guided_regex", "guided_choice",
+                                     "structured_outputs")]) == 2:
+        a, b = sorted(k for k in body)
+        assert a in err["message"] and b in err["message"], err  # two constraints: both are named
+
+
+TOOLS = [
+    ({"tools": [tool(f"f{i}") for i in range(MAX_TOOLS + 1)]}, "tools"),
+    ({"tools": [tool("get weather")]}, "tools.0.function.name"),
+    ({"tools": [tool("a" * 65)]}, "tools.0.function.name"),
+    ({"tools": [tool("")]}, "tools.0.function.name"),
+    ({"tools": [tool("f"), tool("f")]}, "tools[1].function.name"),
+    ({"tools": [tool("f", {"type": "objekt"})]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
+    ({"tools": [tool("f")], "tool_choice": named("g")}, "tool_choice"),
+    ({"tools": [tool("f")], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": named("f")}, "tool_choice"),
+    ({"tools": [tool("f")], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+    ({"tools": [tool("f")], "tool_choice": named("f"), "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"messages": [*CHAT, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [*CHAT, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "bad name", "arguments": "{}"}}]}]},
+     "messages.1.tool_calls.0.function.name"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), TOOLS)
+def test_bad_tools_are_refused_naming_the_field(served, body: dict, param: str):
+    err = refused(served, body)
+    assert err["param"] == param, err
+    if param in ("guided_regex", "response_format"):
+        assert "tool_choice" in err["message"] and param in err["message"]
+
+
+NATIVE = ("{% for t in tools or [] %}{{ t.function.description }}\n{% endfor %}"
+          "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+          "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}\n{% endfor %}")
+MARKER = "<|im_end|>"
+
+
+def test_control_token_text_in_tools_is_refused_where_the_template_writes_it(served):
+    err = refused(served, {"tools": [tool("f", description=f"x{MARKER}")], "chat_template": NATIVE})
+    assert err["param"] == "tools"
+    history = [*CHAT, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": f'{{"a": "{MARKER}"}}'}}]}]
+    err = refused(served, {"messages": history, "chat_template": NATIVE})
+    assert err["param"] == "messages" and err["message"].startswith("messages[1].tool_calls: ")
+
+
+def test_control_token_text_in_tools_stays_plain_text_in_the_fallback(served):
+    client, submitted, engine = served
+    history = [*CHAT, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": f'{{"a": "{MARKER}"}}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": MARKER}]
+    body = {"messages": history, "tools": [tool("f", description=f"x{MARKER}")], "max_tokens": 1}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    ids = submitted[-1][0][0]
+    end = engine.tokenizer.encode(MARKER, split_special_tokens=False)
+    assert len(end) == 1
+    # One <|im_end|> per message the template wrote (system, user, assistant, tool), none from the text.
+    assert ids.count(end[0]) == 4
+    assert engine.tokenizer.decode(ids, skip_special_tokens=False).count(MARKER) == 4 + 3
+
+
+LOOKBEHIND = "(?<=a)b"  # no regular language: the grammar library refuses it
+PATTERNED = {"type": "object", "properties": {"a": {"type": "string", "pattern": LOOKBEHIND}}}
+LIBRARY_REFUSES = [
+    ({"guided_regex": LOOKBEHIND}, "guided_regex"),
+    ({"structured_outputs": {"regex": LOOKBEHIND}}, "structured_outputs"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+    ({"guided_json": {"not": {"type": "string"}}}, "guided_json"),
+    ({"guided_json": {"type": "object", "dependentSchemas": {"a": {}}}}, "guided_json"),
+    ({"guided_json": {"type": "string", "format": "made-up"}}, "guided_json"),
+    ({"guided_json": {"$ref": "#/$defs/missing"}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": PATTERNED}}},
+     "response_format"),
+    ({"tools": [tool("f"), tool("g", PATTERNED)], "tool_choice": named("g")}, "tools[1].function.parameters"),
+    ({"tools": [tool("f"), tool("g", PATTERNED)], "tool_choice": "required"}, "tools"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), LIBRARY_REFUSES)
+def test_what_the_grammar_library_refuses_is_a_400_naming_the_request_field(served, body: dict, param: str):
+    err = refused(served, body)
+    assert err["param"] == param, err
+    assert err["message"].startswith(f"{param}: ") and "structured_outputs." not in err["message"], err
