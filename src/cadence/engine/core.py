@@ -166,7 +166,7 @@ class EngineCore:
         now = self.clock.now()
         out = sched.schedule(now)
         if self.events is not None:
-            self.events.scheduled(out, sched.requests, now)
+            self.events.scheduled(out, sched.requests, now, sched.wait_stop)
         step_time = 0.0
         if out.is_empty:
             deltas = sched.update(out, _NO_OUTPUT, self.clock.now())
