@@ -127,7 +127,12 @@ class RequestEventRecorder:
         """One `waiting` event each time the reason `req` was not admitted changed, over the steps
         from its `queued_step` to the one before `admitted_step`."""
         first, last = req.queued_step, admitted_step - 1
-        runs = list(self._stops)
+        runs: list[_StopRun] = []  # those from the one covering `first` on (walked from the newest)
+        for run in reversed(self._stops):
+            runs.append(run)
+            if run.step <= first:
+                break
+        runs.reverse()
         out: list[EngineEvent] = []
         prev: tuple[str, str | None] | None = None
         for i, run in enumerate(runs):
