@@ -125,6 +125,33 @@ def test_a_preempted_request_has_its_preemption_resume_and_chunks_in_its_span(re
     live.app.state.tracer.shutdown()
 
 
+def test_a_wait_behind_a_request_with_several_choices_names_that_request(receiver, server_factory):
+    """One seat: `first`'s choice 0 runs, its choice 1 waits for the seat, and `second` waits behind
+    that choice: its span names `first`'s id, the one a client can look up, not the engine's id
+    of the choice."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
+    try:
+        live = server_factory({"max_num_seqs": 1}, otlp_traces_endpoint=receiver.url)
+    finally:
+        mp.undo()
+    body = {"prompt": "first", "max_tokens": 200, "n": 2, "stream": True,
+            "stream_options": {"include_queue_status": True}, **NO_EOS}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=120) as first:
+        lines = first.iter_lines()
+        assert next(lines).startswith(": queued")  # admitted: `second` comes after it
+        second = httpx.post(live.url + "/v1/completions", json={"prompt": "second", "max_tokens": 1}, timeout=120)
+        for _ in lines:
+            pass
+    first_id = first.headers["x-request-id"]
+    span = receiver.sink.wait(second.json()["id"])
+    behind = [e[2].get("cadence.waiting_behind") for e in span.events if e[0] == "waiting"]
+    assert first_id in behind and not [b for b in behind if b and b.startswith(first_id + "-")], behind
+    status = httpx.get(f"{live.url}/v1/requests/{first_id}", timeout=30)
+    assert status.status_code == 200
+    live.app.state.tracer.shutdown()
+
+
 def test_a_client_traceparent_is_continued_streaming_too(traced, receiver):
     headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "tracestate": "vendor=abc"}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True, **NO_EOS}

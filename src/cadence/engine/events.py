@@ -11,6 +11,7 @@ engine does none of this work (the simulator never turns it on).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ class _StopRun:
     step: int
     time: float
     stop: WaitStop | None
+    behind: str | None = None  # the request it stopped at, by the name a trace gives it
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class RequestEventRecorder:
         self._dropped: dict[str, int] = {}
         self._waiting_since: dict[str, float] = {}  # tracked, queued and not admitted since: when queued
         self._stops: deque[_StopRun] = deque(maxlen=MAX_STOP_RUNS)
+        # The name a trace gives an engine request (the front end's request id of one of its choices).
+        self.name_request: Callable[[str], str] = lambda request_id: request_id
 
     def track(self, request_id: str) -> None:
         """Record this request's events from now on (it has just been queued)."""
@@ -121,7 +125,8 @@ class RequestEventRecorder:
             and (stop.reason, stop.request_id, stop.capped_tenants)
             == (last.reason, last.request_id, last.capped_tenants))
         if not same:
-            self._stops.append(_StopRun(step, now, stop))
+            behind = stop.request_id if stop is not None else None
+            self._stops.append(_StopRun(step, now, stop, self.name_request(behind) if behind is not None else None))
 
     def _waits(self, req: Request, since: float, admitted_step: int) -> list[EngineEvent]:
         """One `waiting` event each time the reason `req` was not admitted changed, over the steps
@@ -140,7 +145,7 @@ class RequestEventRecorder:
             if run.stop is None or end < first or run.step > last:
                 continue
             info = wait_of(run.stop, req)
-            why = (info.reason.value, info.behind)
+            why = (info.reason.value, run.behind if info.behind is not None else None)
             if why == prev:
                 continue
             prev = why
