@@ -68,7 +68,8 @@ def test_why_a_request_waited_is_recorded_before_its_first_chunk() -> None:
     got = events.pop(third.request_id)
     assert _names(got)[:3] == ["waiting", "waiting", "prefill_chunk"]
     assert _waits(got) == [
-        {"cadence.wait_reason": "behind", "cadence.waiting_behind": second.request_id, "cadence.step": 1},
+        {"cadence.wait_reason": "behind", "cadence.waiting_behind": second.request_id,
+         "cadence.behind_reason": "max_num_seqs", "cadence.step": 1},
         {"cadence.wait_reason": "max_num_seqs", "cadence.step": 4},
     ]
     assert [e.time for e in got] == sorted(e.time for e in got)
@@ -94,3 +95,22 @@ def test_a_preempted_request_records_why_it_waited_before_resuming() -> None:
     # Its prompt's block is in the prefix cache: the resume recomputes one token, still a resume.
     assert dict(got[i + 3].attributes)["cadence.tokens"] == 1 and got[i + 3].name == "prefill_chunk"
     assert [e.time for e in got] == sorted(e.time for e in got)
+
+
+def test_a_wait_behind_a_moving_head_is_one_event_per_change_of_reason() -> None:
+    # One seat and a line of eight: the last waits behind each in turn, all held by the seat. Its
+    # trace says so once (naming the first it waited behind), not once per request ahead, which a
+    # long queue would turn into more events than a request keeps.
+    engine, _, _ = make_engine(max_num_seqs=1)
+    events = engine.record_request_events()
+    line = [make_request(prompt_len=4, max_tokens=2) for _ in range(8)]
+    for r in line:
+        engine.add_request(r)
+        events.track(r.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert _waits(events.pop(line[-1].request_id)) == [
+        {"cadence.wait_reason": "behind", "cadence.waiting_behind": line[1].request_id,
+         "cadence.behind_reason": "max_num_seqs", "cadence.step": 1},
+        {"cadence.wait_reason": "max_num_seqs", "cadence.step": 13},
+    ]

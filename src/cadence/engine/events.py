@@ -130,7 +130,9 @@ class RequestEventRecorder:
 
     def _waits(self, req: Request, since: float, admitted_step: int) -> list[EngineEvent]:
         """One `waiting` event each time the reason `req` was not admitted changed, over the steps
-        from its `queued_step` to the one before `admitted_step`."""
+        from its `queued_step` to the one before `admitted_step`. Waiting behind another request
+        changes only with the reason that one was held for, not with each new head of the queue
+        (a long queue would otherwise be an event per request ahead)."""
         first, last = req.queued_step, admitted_step - 1
         runs: list[_StopRun] = []  # those from the one covering `first` on (walked from the newest)
         for run in reversed(self._stops):
@@ -145,13 +147,14 @@ class RequestEventRecorder:
             if run.stop is None or end < first or run.step > last:
                 continue
             info = wait_of(run.stop, req)
-            why = (info.reason.value, run.behind if info.behind is not None else None)
+            behind = info.behind is not None
+            why = (info.reason.value, run.stop.reason.value if behind else None)
             if why == prev:
                 continue
             prev = why
             attrs: tuple[tuple[str, Any], ...] = (("cadence.wait_reason", why[0]),)
-            if why[1] is not None:
-                attrs += (("cadence.waiting_behind", why[1]),)
+            if behind:
+                attrs += (("cadence.waiting_behind", run.behind), ("cadence.behind_reason", why[1]))
             attrs += (("cadence.step", max(run.step, first)),)
             out.append(EngineEvent(WAITING, max(run.time, since), attrs))
         return out
