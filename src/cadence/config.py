@@ -23,6 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings (torch's names)
 DEVICES = ("auto", "cpu", "cuda")
 METRICS_COMPAT = ("vllm",)  # --metrics-compat: other servers' metric names served beside cadence's
+OTLP_SCHEMES = ("http", "https", "grpc")  # --otlp-traces-endpoint: OTLP/HTTP over http(s); gRPC over any
 GiB = 1 << 30
 
 
@@ -224,6 +225,18 @@ class EngineConfig:
         return out
 
 
+def _is_otlp_url(endpoint: object) -> bool:
+    """http(s) for OTLP/HTTP, http, https or grpc for gRPC; a host; a port that parses."""
+    if not isinstance(endpoint, str) or "://" not in endpoint:
+        return False
+    try:
+        url = urlparse(endpoint)
+        port = url.port
+    except ValueError:  # a bracket left open, a port that is no number or out of range
+        return False
+    return url.scheme.lower() in OTLP_SCHEMES and bool(url.hostname) and port != 0
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """HTTP front end; not an engine option (the offline `LLM` has no server)."""
@@ -274,8 +287,9 @@ class ServerConfig:
 
     def _validate_observability(self) -> None:
         ep = self.otlp_traces_endpoint
-        _require(ep is None or (isinstance(ep, str) and "://" in ep and urlparse(ep).hostname is not None),
-                 "otlp_traces_endpoint", f"must be a URL such as http://localhost:4318, got {ep!r}")
+        _require(ep is None or _is_otlp_url(ep), "otlp_traces_endpoint",
+                 f"must be a URL such as http://localhost:4318 (http, https or grpc, a host, a port "
+                 f"in [1, 65535] if any), got {ep!r}")
         ratio = self.otlp_traces_sample_ratio
         _require(ratio is None or (is_finite(ratio) and 0.0 <= ratio <= 1.0), "otlp_traces_sample_ratio",
                  f"must be a number in [0, 1], got {ratio!r}")

@@ -172,3 +172,29 @@ def test_request_status_asks_the_replica_that_served_it(fleet) -> None:
         assert body["id"] == rid and body["state"] == "finished" and body["output_tokens"] == 3
         assert status.headers["x-cadence-replica"] == r.headers["x-cadence-replica"]
         assert c.get("/v1/requests/cmpl-not-a-request").status_code == 404
+
+
+def test_a_response_has_one_request_id_header_and_it_finds_the_request(fleet) -> None:
+    # Serve's proxy adds its own X-Request-Id to every response: a second header beside the
+    # response's id would reach a client as "cmpl-..., <uuid>", an id nothing answers to.
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "one id", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        (rid,) = r.headers.get_list("x-request-id")
+        status = c.get(f"/v1/requests/{rid}")
+        assert status.status_code == 200, status.text
+        assert status.json()["state"] == "finished" and status.json()["output_tokens"] == 3
+        assert c.get(f"/v1/requests/{r.json()['id']}").status_code == 200  # the body's id answers too
+        with c.stream("POST", "/v1/completions", json={"prompt": "streamed", "max_tokens": 2, "stream": True}) as s:
+            (sid,) = s.headers.get_list("x-request-id")
+            s.read()
+        assert c.get(f"/v1/requests/{sid}").json()["output_tokens"] == 2
+        # A client's own X-Request-Id is the one sent back, and finds its request; naming another
+        # response's id with it does not take that id over.
+        mine = c.post("/v1/completions", json={"prompt": "mine", "max_tokens": 2, "ignore_eos": True},
+                      headers={"X-Request-Id": "client-chosen-7"})
+        assert mine.headers.get_list("x-request-id") == ["client-chosen-7"]
+        assert c.get("/v1/requests/client-chosen-7").json()["output_tokens"] == 2
+        c.post("/v1/completions", json={"prompt": "squatter", "max_tokens": 1, "ignore_eos": True},
+               headers={"X-Request-Id": r.json()["id"]})
+        assert c.get(f"/v1/requests/{r.json()['id']}").json()["output_tokens"] == 3

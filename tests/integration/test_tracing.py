@@ -108,16 +108,47 @@ def test_a_preempted_request_has_its_preemption_resume_and_chunks_in_its_span(re
     assert preempted["cadence.reason"] == "kv_blocks" and preempted["cadence.tokens_lost"] > 0
     assert span.attributes["cadence.preempted_tokens"] == sum(
         e[2]["cadence.tokens_lost"] for e in span.events if e[0] == "preempted")
-    assert names[i + 1] == "resumed" and names[i + 2] == "prefill_chunk"
-    assert span.events[i][1] <= span.events[i + 1][1] <= span.events[i + 2][1]
+    # Between losing its blocks and getting them back it waited, for the KV blocks the other held.
+    j = names.index("resumed", i)
+    assert names[i + 1:j] and set(names[i + 1:j]) == {"waiting"} and names[j + 1] == "prefill_chunk"
+    assert span.events[i + 1][2]["cadence.wait_reason"] in ("kv_blocks", "behind")
+    times = [e[1] for e in span.events]
+    assert times == sorted(times), names  # the span's events in the order they happened
     # The recompute starts over, from what the prefix cache still holds of its blocks, and computes
     # again at least what was lost.
-    restart = span.events[i + 2][2]["cadence.start"]
-    again = [e[2] for e in span.events[i + 2:] if e[0] == "prefill_chunk"]
+    restart = span.events[j + 1][2]["cadence.start"]
+    again = [e[2] for e in span.events[j + 1:] if e[0] == "prefill_chunk"]
     assert restart % 16 == 0 and restart + sum(c["cadence.tokens"] for c in again) >= preempted["cadence.tokens_lost"]
     chunks = [e[2] for e in span.events if e[0] == "prefill_chunk"]
     assert all(c["cadence.tokens"] <= 32 for c in chunks)  # the step's token budget
     assert [c["cadence.step"] for c in chunks] == sorted(c["cadence.step"] for c in chunks)
+    live.app.state.tracer.shutdown()
+
+
+def test_a_wait_behind_a_request_with_several_choices_names_that_request(receiver, server_factory):
+    """One seat: `first`'s choice 0 runs, its choice 1 waits for the seat, and `second` waits behind
+    that choice: its span names `first`'s id, the one a client can look up, not the engine's id
+    of the choice."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
+    try:
+        live = server_factory({"max_num_seqs": 1}, otlp_traces_endpoint=receiver.url)
+    finally:
+        mp.undo()
+    body = {"prompt": "first", "max_tokens": 200, "n": 2, "stream": True,
+            "stream_options": {"include_queue_status": True}, **NO_EOS}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=120) as first:
+        lines = first.iter_lines()
+        assert next(lines).startswith(": queued")  # admitted: `second` comes after it
+        second = httpx.post(live.url + "/v1/completions", json={"prompt": "second", "max_tokens": 1}, timeout=120)
+        for _ in lines:
+            pass
+    first_id = first.headers["x-request-id"]
+    span = receiver.sink.wait(second.json()["id"])
+    behind = [e[2].get("cadence.waiting_behind") for e in span.events if e[0] == "waiting"]
+    assert first_id in behind and not [b for b in behind if b and b.startswith(first_id + "-")], behind
+    status = httpx.get(f"{live.url}/v1/requests/{first_id}", timeout=30)
+    assert status.status_code == 200
     live.app.state.tracer.shutdown()
 
 

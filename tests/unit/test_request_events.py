@@ -44,3 +44,73 @@ def test_chunks_a_forced_preemption_and_the_resume_are_recorded_in_order() -> No
     assert _names(got)[i + 1:i + 3] == ["resumed", "prefill_chunk"]
     assert [e.time for e in got] == sorted(e.time for e in got)
     assert events.pop(untracked.request_id) == () and len(events) == 0
+
+
+def _waits(events) -> list[dict]:
+    return [dict(e.attributes) for e in events if e.name == "waiting"]
+
+
+def test_why_a_request_waited_is_recorded_before_its_first_chunk() -> None:
+    # One seat: `first` runs; `second` is the request the scheduler stops at (max_num_seqs); `third`
+    # waits behind it, then stops the scheduler itself once `second` is in.
+    engine, _, _ = make_engine(max_num_seqs=1)
+    events = engine.record_request_events()
+    first, second, third = (make_request(prompt_len=4, max_tokens=3) for _ in range(3))
+    for r in (first, second, third):
+        engine.add_request(r)
+        events.track(r.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert _waits(events.pop(first.request_id)) == []
+    got = events.pop(second.request_id)
+    assert _names(got)[:2] == ["waiting", "prefill_chunk"]
+    assert _waits(got) == [{"cadence.wait_reason": "max_num_seqs", "cadence.step": 1}]
+    got = events.pop(third.request_id)
+    assert _names(got)[:3] == ["waiting", "waiting", "prefill_chunk"]
+    assert _waits(got) == [
+        {"cadence.wait_reason": "behind", "cadence.waiting_behind": second.request_id,
+         "cadence.behind_reason": "max_num_seqs", "cadence.step": 1},
+        {"cadence.wait_reason": "max_num_seqs", "cadence.step": 4},
+    ]
+    assert [e.time for e in got] == sorted(e.time for e in got)
+
+
+def test_a_preempted_request_records_why_it_waited_before_resuming() -> None:
+    # One seat, the priority policy: an urgent arrival takes the seat; the preempted request then
+    # waits for the seat (the scheduler stops at it) until the urgent one is done.
+    engine, _, _ = make_engine(max_num_seqs=1, policy="priority")
+    events = engine.record_request_events()
+    req, urgent = make_request(prompt_len=4, max_tokens=4), make_request(prompt_len=4, max_tokens=3, priority=-1)
+    engine.add_request(req)
+    events.track(req.request_id)
+    engine.step()
+    engine.add_request(urgent)
+    while engine.has_unfinished_requests():
+        engine.step()
+    got = events.pop(req.request_id)
+    i = _names(got).index("preempted")
+    assert dict(got[i].attributes)["cadence.reason"] == "max_num_seqs"
+    assert _names(got)[i:i + 3] == ["preempted", "waiting", "resumed"]
+    assert _waits(got) == [{"cadence.wait_reason": "max_num_seqs", "cadence.step": 2}]
+    # Its prompt's block is in the prefix cache: the resume recomputes one token, still a resume.
+    assert dict(got[i + 3].attributes)["cadence.tokens"] == 1 and got[i + 3].name == "prefill_chunk"
+    assert [e.time for e in got] == sorted(e.time for e in got)
+
+
+def test_a_wait_behind_a_moving_head_is_one_event_per_change_of_reason() -> None:
+    # One seat and a line of eight: the last waits behind each in turn, all held by the seat. Its
+    # trace says so once (naming the first it waited behind), not once per request ahead, which a
+    # long queue would turn into more events than a request keeps.
+    engine, _, _ = make_engine(max_num_seqs=1)
+    events = engine.record_request_events()
+    line = [make_request(prompt_len=4, max_tokens=2) for _ in range(8)]
+    for r in line:
+        engine.add_request(r)
+        events.track(r.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert _waits(events.pop(line[-1].request_id)) == [
+        {"cadence.wait_reason": "behind", "cadence.waiting_behind": line[1].request_id,
+         "cadence.behind_reason": "max_num_seqs", "cadence.step": 1},
+        {"cadence.wait_reason": "max_num_seqs", "cadence.step": 13},
+    ]

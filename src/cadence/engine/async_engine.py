@@ -419,9 +419,14 @@ class AsyncEngine:
         return it
 
     def enable_request_events(self) -> None:
-        """Record each request's prefill chunks, preemptions and resumes (for its trace); they come
-        with its final delta. Call before serving."""
-        self.core.record_request_events()
+        """Record each request's waits, prefill chunks, preemptions and resumes (for its trace); they
+        come with its final delta. Call before serving."""
+        self.core.record_request_events().name_request = self._client_request_id
+
+    def _client_request_id(self, request_id: str) -> str:
+        """The client request an engine request (one choice) belongs to (engine thread)."""
+        group = self._owner.get(request_id)
+        return group.request_id if group is not None else request_id
 
     def _dispatch(self, deltas: list[StreamDelta]) -> None:
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}

@@ -200,7 +200,7 @@ class EngineCore:
         now = self.clock.now()
         out = sched.schedule(now)
         if self.events is not None:
-            self.events.scheduled(out, sched.requests, now)
+            self.events.scheduled(out, sched.requests, now, sched.wait_stop)
         if self.structured is not None and self.structured.active:
             out = self.structured.with_bitmask(out)
         step_time = 0.0

@@ -5,6 +5,11 @@ the prompt's blocks with the KV manager's function and the request's cache salt,
 `GenerateCall`; the fleet's router picks the replica. The replica's first answer is its admission
 (`Admitted` or `Refused`), so refusals are real HTTP errors as on a single server; its name is
 put in the response's `X-Cadence-Replica` header (`ReplicaHeaderMiddleware`).
+
+Serve's HTTP proxy gives every request an id (the client's `X-Request-Id`, else one it makes) and
+always adds it to the response as `X-Request-Id`; the middleware leaves that header the only one
+(a second, the response's own id, would reach clients joined to it as "a, b"), and the client
+remembers it beside the response's id so that `GET /v1/requests/{id}` takes either.
 """
 
 from __future__ import annotations
@@ -31,18 +36,22 @@ from cadence.server.engine_client import TRACE_CARRIER
 log = logging.getLogger("cadence.fleet")
 
 REPLICA_HEADER = b"x-cadence-replica"
+REQUEST_ID_HEADER = b"x-request-id"  # Serve's proxy sets it on the request, and adds it to the response
 BUSY_RETRY_AFTER_S = 1.0  # Retry-After when Serve's own queue for the replicas is full
 REPLICA_CALL_TIMEOUT_S = 10.0  # a call to one replica (its metrics, a request's status)
 PLACED_KEEP = 4096  # requests whose replica the ingress remembers, for GET /v1/requests/{id}
 
-# Per HTTP request: a slot the client fills with the replica's name for the middleware to send.
+# Per HTTP request: a slot the client fills with the replica's name for the middleware to send,
+# and where the middleware puts the id Serve's proxy gave the request ("serve_id").
 _REPLICA_SLOT: ContextVar[dict[str, str] | None] = ContextVar("cadence_replica_slot", default=None)
 
 
 # (Its opening lines match server/stopping.py's StopGuard: both are the plain ASGI wrapper
 # pattern, kept apart because each wraps `send` for its own purpose.)
 class ReplicaHeaderMiddleware:
-    """Pure ASGI: adds `X-Cadence-Replica: NAME` to a response a replica served (or refused)."""
+    """Pure ASGI: adds `X-Cadence-Replica: NAME` to a response a replica served (or refused); where
+    Serve's proxy gave the request an id, drops the response's own `X-Request-Id` (the proxy adds
+    its id under that name)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -52,11 +61,18 @@ class ReplicaHeaderMiddleware:
             await self.app(scope, receive, send)
             return
         slot: dict[str, str] = {}
+        serve_id = next((v for k, v in scope.get("headers", ()) if k.lower() == REQUEST_ID_HEADER), None)
+        if serve_id is not None:
+            slot["serve_id"] = serve_id.decode("latin-1")
         token = _REPLICA_SLOT.set(slot)
 
         async def send_with_replica(message: dict) -> None:
-            if message["type"] == "http.response.start" and "replica" in slot:
-                headers = [*message.get("headers", []), (REPLICA_HEADER, slot["replica"].encode())]
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if serve_id is not None:
+                    headers = [(k, v) for k, v in headers if k.lower() != REQUEST_ID_HEADER]
+                if "replica" in slot:
+                    headers.append((REPLICA_HEADER, slot["replica"].encode()))
                 message = {**message, "headers": headers}
             await send(message)
 
@@ -70,6 +86,11 @@ def note_replica(name: str) -> None:
     slot = _REPLICA_SLOT.get()
     if slot is not None:
         slot["replica"] = name
+
+
+def _serve_request_id() -> str | None:
+    slot = _REPLICA_SLOT.get()
+    return slot.get("serve_id") if slot is not None else None
 
 
 @dataclass(frozen=True)
@@ -175,6 +196,8 @@ class FleetClient:
         self._hash_chain = block_hashers(info.hash_algo)[1]
         self._live: dict[str, FleetStream] = {}
         self._placed: collections.OrderedDict[str, str] = collections.OrderedDict()  # request id -> replica
+        # Serve's id of the HTTP request -> the response's id (as many as `_placed`)
+        self._serve_ids: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._draining = False
 
     # -- state --------------------------------------------------------------------------------------
@@ -247,15 +270,24 @@ class FleetClient:
             raise refusal_error(first)
         assert isinstance(first, Admitted), type(first)
         note_replica(first.replica)
-        self._placed[request_id] = first.replica
-        while len(self._placed) > PLACED_KEEP:
-            self._placed.popitem(last=False)
+        self._remember(request_id, first.replica)
         total = len(prompts) * params.n
         sub_ids = [request_id] if total == 1 else [f"{request_id}-{k}" for k in range(total)]
         stream = FleetStream(gen, request_id, sub_ids, self._closed)
         stream.admission = first.status
         self._live[request_id] = stream
         return stream
+
+    def _remember(self, request_id: str, replica: str) -> None:
+        self._placed[request_id] = replica
+        while len(self._placed) > PLACED_KEEP:
+            self._placed.popitem(last=False)
+        serve_id = _serve_request_id()
+        if serve_id is not None and serve_id != request_id:
+            self._serve_ids[serve_id] = request_id  # (a client's id sent twice: the later request)
+            self._serve_ids.move_to_end(serve_id)
+            while len(self._serve_ids) > PLACED_KEEP:
+                self._serve_ids.popitem(last=False)
 
     def _closed(self, stream: FleetStream) -> None:
         if self._live.get(stream.request_id) is stream:
@@ -281,6 +313,8 @@ class FleetClient:
         remembered); None when this ingress did not place it or its replica is gone."""
         from cadence.fleet.state import replica_ids
 
+        if request_id not in self._placed:  # (a client's X-Request-Id never shadows a response's id)
+            request_id = self._serve_ids.get(request_id, request_id)
         replica = self._placed.get(request_id)
         if replica is None or replica not in replica_ids():
             return None

@@ -21,6 +21,18 @@ _RUNNING = RequestStatus.RUNNING
 _NO_TENANTS: frozenset[str] = frozenset()
 
 
+def wait_of(stop: WaitStop, req: Request) -> WaitInfo:
+    """Why `req`, waiting in step `stop.step`, was not admitted in it: the step's own reason if the
+    step stopped at `req` (or stopped for everyone), its tenant's cap, else the request it stopped at."""
+    if stop.request_id == req.request_id:
+        return WaitInfo(stop.step, stop.reason)
+    if req.tenant in stop.capped_tenants:  # not admissible whatever else held it
+        return WaitInfo(stop.step, WaitReason.TENANT_QUOTA)
+    if stop.request_id is None:
+        return WaitInfo(stop.step, stop.reason)
+    return WaitInfo(stop.step, WaitReason.BEHIND, stop.request_id)
+
+
 class SchedulerIntrospection:
     # The scheduler's state read here (set by `Scheduler.__init__`).
     config: SchedulerConfig
@@ -76,13 +88,7 @@ class SchedulerIntrospection:
         stop = self.wait_stop
         if stop is None or req.queued_step > stop.step:
             return WaitInfo(self._step, WaitReason.NOT_REACHED)
-        if stop.request_id == request_id:
-            return WaitInfo(stop.step, stop.reason)
-        if req.tenant in stop.capped_tenants:  # not admissible whatever else held it
-            return WaitInfo(stop.step, WaitReason.TENANT_QUOTA)
-        if stop.request_id is None:
-            return WaitInfo(stop.step, stop.reason)
-        return WaitInfo(stop.step, WaitReason.BEHIND, stop.request_id)
+        return wait_of(stop, req)
 
     def snapshot(self, request_id: str) -> RequestSnapshot | None:
         """An unfinished request's state, its place in the queue and why it waits; None if unknown."""

@@ -248,7 +248,7 @@ def create_app(
         exporter.watch_thread_times(lambda: engine.engine_thread_times() or {})
     tracer = make_tracer(server_config, exporter)
     if tracer is not None and hasattr(engine, "enable_request_events"):
-        engine.enable_request_events()  # prefill chunks, preemptions and resumes inside the spans
+        engine.enable_request_events()  # waits, prefill chunks, preemptions and resumes inside the spans
     serving = OpenAIServing(engine, server_config, exporter, tracer)
     app = FastAPI(title="cadence", version="0.1.0", description="An OpenAI-compatible LLM server.")
     app.state.engine, app.state.serving, app.state.exporter = engine, serving, exporter

@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from cadence.boundary import RequestMetrics
+from cadence.engine.events import WAITING
 from cadence.engine.output_processor import StreamDelta
 
 log = logging.getLogger("cadence.server")
@@ -365,9 +366,16 @@ def _latencies(ms: list[RequestMetrics]) -> dict[str, float]:
 
 def _add_events(span: Any, trace: RequestTrace, end_ns: int) -> None:
     """queued, scheduled, first_token and finished, per choice, at their engine times (placed on the
-    Unix clock by the moment the request reached the engine)."""
+    Unix clock by the moment the request reached the engine), with the engine's own events, all in
+    the order they happened (a viewer that lists events as sent shows the first token before a
+    later preemption, not after it)."""
+    events: list[tuple[int, str, dict[str, Any]]] = []  # (time, name, attributes), at a tie as added
+
+    def add(name: str, attrs: dict[str, Any], ns: int) -> None:
+        events.append((ns, name, attrs))
+
     if trace.submit_ns:
-        span.add_event("queued", timestamp=trace.submit_ns)
+        add("queued", {}, trace.submit_ns)
     for choice, d in sorted(trace.finals.items()):
         m = d.metrics
         if m is None:
@@ -377,15 +385,21 @@ def _add_events(span: Any, trace: RequestTrace, end_ns: int) -> None:
             return min(end_ns, trace.submit_ns + int((t - m.arrival_time) * 1e9))
 
         attrs: dict[str, Any] = {"cadence.choice": choice}
+        # The engine's: why it waited (before it was first scheduled), prefill chunks, preemptions, resumes.
+        waited = next((i for i, e in enumerate(d.events) if e.name != WAITING), len(d.events))
+        for e in d.events[:waited]:
+            add(e.name, {**attrs, **dict(e.attributes)}, at(e.time))
         if m.first_scheduled_time is not None:
-            span.add_event("scheduled", attrs, timestamp=at(m.first_scheduled_time))
-        for e in d.events:  # prefill chunks, preemptions, resumes (the engine's, in order)
-            span.add_event(e.name, {**attrs, **dict(e.attributes)}, timestamp=at(e.time))
+            add("scheduled", attrs, at(m.first_scheduled_time))
+        for e in d.events[waited:]:
+            add(e.name, {**attrs, **dict(e.attributes)}, at(e.time))
         if m.first_token_time is not None:
-            span.add_event("first_token", attrs, timestamp=at(m.first_token_time))
+            add("first_token", attrs, at(m.first_token_time))
         if m.finished_time is not None:
             finish = {**attrs, "finish_reason": d.finish_reason or "", "cadence.num_preemptions": m.num_preemptions}
-            span.add_event("finished", finish, timestamp=at(m.finished_time))
+            add("finished", finish, at(m.finished_time))
+    for ns, name, attrs in sorted(events, key=lambda e: e[0]):
+        span.add_event(name, attrs, timestamp=ns)
 
 
 def _error_type(e: BaseException) -> str:
