@@ -4,6 +4,7 @@ becomes a control token."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -117,6 +118,11 @@ TOOLS = [
     ({"tools": [tool("")]}, "tools.0.function.name"),
     ({"tools": [tool("f"), tool("f")]}, "tools[1].function.name"),
     ({"tools": [tool("f", {"type": "objekt"})]}, "tools[0].function.parameters"),
+    # arguments are an object: a schema of anything else could only force calls clients cannot read
+    ({"tools": [tool("f"), tool("g", {"type": "string"})]}, "tools[1].function.parameters"),
+    ({"tools": [tool("f", {"type": "array", "items": {}})], "tool_choice": "required"},
+     "tools[0].function.parameters"),
+    ({"tools": [tool("f", {"type": ["object", "null"]})]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
     ({"tools": [tool("f")], "tool_choice": named("g")}, "tool_choice"),
     ({"tools": [tool("f")], "tool_choice": "sometimes"}, "tool_choice"),
@@ -232,3 +238,17 @@ def test_large_optional_repetitions_are_not_refused(served):
                  {"guided_grammar": 'start: "{1000000}"'}):
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
         assert r.status_code == 200, (body, r.text)
+
+
+def test_tool_parameters_without_a_type_still_force_an_arguments_object(served):
+    client, _, _ = served
+    params = {"properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    for choice in ("required", named("f")):
+        r = client.post("/v1/chat/completions", json={
+            "messages": CHAT, "max_tokens": 40, "temperature": 0, "parallel_tool_calls": False,
+            "tools": [tool("f", params)], "tool_choice": choice})
+        assert r.status_code == 200, r.text
+        done = r.json()["choices"][0]
+        assert done["finish_reason"] == "tool_calls", done
+        for call in done["message"]["tool_calls"]:
+            assert isinstance(json.loads(call["function"]["arguments"]), dict), call
