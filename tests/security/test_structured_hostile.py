@@ -219,6 +219,8 @@ UNFOLLOWABLE = [
     ({"guided_regex": "(a{1000}){1000}"}, "guided_regex", "counted repetition"),
     ({"structured_outputs": {"regex": "a{300000,}"}}, "structured_outputs", "counted repetition"),
     ({"guided_grammar": "start: /a{1000000}/"}, "guided_grammar", "counted repetition"),
+    ({"guided_grammar": 'start: %json {"type": "string", "pattern": "^a{1000000}$"}'}, "guided_grammar",
+     "counted repetition"),
     ({"guided_json": {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a{1000000}$"}}}},
      "guided_json", "counted repetition"),
 ]

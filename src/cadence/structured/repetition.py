@@ -102,9 +102,21 @@ def _schema_patterns(node: Any) -> Iterator[str]:
             stack.extend(cur)
 
 
-def _without_strings(grammar: str) -> str:
-    """A grammar's text with its double-quoted literals removed (their braces are plain text)."""
-    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', grammar)
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+# a `"pattern": "..."` of a JSON schema written into a grammar (llguidance's `%json {...}`)
+_JSON_PATTERN = re.compile(r'"pattern"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def _grammar_regexes(grammar: str) -> list[str]:
+    """A grammar's text with its double-quoted literals removed (their braces are plain text), and
+    the patterns of the JSON schemas written in it."""
+    regexes = [_STRING.sub('""', grammar)]
+    for m in _JSON_PATTERN.finditer(grammar):
+        try:
+            regexes.append(json.loads(m.group(1)))
+        except ValueError:
+            continue  # not JSON: the compiler says so
+    return regexes
 
 
 def check_forced_repeat(spec: StructuredOutputsParams, field: str, limit: int = DEFAULT_MAX_FORCED_REPEAT) -> None:
@@ -112,7 +124,7 @@ def check_forced_repeat(spec: StructuredOutputsParams, field: str, limit: int = 
     if spec.regex is not None:
         regexes: list[str] = [spec.regex]
     elif spec.grammar is not None:
-        regexes = [_without_strings(spec.grammar)]
+        regexes = _grammar_regexes(spec.grammar)
     elif spec.json is not None:
         try:
             regexes = list(_schema_patterns(json.loads(spec.json)))
