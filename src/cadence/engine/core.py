@@ -19,7 +19,7 @@ from cadence.config import EngineConfig
 from cadence.engine.events import RequestEventRecorder
 from cadence.executor.base import Executor
 from cadence.kv.manager import KVCacheManager
-from cadence.request import Request, RequestStatus, StructuredOutputsParams
+from cadence.request import FinishReason, Request, RequestStatus, StructuredOutputsParams
 from cadence.sched.scheduler import Scheduler
 from cadence.wording import counted
 
@@ -238,7 +238,7 @@ class EngineCore:
         ended = {d.request_id: d for d in deltas if d.finished}
         for end in ends:
             if end.request_id in ended:  # ended by the scheduler in this step, while its grammar failed
-                finals[end.request_id] = replace(ended[end.request_id], finish_reason="error", stop_reason=None,
+                finals[end.request_id] = replace(ended[end.request_id], finish_reason=FinishReason.ERROR, stop_reason=None,
                                                  error=end.error)
                 continue
             status = RequestStatus.FINISHED_STOPPED if end.error is None else RequestStatus.FINISHED_ERROR
