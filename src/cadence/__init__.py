@@ -1,6 +1,6 @@
 """cadence: an LLM serving engine whose heart is the scheduler.
 
-`from cadence import LLM, SamplingParams`. `LLM` is imported lazily so that the pure parts
+`from cadence import LLM, SamplingParams, StructuredOutputsParams`. `LLM` is imported lazily so that the pure parts
 (scheduler, workloads, the benchmark client) load without torch.
 """
 
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "1000"
 
-from cadence.request import SamplingParams
+from cadence.request import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from cadence.llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -4,6 +4,7 @@ becomes a control token."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -117,6 +118,11 @@ TOOLS = [
     ({"tools": [tool("")]}, "tools.0.function.name"),
     ({"tools": [tool("f"), tool("f")]}, "tools[1].function.name"),
     ({"tools": [tool("f", {"type": "objekt"})]}, "tools[0].function.parameters"),
+    # arguments are an object: a schema of anything else could only force calls clients cannot read
+    ({"tools": [tool("f"), tool("g", {"type": "string"})]}, "tools[1].function.parameters"),
+    ({"tools": [tool("f", {"type": "array", "items": {}})], "tool_choice": "required"},
+     "tools[0].function.parameters"),
+    ({"tools": [tool("f", {"type": ["object", "null"]})]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
     ({"tools": [tool("f")], "tool_choice": named("g")}, "tool_choice"),
     ({"tools": [tool("f")], "tool_choice": "sometimes"}, "tool_choice"),
@@ -196,3 +202,55 @@ def test_what_the_grammar_library_refuses_is_a_400_naming_the_request_field(serv
     err = refused(served, body)
     assert err["param"] == param, err
     assert err["message"].startswith(f"{param}: ") and "structured_outputs." not in err["message"], err
+
+
+# Constraints the library compiles but cannot follow: one that admits no output at all (it would
+# end its request at once with an empty text that does not follow it), and one whose counted
+# repetition makes the library fail at the first token that enters it (in the middle of generation).
+UNFOLLOWABLE = [
+    ({"guided_grammar": "start: start"}, "guided_grammar", "admits no output"),
+    ({"guided_grammar": "root ::= root"}, "guided_grammar", "admits no output"),
+    ({"guided_json": {"$ref": "#"}}, "guided_json", "admits no output"),
+    ({"guided_json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}},
+     "guided_json", "admits no output"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format", "admits no output"),
+    ({"guided_regex": "a{1000000}"}, "guided_regex", "counted repetition"),
+    ({"guided_regex": "(a{1000}){1000}"}, "guided_regex", "counted repetition"),
+    ({"structured_outputs": {"regex": "a{300000,}"}}, "structured_outputs", "counted repetition"),
+    ({"guided_grammar": "start: /a{1000000}/"}, "guided_grammar", "counted repetition"),
+    ({"guided_grammar": 'start: %json {"type": "string", "pattern": "^a{1000000}$"}'}, "guided_grammar",
+     "counted repetition"),
+    ({"guided_json": {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a{1000000}$"}}}},
+     "guided_json", "counted repetition"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "reason"), UNFOLLOWABLE)
+def test_a_constraint_the_library_cannot_follow_is_a_400_before_generation(served, body: dict, param: str,
+                                                                           reason: str):
+    err = refused(served, body, path="/v1/completions")
+    assert err["param"] == param, err
+    assert err["message"].startswith(f"{param}: ") and reason in err["message"], err
+
+
+def test_large_optional_repetitions_are_not_refused(served):
+    client, _, _ = served
+    for body in ({"guided_regex": ".{0,100000}"}, {"guided_regex": "(a{300}){300}"},
+                 {"guided_grammar": 'start: "{1000000}"'}):
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
+        assert r.status_code == 200, (body, r.text)
+
+
+def test_tool_parameters_without_a_type_still_force_an_arguments_object(served):
+    client, _, _ = served
+    params = {"properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    for choice in ("required", named("f")):
+        r = client.post("/v1/chat/completions", json={
+            "messages": CHAT, "max_tokens": 40, "temperature": 0, "parallel_tool_calls": False,
+            "tools": [tool("f", params)], "tool_choice": choice})
+        assert r.status_code == 200, r.text
+        done = r.json()["choices"][0]
+        assert done["finish_reason"] == "tool_calls", done
+        for call in done["message"]["tool_calls"]:
+            assert isinstance(json.loads(call["function"]["arguments"]), dict), call

@@ -30,3 +30,10 @@ def test_a_constrained_request_never_travels_as_a_plain_decode_row():
     assert not SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])).plain_decode
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(structured_outputs={"json": {}})
+
+
+def test_structured_outputs_params_comes_from_the_package_as_sampling_params_does():
+    import cadence
+
+    assert cadence.StructuredOutputsParams is StructuredOutputsParams
+    assert "StructuredOutputsParams" in cadence.__all__

@@ -201,3 +201,26 @@ def test_each_step_masks_only_its_constrained_sampling_rows(llm):
         assert (masked is None) == (not constrained)
         assert set(masked or ()) == constrained and len(masked or ()) == len(constrained)
     assert any(m is None for _, m in seen)  # steps with plain rows only carry no mask at all
+
+
+def test_a_grammar_that_fails_in_the_step_its_request_ends_reports_the_error(llm):
+    """A matcher that fails (a token it refused, the library's limits) while the request ends in
+    the same step (end-of-sequence, the token budget) ends it with "error", not "stop"."""
+    from cadence.boundary import RequestDelta
+    from cadence.request import Request
+
+    core = llm.engine.core
+    structured = core.structured
+    spec = SO(choice=["yes"])
+    request = Request("grammar-fails", [1, 2], SamplingParams(max_tokens=4, structured_outputs=spec))
+    structured.attach([request])
+    refused = next(t for t in range(structured.vocab_size) if not structured.validate(spec).matcher()
+                   .try_consume_tokens([t]))
+    for reason in ("stop", "length"):
+        structured.attach([request])
+        (end,) = structured.advance([RequestDelta("grammar-fails", (refused,), finish_reason=reason)])
+        assert end.request_id == "grammar-fails" and end.error, end
+    assert not structured.active
+    structured.attach([request])
+    (final,) = core._advance_grammars([RequestDelta("grammar-fails", (refused,), finish_reason="stop")])
+    assert final.finish_reason == "error" and final.error and final.new_token_ids == (refused,), final

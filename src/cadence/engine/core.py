@@ -19,7 +19,7 @@ from cadence.config import EngineConfig
 from cadence.engine.events import RequestEventRecorder
 from cadence.executor.base import Executor
 from cadence.kv.manager import KVCacheManager
-from cadence.request import Request, RequestStatus, StructuredOutputsParams
+from cadence.request import FinishReason, Request, RequestStatus, StructuredOutputsParams
 from cadence.sched.scheduler import Scheduler
 from cadence.wording import counted
 
@@ -235,7 +235,12 @@ class EngineCore:
             return deltas
         now = self.clock.now()
         finals: dict[str, RequestDelta] = {}
+        ended = {d.request_id: d for d in deltas if d.finished}
         for end in ends:
+            if end.request_id in ended:  # ended by the scheduler in this step, while its grammar failed
+                finals[end.request_id] = replace(ended[end.request_id], finish_reason=FinishReason.ERROR, stop_reason=None,
+                                                 error=end.error)
+                continue
             status = RequestStatus.FINISHED_STOPPED if end.error is None else RequestStatus.FINISHED_ERROR
             for d in self.scheduler.finish_requests((end.request_id,), status, now):
                 finals[d.request_id] = d if end.error is None else replace(d, error=end.error)

@@ -99,8 +99,18 @@ def parameters_of(tool: Tool) -> dict[str, Any]:
     """The schema a forced call's arguments follow: the tool's, its objects closed to properties it
     does not declare (as OpenAI's strict function calling and vLLM's default backend have it)."""
     params = tool.function.parameters
-    schema: dict[str, Any] = closed_objects(params if params else EMPTY_PARAMETERS)
+    # A schema that leaves the type open still describes an arguments object (OpenAI's convention)
+    schema: dict[str, Any] = closed_objects({"type": "object", **params} if params else EMPTY_PARAMETERS)
     return schema
+
+
+def check_parameters(params: dict[str, Any], field: str) -> None:
+    """A call's arguments are a JSON object: a `parameters` schema of any other type is refused
+    (OpenAI's rule), since a call forced to it could not be read as arguments."""
+    check_json_schema(params, field)
+    kind = params.get("type", "object")
+    if kind != "object":
+        raise ValueError(f'{field}: must describe the arguments object ("type": "object"), not {json.dumps(kind)}')
 
 
 def _call_schema(tool: Tool) -> dict[str, Any]:
@@ -124,7 +134,7 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
             raise ValueError(f"tools[{i}].function.name: {name!r} is given twice")
         seen.add(name)
         if tool.function.parameters is not None:
-            check_json_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+            check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
     choice = body.tool_choice
     parallel = body.parallel_tool_calls is not False
     if choice is None:

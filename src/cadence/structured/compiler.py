@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cadence.request import StructuredOutputsParams
+from cadence.structured.repetition import check_forced_repeat
 
 if TYPE_CHECKING:
     import llguidance
@@ -80,6 +81,18 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_lark(text)
     except Exception as e:  # noqa: BLE001 - whatever the library raises about a spec, it is the sender's error
         raise ValueError(f"{field_name(spec)}: {_short(e)}") from None
+
+
+def _check_first_mask(spec: StructuredOutputsParams, matcher: llguidance.LLMatcher) -> None:
+    """Refuse a grammar that fails on its first mask: one that admits no output at all (a rule
+    defined only by itself, a `$ref` cycle) errs there, and would otherwise end its request at once
+    with an empty text that does not follow it."""
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+        error = probe.get_error()
+        reason = "it admits no output" if "NoExtensionBias" in error else _short(error)
+        raise ValueError(f"{field_name(spec)}: {reason}")
 
 
 def _short(e: object) -> str:
@@ -188,6 +201,7 @@ class GrammarCompiler:
         import llguidance
 
         start = time.perf_counter()
+        check_forced_repeat(spec, field_name(spec))
         grammar = grammar_text(spec)
         try:
             matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=self._limits)
@@ -195,6 +209,7 @@ class GrammarCompiler:
             raise ValueError(f"{field_name(spec)}: {_short(e)}") from None
         if matcher.is_error():
             raise ValueError(f"{field_name(spec)}: {_short(matcher.get_error())}")
+        _check_first_mask(spec, matcher)
         return CompiledGrammar(spec, matcher, time.perf_counter() - start)
 
     def _done(self, spec: StructuredOutputsParams, fut: Future[Any]) -> None:

@@ -115,7 +115,8 @@ class StructuredOutputs:
 
     def advance(self, deltas: Sequence[RequestDelta]) -> list[GrammarEnd]:
         """Feed each constrained request its accepted tokens; forget the finished. Returns the requests
-        still running whose grammar has ended (complete, or in error)."""
+        still running whose grammar has ended (complete, or in error), and those that ended in this
+        step while their grammar failed."""
         ends: list[GrammarEnd] = []
         for d in deltas:
             m = self._matchers.get(d.request_id)
@@ -125,8 +126,11 @@ class StructuredOutputs:
                 m.consume_tokens(list(d.new_token_ids))
             if d.finished:
                 del self._matchers[d.request_id]
-            elif m.is_error():
+            if m.is_error() and d.finish_reason not in ("error", "abort"):
+                # A request that ends in the step its matcher fails (end-of-sequence being all a failed
+                # matcher's mask allows, or the budget spent) ends in error too: its output does not
+                # follow the constraint.
                 ends.append(GrammarEnd(d.request_id, f"structured output: {m.get_error()[:200]}"))
-            elif m.is_stopped():
+            elif m.is_stopped() and not d.finished:
                 ends.append(GrammarEnd(d.request_id))
         return ends
