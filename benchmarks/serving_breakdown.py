@@ -38,6 +38,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from cadence.bench.launch import served
+from cadence.sim.served_fit import scheduled_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 CADENCE = [sys.executable, "-m", "cadence.cli"]
@@ -204,7 +205,7 @@ def table(frac: float, r: dict) -> str:
     lines += ["", "| steps | count | measured s | modelled s | measured / modelled: sum | a step's p10 / p50 / p90 / p99 |",
               "|---|---|---|---|---|---|"]
     overhead = json.loads(Path(r["profile"]).read_text())["cost_model"].get("overhead", {})
-    rows_per_step = (r["tokens_out"] + r["tokens_in"] / 512) / max(r["steps"], 1)  # rows, roughly
+    rows_per_step = scheduled_rows(r) / max(r["steps"], 1)
     modelled = overhead.get("per_step", 0.0) + overhead.get("per_seq", 0.0) * rows_per_step
     lines.append(f"engine outside the executor: {1000 * (busy - ph['execute']) / max(r['steps'], 1):.2f} ms a step "
                  f"measured; the profile's serving overhead charges {1000 * modelled:.2f} ms a step "

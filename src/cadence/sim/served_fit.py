@@ -56,16 +56,21 @@ def served_samples(step_logs: list[Path], limit: int, seed: int = 0) -> list[tup
     return out
 
 
+def scheduled_rows(run: dict[str, Any]) -> float:
+    """The rows a serving-breakdown run scheduled, near enough: one per output token, and one per
+    step that computed a prompt chunk."""
+    kinds = run["steps_vs_model"]
+    return run["tokens_out"] + sum(kinds.get(k, {}).get("steps", 0) for k in ("chunks", "chunk + decodes"))
+
+
 def engine_overhead(runs: list[dict[str, Any]]) -> dict[str, float]:
     """The engine thread's time outside the executor, fitted as per_step + per_seq x rows over the
-    runs of a serving breakdown (rows: output tokens plus one per prompt chunk, near enough)."""
+    runs of a serving breakdown (rows as `scheduled_rows` counts them)."""
     x, y = [], []
     for r in runs:
         ph = r["phases_s"]
         outside = sum(v for k, v in ph.items() if k not in ("idle", "execute"))
-        rows = r["tokens_out"] + r["steps_vs_model"].get("chunks", {}).get("steps", 0) \
-            + r["steps_vs_model"].get("chunk + decodes", {}).get("steps", 0)
-        x.append([r["steps"], rows])
+        x.append([r["steps"], scheduled_rows(r)])
         y.append(outside)
     a, b = _nonneg_lstsq(np.array(x, dtype=float), np.array(y, dtype=float))
     return {"per_step": a, "per_seq": b}
