@@ -151,7 +151,7 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return self._in_flight
 
-    def engine_thread_times(self) -> dict[str, float]:
+    def engine_thread_times(self) -> dict[str, Any]:
         return self.thread_times.as_dict()
 
     def census(self) -> QueueCensus:

@@ -21,6 +21,7 @@ import ctypes
 import sys
 import time
 from dataclasses import dataclass, fields
+from typing import Any
 
 # The phases of the engine thread's loop, in loop order.
 PHASES = ("idle", "inbox", "schedule_update", "execute", "detokenize", "publish")
@@ -45,8 +46,11 @@ class EngineThreadTimes:
     def busy(self) -> float:
         return self.inbox + self.schedule_update + self.execute + self.detokenize + self.publish
 
-    def as_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def as_dict(self) -> dict[str, Any]:
+        """Every total by name, and the phases' again under "phases" (in loop order), so that a
+        reader needs no list of them of its own."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "phases": {p: getattr(self, p) for p in PHASES}}
 
 
 class StepTimer:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -246,7 +247,7 @@ class PrometheusExporter:
         for reason in ("queue_full", "export_failed"):  # at 0 from the start, so rate() and alerts see them
             self.trace_spans_dropped.labels(reason)
 
-    def watch_thread_times(self, read: Callable[[], Mapping[str, float]]) -> None:
+    def watch_thread_times(self, read: Callable[[], Mapping[str, Any]]) -> None:
         """Export the engine thread's time totals (`EngineThreadTimes.as_dict`), read at each scrape."""
         self.registry.register(_ThreadTimesCollector(read))
 
@@ -345,9 +346,7 @@ class KVTransferMetrics:
 class _ThreadTimesCollector(Collector):
     """The engine thread's running totals as counters: no work per step, one read per scrape."""
 
-    PHASES = ("idle", "inbox", "schedule_update", "execute", "detokenize", "publish")
-
-    def __init__(self, read: Callable[[], Mapping[str, float]]) -> None:
+    def __init__(self, read: Callable[[], Mapping[str, Any]]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
@@ -358,8 +357,8 @@ class _ThreadTimesCollector(Collector):
             "(forward and sampling), detokenize, publish (metrics, hand-off to the HTTP side).",
             labels=("phase",),
         )
-        for phase in self.PHASES:
-            phases.add_metric((phase,), t[phase])
+        for phase, seconds in t["phases"].items():
+            phases.add_metric((phase,), seconds)
         yield phases
         yield CounterMetricFamily(
             "cadence:engine_thread_busy_cpu_seconds",

@@ -70,7 +70,7 @@ class EngineClient(Protocol):
     @property
     def num_in_flight(self) -> int: ...
 
-    def engine_thread_times(self) -> dict[str, float] | None:
+    def engine_thread_times(self) -> dict[str, Any] | None:
         """The local engine thread's time totals (`EngineThreadTimes`), None where the engines are
         elsewhere (a fleet's replicas export their own)."""
         ...
