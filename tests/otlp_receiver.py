@@ -73,9 +73,11 @@ class SpanSink:
             self.spans.extend(spans)
             self.cond.notify_all()
 
-    def wait(self, request_id: str, timeout: float = 30.0) -> ReceivedSpan:
+    def wait(self, request_id: str, timeout: float = 30.0, attribute: str = "gen_ai.request.id") -> ReceivedSpan:
+        """The first span whose `attribute` is `request_id` (an ingress span by default; a replica's
+        engine span carries `cadence.request_id`), waiting up to `timeout` seconds for it."""
         def found() -> ReceivedSpan | None:
-            return next((s for s in self.spans if s.attributes.get("gen_ai.request.id") == request_id), None)
+            return next((s for s in self.spans if s.attributes.get(attribute) == request_id), None)
 
         with self.cond:
             self.cond.wait_for(lambda: found() is not None, timeout)

@@ -26,16 +26,7 @@ def _totals(text: str) -> dict[str, float]:
 
 
 def _engine_span(receiver: HttpReceiver, request_id: str, timeout: float = 60.0) -> ReceivedSpan:
-    sink = receiver.sink
-
-    def found() -> ReceivedSpan | None:
-        return next((s for s in sink.spans if s.attributes.get("cadence.request_id") == request_id), None)
-
-    with sink.cond:
-        sink.cond.wait_for(lambda: found() is not None, timeout)
-        span = found()
-    assert span is not None, f"no replica span for {request_id}"
-    return span
+    return receiver.sink.wait(request_id, timeout, attribute="cadence.request_id")
 
 
 def test_a_fleet_serves_vllm_series_and_traces():
