@@ -16,6 +16,8 @@ is timed from the inside:
 - every step the engine ran (`--record-steps`) against the profile's cost model, by kind of step
   (decodes only, a prompt chunk beside decodes, prompt chunks only): what the simulator would
   have charged for the very steps the server made;
+- the request path: before the traffic, one request at a time at idle, the client's time to its
+  first token less the profile's price of the prefill step (sim/serving.py, `probe_request_path`);
 - the same workload simulated: busy time, steps, and TTFT/ITL percentiles beside the client's
   and the engine's own (from /metrics).
 
@@ -38,7 +40,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from cadence.bench.launch import served
+from cadence.executor.cost_model import StepCostModel
 from cadence.sim.served_fit import scheduled_rows
+from cadence.sim.serving import fit_request_path, probe_request_path
 
 ROOT = Path(__file__).resolve().parent.parent
 CADENCE = [sys.executable, "-m", "cadence.cli"]
@@ -124,6 +128,7 @@ def one_run(args: argparse.Namespace, seed: int, rate: float, out: Path) -> dict
     steps_file.unlink(missing_ok=True)
     cmd = [*CADENCE, "serve", "--num-threads", "1", "--port", str(args.port), "--record-steps", str(steps_file)]
     with served(cmd, url + "/ready", out / f"serve_{seed}_{rate:.3f}.log", cwd=ROOT, timeout=120) as proc:
+        probe = probe_request_path(url, seed=seed)  # at idle, before the traffic (and its counters)
         m0, c0 = scrape(url), thread_cpu(proc.pid)
         r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
         real = out / f"real_{seed}_{rate:.3f}"
@@ -149,6 +154,8 @@ def one_run(args: argparse.Namespace, seed: int, rate: float, out: Path) -> dict
         "engine_side": {m: {f"p{q}": histogram_quantile(d, f"cadence:{name}_bucket", q / 100) for q in (50, 90, 99)}
                         for m, name in (("ttft", "time_to_first_token_seconds"),
                                         ("itl", "inter_token_latency_seconds"))},
+        "request_path_probe": probe,
+        "request_path": fit_request_path(probe, StepCostModel.load(args.profile)),
         "sim": simulate(args, seed, rate, out),
         "steps_vs_model": steps_vs_model(steps_file, args.profile),
     }
@@ -202,14 +209,17 @@ def table(frac: float, r: dict) -> str:
     lines.append(f"engine busy {busy:.2f} s in {r['steps']:.0f} steps ({1000 * busy / max(r['steps'], 1):.2f} ms a step); "
                  f"simulated {sim['busy_s']:.2f} s in {sim['steps']} steps ({1000 * sim['busy_s'] / max(sim['steps'], 1):.2f} "
                  f"ms a step): sim/real busy {sim['busy_s'] / max(busy, 1e-9):.2f}")
-    lines += ["", "| steps | count | measured s | modelled s | measured / modelled: sum | a step's p10 / p50 / p90 / p99 |",
-              "|---|---|---|---|---|---|"]
     overhead = json.loads(Path(r["profile"]).read_text())["cost_model"].get("overhead", {})
     rows_per_step = scheduled_rows(r) / max(r["steps"], 1)
     modelled = overhead.get("per_step", 0.0) + overhead.get("per_seq", 0.0) * rows_per_step
     lines.append(f"engine outside the executor: {1000 * (busy - ph['execute']) / max(r['steps'], 1):.2f} ms a step "
                  f"measured; the profile's serving overhead charges {1000 * modelled:.2f} ms a step "
                  f"(at {rows_per_step:.1f} rows a step)")
+    rp = r["request_path"]
+    lines.append(f"request path at idle: {1000 * rp['per_request']:.2f} ms a request + "
+                 f"{1e6 * rp['per_prompt_token']:.1f} us a prompt token")
+    lines += ["", "| steps | count | measured s | modelled s | measured / modelled: sum | a step's p10 / p50 / p90 / p99 |",
+              "|---|---|---|---|---|---|"]
     for kind, v in r["steps_vs_model"].items():
         lines.append(f"| {kind} | {v['steps']} | {v['actual_s']:.2f} | {v['predicted_s']:.2f} | "
                      f"{v['actual_s'] / max(v['predicted_s'], 1e-9):.2f} | "

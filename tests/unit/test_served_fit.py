@@ -3,6 +3,7 @@ and the overhead is the engine's measured time outside the executor."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -62,3 +63,61 @@ def test_refit_moves_decode_costs_toward_what_serving_measured(tmp_path):
 
 def _overhead(model: StepCostModel, f: StepFeatures) -> float:
     return model.overhead.get("per_step", 0.0) + model.overhead.get("per_seq", 0.0) * f.num_seqs
+
+
+def test_refit_takes_the_request_path_from_the_runs_probes(tmp_path):
+    base = dataclasses.replace(StepCostModel.load(default_profile_path()), request_path={"per_request": 0.5})
+    rng = random.Random(1)
+    with (tmp_path / "steps_1_0.500.jsonl").open("w") as f:
+        for i in range(100):
+            feat = _decode(rng)
+            f.write(json.dumps({"step": i, "duration": base.predict(feat), **feat.to_dict()}) + "\n")
+    runs = [_run(1000, 3000, 5e-4, 2e-4, 0.3), _run(800, 6000, 5e-4, 2e-4, 0.6)]
+    (tmp_path / "breakdown.json").write_text(json.dumps({"workload": "chat", "runs": runs}))
+    assert refit(base, tmp_path).request_path == {"per_request": 0.5}  # no probe: the base's is kept
+
+    new_overhead = {"per_step": 5e-4, "per_seq": 2e-4}
+    for r in runs:
+        r["request_path_probe"] = [{"prompt_tokens": n, "ttft_s": 0.0} for n in (10, 150)]
+    (tmp_path / "breakdown.json").write_text(json.dumps({"workload": "chat", "runs": runs}))
+    first = refit(base, tmp_path)
+    # Priced against the refitted model, overhead included: the same probe, the same fit.
+    for r in runs:
+        r["request_path_probe"] = [
+            {"prompt_tokens": n, "ttft_s": 0.007 + 2e-6 * n + _priced(first, n, new_overhead)} for n in (10, 150)]
+    (tmp_path / "breakdown.json").write_text(json.dumps({"workload": "chat", "runs": runs}))
+    new = refit(base, tmp_path)
+    assert new.request_path["per_request"] == pytest.approx(0.007, abs=1e-6)
+    assert new.request_path["per_prompt_token"] == pytest.approx(2e-6, rel=1e-3)
+    assert new.metadata["request_path_source"].startswith("cadence serve at idle")
+
+
+def _priced(model: StepCostModel, n: int, overhead: dict) -> float:
+    f = StepFeatures(prefill_tokens=n, prefill_seqs=1, sampled=1, prefill_attention=n * (n + 1) // 2)
+    return dataclasses.replace(model, overhead=overhead).predict(f)
+
+
+def test_calibrate_from_served_takes_several_breakdowns(tmp_path, capsys):
+    from cadence.cli import main
+
+    base = StepCostModel.load(default_profile_path())
+    rng = random.Random(2)
+    dirs = []
+    for name, frac in (("chat", 0.3), ("long-prompt-mix", 0.6)):
+        d = tmp_path / name
+        d.mkdir()
+        with (d / "steps_1_0.500.jsonl").open("w") as f:
+            for i in range(60):
+                feat = _decode(rng)
+                f.write(json.dumps({"step": i, "duration": base.predict(feat), **feat.to_dict()}) + "\n")
+        run = _run(1000, 3000, 5e-4, 2e-4, frac)
+        run["request_path_probe"] = [{"prompt_tokens": n, "ttft_s": 0.5} for n in (10, 150)]
+        (d / "breakdown.json").write_text(json.dumps({"workload": name, "runs": [run]}))
+        dirs.append(str(d))
+    out = tmp_path / "refit.json"
+    assert main(["calibrate", "--from-served", ",".join(dirs), "--out", str(out)]) == 0
+    new = StepCostModel.load(out)
+    assert new.metadata["served_refit"]["workload"] == "chat, long-prompt-mix"
+    assert new.metadata["served_refit"]["loads"] == [0.3, 0.6]
+    assert 0.3 < new.request_path["per_request"] < 0.5  # half a second less the priced prefill
+    assert "request path" in capsys.readouterr().out

@@ -195,6 +195,11 @@ class StepCostModel:
     # The engine's own time per step beyond the forward pass (scheduling, bookkeeping, detokenizing):
     # {"per_step": s, "per_seq": s}, measured separately by calibration and added to every prediction.
     overhead: dict[str, float] = field(default_factory=dict)
+    # What a request costs before the engine sees it and after its tokens leave (HTTP parsing,
+    # chat template, tokenization, the hand-offs to and from the engine thread), measured through a
+    # real server at idle: {"per_request": s, "per_prompt_token": s}. Not a step's cost: the
+    # simulator delays each request's arrival at its engine by it.
+    request_path: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         spec = FEATURE_SETS.get(self.feature_set)
@@ -211,10 +216,21 @@ class StepCostModel:
         unknown = set(self.overhead) - {"per_step", "per_seq"}
         if unknown:
             raise ValueError(f"overhead: unknown terms {sorted(unknown)} (per_step, per_seq)")
+        unknown = set(self.request_path) - {"per_request", "per_prompt_token"}
+        if unknown:
+            raise ValueError(f"request_path: unknown terms {sorted(unknown)} (per_request, per_prompt_token)")
+        if any(not (math.isfinite(v) and v >= 0) for v in (*self.overhead.values(), *self.request_path.values())):
+            raise ValueError("overhead, request_path: terms must be finite and >= 0 seconds")
         w[0] += self.overhead.get("per_step", 0.0)
         w[BASES.index("prefill_seqs")] += self.overhead.get("per_seq", 0.0)
         w[BASES.index("decode_seqs")] += self.overhead.get("per_seq", 0.0)
         self._w = tuple(w)
+
+    def request_delay(self, prompt_tokens: int) -> float:
+        """Seconds between a client sending a request of `prompt_tokens` and its engine seeing it
+        (the whole request path, the way back included: see `request_path`)."""
+        rp = self.request_path
+        return rp.get("per_request", 0.0) + rp.get("per_prompt_token", 0.0) * prompt_tokens
 
     def predict(self, f: StepFeatures) -> float:
         return max(self.min_cost, sum(a * b for a, b in zip(self._w, f.bases(), strict=True)))
@@ -262,7 +278,8 @@ class StepCostModel:
     def to_dict(self) -> dict[str, Any]:
         return {"cadence_profile": PROFILE_FORMAT, **self.metadata,
                 "cost_model": {"feature_set": self.feature_set, "coefficients": self.coefficients,
-                               "overhead": self.overhead, "min_cost": self.min_cost, "unit": "seconds"},
+                               "overhead": self.overhead, "request_path": self.request_path,
+                               "min_cost": self.min_cost, "unit": "seconds"},
                 "fit": self.fit_report}
 
     @classmethod
@@ -273,7 +290,8 @@ class StepCostModel:
         meta = {k: v for k, v in d.items() if k not in ("cadence_profile", "cost_model", "fit")}
         return cls(cm["feature_set"], {k: float(v) for k, v in cm["coefficients"].items()}, meta,
                    dict(d.get("fit", {})), float(cm.get("min_cost", 1e-6)),
-                   {k: float(v) for k, v in cm.get("overhead", {}).items()})
+                   {k: float(v) for k, v in cm.get("overhead", {}).items()},
+                   {k: float(v) for k, v in cm.get("request_path", {}).items()})
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -203,9 +203,10 @@ def calibrate(config: EngineConfig, *, tiny: bool = False, quick: bool = False, 
     fitted = StepCostModel.fit(samples, metadata=meta)
     fitted.fit_report["samples"] = [{**f.to_dict(), "seconds": s} for f, s in samples]
     terms = {"per_step": overhead["per_step"], "per_seq": overhead["per_seq"]}
+    request_path: dict[str, float] = {}  # not measured in process: no HTTP there
     if served and not tiny:
         # What a client of `cadence serve` sees supersedes the in-process estimate: it includes it.
-        from cadence.sim.serving import measure_serving_overhead
+        from cadence.sim.serving import fit_request_path, measure_serving_overhead
 
         if progress:
             print("measuring what serving adds to a step (cadence serve + a streaming client)", flush=True)
@@ -214,6 +215,10 @@ def calibrate(config: EngineConfig, *, tiny: bool = False, quick: bool = False, 
                                                 log_path=serve_log)
         fitted.metadata["serving_overhead_measurement"] = served_terms
         terms = {"per_step": served_terms["per_step"], "per_seq": served_terms["per_seq"]}
+        # The request path is what the probe's first tokens took beyond the steps as now priced.
+        priced = dataclasses.replace(fitted, overhead=terms)
+        request_path = fit_request_path(served_terms["request_path_probe"], priced)
+        fitted.metadata["request_path_source"] = "cadence serve at idle"
     fitted.metadata["overhead_source"] = "served" if served and not tiny else "engine core, in process"
     fitted.metadata["calibration_seconds"] = round(time.perf_counter() - t_start, 1)
-    return dataclasses.replace(fitted, overhead=terms)
+    return dataclasses.replace(fitted, overhead=terms, request_path=request_path)

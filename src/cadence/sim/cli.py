@@ -97,9 +97,10 @@ def add_parser(subparsers: Any) -> None:
     c.add_argument("--tiny", action="store_true", help="the tiny random-weight model (testing)")
     c.add_argument("--no-serve", action="store_true",
                    help="measure the engine's overhead in process instead of through `cadence serve` and a client")
-    c.add_argument("--from-served", default=None, metavar="DIR",
+    c.add_argument("--from-served", default=None, metavar="DIR[,DIR...]",
                    help="instead of timing anything, refit --profile on the served steps that "
-                        "benchmarks/serving_breakdown.py kept in DIR (cadence.sim.served_fit)")
+                        "benchmarks/serving_breakdown.py kept in DIR (several: comma-separated, e.g. one "
+                        "per workload; cadence.sim.served_fit)")
     c.add_argument("--profile", default=None, help="the profile --from-served refits (default: the shipped one)")
     c.set_defaults(func=run_calibrate)
 
@@ -422,7 +423,7 @@ def _refit_from_served(args: argparse.Namespace) -> int:
     from cadence.sim.served_fit import refit
 
     base = load_profile(args.profile, args)
-    model = refit(base, args.from_served)
+    model = refit(base, [d for d in args.from_served.split(",") if d])
     r = model.metadata["served_refit"]
     print(f"refitted on {r['sweep_steps']} calibration steps and {r['served_steps']} served steps "
           f"from {args.from_served}")
@@ -438,6 +439,10 @@ def _report_fit(model: Any, path: Path) -> int:
     ov = model.overhead
     print(f"overhead ({model.metadata['overhead_source']}): {ov['per_step'] * 1e3:.2f} ms/step + "
           f"{ov['per_seq'] * 1e3:.3f} ms per running request")
+    rp = model.request_path
+    if rp:
+        print(f"request path ({model.metadata.get('request_path_source', 'measured')}): "
+              f"{rp['per_request'] * 1e3:.2f} ms a request + {rp['per_prompt_token'] * 1e6:.1f} us a prompt token")
     print(f"wrote {path}")
     return 0
 

@@ -12,7 +12,9 @@ those into a profile:
   runs, so that the sweep's long contexts and large batches, which light traffic never makes,
   still shape the fit);
 - the serving overhead becomes what the engine thread was measured to spend outside the
-  executor, fitted over the runs as a constant per step plus a cost per scheduled row.
+  executor, fitted over the runs as a constant per step plus a cost per scheduled row;
+- the request path (what a request pays outside the steps: HTTP, tokenization, hand-offs) comes
+  from the idle probe each served run starts with, priced against the refitted model.
 
 `cadence calibrate --from-served DIR --profile BASE --out NEW` does both.
 """
@@ -29,6 +31,7 @@ import numpy as np
 
 from cadence.executor.cost_model import StepCostModel, StepFeatures
 from cadence.executor.step_log import read_step_log
+from cadence.sim.serving import fit_request_path
 
 SERVED_PER_SWEEP = 4
 
@@ -94,22 +97,36 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return best[1], best[2]
 
 
-def refit(base: StepCostModel, breakdown_dir: str | Path) -> StepCostModel:
-    """`base` refitted on its sweep plus the served steps under `breakdown_dir` (module docstring)."""
-    d = Path(breakdown_dir)
-    summary = json.loads((d / "breakdown.json").read_text())
-    logs = sorted(d.glob("steps_*.jsonl"))
-    if not logs:
-        raise ValueError(f"{d}: no steps_*.jsonl (run benchmarks/serving_breakdown.py --out {d})")
+def refit(base: StepCostModel, breakdown_dirs: str | Path | list[str | Path]) -> StepCostModel:
+    """`base` refitted on its sweep plus the served steps under one or more breakdown directories
+    (each a `serving_breakdown.py --out`, e.g. one per workload; module docstring)."""
+    dirs = [Path(d) for d in (breakdown_dirs if isinstance(breakdown_dirs, list) else [breakdown_dirs])]
+    runs: list[dict[str, Any]] = []
+    logs: list[Path] = []
+    workloads = []
+    for d in dirs:
+        summary = json.loads((d / "breakdown.json").read_text())
+        found = sorted(d.glob("steps_*.jsonl"))
+        if not found:
+            raise ValueError(f"{d}: no steps_*.jsonl (run benchmarks/serving_breakdown.py --out {d})")
+        runs += summary["runs"]
+        logs += found
+        workloads.append(summary.get("workload"))
     sweep = sweep_samples(base)
     served = served_samples(logs, SERVED_PER_SWEEP * len(sweep))
     meta = {k: v for k, v in base.metadata.items() if k != "validation"}  # a new model needs a new validation
     fitted = StepCostModel.fit(sweep + served, metadata=meta)
     fitted.fit_report["samples"] = base.fit_report["samples"]
-    overhead = engine_overhead(summary["runs"])
+    overhead = engine_overhead(runs)
+    probe = [p for r in runs for p in r.get("request_path_probe", ())]
+    # The probe's first tokens less their prefill steps as the refitted model prices them.
+    request_path = (fit_request_path(probe, dataclasses.replace(fitted, overhead=overhead)) if probe
+                    else base.request_path)
     fitted.metadata["served_refit"] = {
-        "breakdown": str(d), "served_steps": len(served), "sweep_steps": len(sweep),
-        "loads": [r.get("fraction") for r in summary["runs"]], "workload": summary.get("workload"),
+        "breakdown": ", ".join(str(d) for d in dirs), "served_steps": len(served), "sweep_steps": len(sweep),
+        "loads": [r.get("fraction") for r in runs], "workload": ", ".join(str(w) for w in workloads),
         "overhead": overhead}
     fitted.metadata["overhead_source"] = "served traffic: the engine thread outside the executor"
-    return dataclasses.replace(fitted, overhead=overhead)
+    fitted.metadata["request_path_source"] = ("cadence serve at idle, before each served run" if probe
+                                              else base.metadata.get("request_path_source", "none"))
+    return dataclasses.replace(fitted, overhead=overhead, request_path=request_path)

@@ -83,13 +83,16 @@ def _closed_loop(url: str, users: int, rounds: int, vocab: int) -> list[float]:
 def measure_serving_overhead(config: EngineConfig, model: StepCostModel, vocab: int, *,
                              batches: tuple[int, ...] = (1, 4, 16), rounds: int = 2,
                              log_path: str = "cadence_calibrate_serve.log") -> dict[str, Any]:
-    """Serve, stream decode traffic at each batch size, fit (median ITL - modelled step) = a + b * batch."""
+    """Serve, stream decode traffic at each batch size, fit (median ITL - modelled step) = a + b * batch;
+    and probe the request path at idle first (`probe_request_path`: the caller fits it once the
+    step overhead is known)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "cadence.cli", "serve", "--port", str(port), *engine_flags(config)]
     rows = []
     with served(cmd, url + "/ready", log_path):
         _closed_loop(url, 1, 1, vocab)  # warm-up
+        probe = probe_request_path(url)
         for n in batches:
             gaps = _closed_loop(url, n, rounds, vocab)
             ctx = PROMPT_TOKENS + OUTPUT_TOKENS // 2
@@ -99,7 +102,69 @@ def measure_serving_overhead(config: EngineConfig, model: StepCostModel, vocab: 
     y = [r["median_itl_s"] - r["modelled_step_s"] for r in rows]
     per_seq, per_step = _line(b, y)
     return {"per_step": per_step, "per_seq": per_seq, "runs": rows, "how": "cadence serve, streaming client on "
-            f"this machine, {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} tokens out"}
+            f"this machine, {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} tokens out",
+            "request_path_probe": probe}
+
+
+# Words for the request-path probe's text prompts: each probe a fresh random sentence, so no prompt
+# finds another's blocks in the prefix cache.
+_WORDS = ("river", "stone", "lantern", "orbit", "maple", "quiet", "signal", "harbor", "copper", "meadow",
+          "thunder", "violet", "engine", "paper", "summit", "candle", "falcon", "garden", "mirror", "winter")
+
+
+def _first_token(client: httpx.Client, text: str) -> tuple[float, int]:
+    """Seconds to the first streamed token of a one-token completion of `text`, and its prompt tokens."""
+    body = {"prompt": text, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, prompt_tokens = None, 0
+    with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("choices") and first is None:
+                first = time.perf_counter() - t0
+            if obj.get("usage"):
+                prompt_tokens = int(obj["usage"]["prompt_tokens"])
+    if first is None or not prompt_tokens:
+        raise RuntimeError("request-path probe: the server sent no token or no usage")
+    return first, prompt_tokens
+
+
+def probe_request_path(url: str, *, words: tuple[int, ...] = (8, 160), repeats: int = 8,
+                       seed: int = 0) -> list[dict[str, float]]:
+    """Time to first token of one request at a time through a server at idle: text prompts of
+    `words` words, one token out, streamed as `cadence bench` streams. Each prompt is new, so none
+    finds another's blocks in the prefix cache."""
+    rng = random.Random(seed)
+    runs = []
+    with httpx.Client(base_url=url, timeout=120) as client:
+        _first_token(client, "warm up")
+        for n in words:
+            for _ in range(repeats):
+                ttft, tokens = _first_token(client, " ".join(rng.choice(_WORDS) for _ in range(n)))
+                runs.append({"prompt_tokens": tokens, "ttft_s": ttft})
+    return runs
+
+
+def fit_request_path(runs: list[dict[str, float]], model: StepCostModel) -> dict[str, float]:
+    """The request path from a probe's runs: the client's time to its first token less the cost
+    model's price of the one prefill step that made it is what the request paid outside the
+    engine's steps (HTTP, tokenization, the hand-offs to and from the engine thread). Fitted as a
+    constant per request plus a cost per prompt token through the medians at each prompt length
+    (one request delayed by something else on the machine does not move the line), both clipped
+    at 0."""
+    groups: dict[int, list[tuple[int, float]]] = {}  # prompts within 32 tokens of each other: one length
+    for r in runs:
+        n = int(r["prompt_tokens"])
+        step = model.predict(StepFeatures(prefill_tokens=n, prefill_seqs=1, sampled=1,
+                                          prefill_attention=n * (n + 1) // 2))
+        groups.setdefault(n // 32, []).append((n, r["ttft_s"] - step))
+    x = [float(statistics.median(n for n, _ in g)) for g in groups.values()]
+    y = [statistics.median(e for _, e in g) for g in groups.values()]
+    per_token, per_request = _line(x, y) if len(x) > 1 else (0.0, max(y[0], 0.0))
+    return {"per_request": per_request, "per_prompt_token": per_token}
 
 
 def _line(x: list[float], y: list[float]) -> tuple[float, float]:

@@ -135,26 +135,30 @@ class SimReplica:
 class _Client:
     """The load generator's side: when each request is sent (open loop, capped, or closed loop)."""
 
-    def __init__(self, reqs: tuple[WorkloadRequest, ...], opts: SimOptions) -> None:
+    def __init__(self, reqs: tuple[WorkloadRequest, ...], opts: SimOptions,
+                 delay: Callable[[int], float] | None = None) -> None:
         self._reqs = reqs
         self._cap = opts.concurrency if not opts.closed_loop else None
         self._closed = opts.closed_loop
-        self._heap: list[tuple[float, int]] = []  # (send time, index)
+        # A request reaches its engine `delay(prompt tokens)` after it is sent (the request path).
+        self.delays = [delay(r.prompt_tokens) if delay else 0.0 for r in reqs]
+        self._heap: list[tuple[float, int]] = []  # (time it reaches the engine, index)
         self._held: deque[int] = deque()  # arrived while the open-loop cap was reached
         self.in_flight = 0
+        d = self.delays
         if self._closed:
             self._next = min(opts.concurrency or 1, len(reqs))
-            self._heap = [(0.0, i) for i in range(self._next)]
+            self._heap = [(d[i], i) for i in range(self._next)]
         else:
             self._next = len(reqs)
-            self._heap = [(r.arrival_time or 0.0, i) for i, r in enumerate(reqs)]
+            self._heap = [((r.arrival_time or 0.0) + d[i], i) for i, r in enumerate(reqs)]
             heapq.heapify(self._heap)
 
     def next_time(self) -> float:
         return self._heap[0][0] if self._heap else _INF
 
     def pop_due(self, now: float) -> list[int]:
-        """Indices sent at `now` (the caller stamps the send time)."""
+        """Indices that reach the engine at `now` (sent `delays[i]` earlier)."""
         out = []
         while self._heap and self._heap[0][0] <= now:
             _, i = heapq.heappop(self._heap)
@@ -169,10 +173,11 @@ class _Client:
         """A request ended (or was refused) at `now`: free its slot for the next one."""
         self.in_flight -= 1
         if self._closed and self._next < len(self._reqs):
-            heapq.heappush(self._heap, (now, self._next))
+            heapq.heappush(self._heap, (now + self.delays[self._next], self._next))
             self._next += 1
         elif self._held:
-            heapq.heappush(self._heap, (now, self._held.popleft()))
+            i = self._held.popleft()
+            heapq.heappush(self._heap, (now + self.delays[i], i))
 
 
 ExecutorFactory = Callable[[Any], Any]  # clock -> Executor
@@ -192,6 +197,7 @@ class Simulator:
             executor_factory = lambda clock: SimExecutor(cost_model, clock=clock)  # noqa: E731
         max_len = options.max_model_len or int((cost_model.metadata if cost_model else {}).get("max_model_len", 0)) or 8192
         self.max_model_len = max_len
+        self._request_delay = cost_model.request_delay if cost_model is not None and cost_model.request_path else None
         # The fleet's router, fed what a real fleet's would see (see `_route`).
         self.router = Router(options.router)
         self._hash_chain = block_hashers(config.cache.prefix_caching_hash_algo)[1]
@@ -228,11 +234,12 @@ class Simulator:
         return wr.output_tokens
 
     def _send(self, i: int, t: float) -> None:
-        """Request i is sent at virtual time t: route it and queue it on its replica."""
+        """Request i reaches the fleet's engines at virtual time t: route it and queue it on its replica."""
         wr = self._workload.requests[i]
         rec = RequestRecord(index=i, tenant=wr.tenant, priority=wr.priority, deadline=wr.deadline,
                             prompt_tokens=wr.prompt_tokens, output_tokens_asked=wr.output_tokens,
-                            scheduled_time=wr.arrival_time, send_time=t - self._t0, output_count_source="usage",
+                            scheduled_time=wr.arrival_time, send_time=t - self._t0 - self._client.delays[i],
+                            output_count_source="usage",
                             token_times=array("d"))
         self._records.append(rec)
         prompt = self._synth.prompt(i, wr)
@@ -499,7 +506,7 @@ class Simulator:
         wall0 = time.perf_counter()
         self._workload = workload
         self._synth = PromptSynth(workload.prefix_block_tokens, self.options.seed)
-        self._client = client = _Client(workload.requests, self.options)
+        self._client = client = _Client(workload.requests, self.options, self._request_delay)
         self._records: list[RequestRecord] = []
         self._outstanding = [0] * len(self.replicas)
         self._heap: list[tuple[float, int]] = []
