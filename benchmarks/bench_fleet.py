@@ -11,14 +11,18 @@ to four servers in turn, each started fresh for each seed, in an order that rota
   single                                     `cadence serve --num-threads 1`, the fleet's total KV
 For each run: the prefix-cache hit rate (prompt tokens found in the cache over those looked up,
 from the server's /metrics before and after), TTFT p50/p95, ITL p50/p90, goodput under the SLOs.
-`cadence sim` runs the same workload (same seed: same sizes and arrival times) with the same
-router code and engine options, and the table gives sim/real for TTFT and ITL p50/p90.
+Before the traffic, each server's request path is probed at idle (sim/serving.py,
+`probe_request_path`: a fleet's crosses Serve's proxy, the ingress and a Ray call). `cadence sim`
+runs the same workload (same seed: same sizes and arrival times) with the same router code and
+engine options and that request path, and the table gives sim/real for TTFT and ITL p50/p90.
 
 `--sim-only` simulates again against the real runs already under --out (with another --profile).
 
 `overhead`: one replica behind the Ray ingress (`--replicas 1 --replica-threads 2`) against plain
 `cadence serve` (2 threads), the built-in chat workload at 8 concurrent streams, alternating, each
-round on fresh servers; output tokens/s of each and their ratio per round.
+round on fresh servers; output tokens/s of each and their ratio per round, and the CPU seconds
+each process of the server (by role: HTTP proxy, ingress, replica, Ray's own) and the client
+spent per 1,000 output tokens.
 
 Servers, client and this script share the machine's cores: run it on a quiet machine.
 """
@@ -26,9 +30,12 @@ Servers, client and this script share the machine's cores: run it on a quiet mac
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,6 +45,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from cadence.bench.launch import served
+from cadence.executor.cost_model import StepCostModel
+from cadence.sim.serving import fit_request_path, probe_request_path
 from cadence.workload import Workload, WorkloadRequest, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,10 +102,20 @@ def serve_cmd(name: str, args: argparse.Namespace) -> list[str]:
             *engine_flags(args, False)]
 
 
-def sim_cmd(name: str, args: argparse.Namespace, load: list[str], out: Path) -> list[str]:
+def sim_cmd(name: str, args: argparse.Namespace, load: list[str], out: Path, profile: str) -> list[str]:
     fleet = (["--replicas", "1"] if name == "single" else ["--replicas", "2", "--router", name])
     return [*CADENCE, "sim", *load, *fleet, *engine_flags(args, name == "single"), "--num-threads", "1",
-            "--profile", args.profile, "--out", str(out)]
+            "--profile", profile, "--out", str(out)]
+
+
+def with_request_path(args: argparse.Namespace, real: Path, out: Path) -> str:
+    """--profile with the request path this server was probed at (a fleet's crosses Serve's proxy,
+    the ingress and a Ray call), so the simulation pays what this server's requests paid."""
+    model = StepCostModel.load(args.profile)
+    probe = json.loads((real / "request_path_probe.json").read_text())
+    path = out / "profile.json"
+    dataclasses.replace(model, request_path=fit_request_path(probe, model)).save(path)
+    return str(path)
 
 
 def one_run(name: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
@@ -108,14 +127,23 @@ def one_run(name: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     real, sim = out / f"{name}_s{seed}", out / f"{name}_s{seed}_sim"
     if not args.sim_only:
         serve_and_bench(name, seed, args, load, real, out)
-    _run(sim_cmd(name, args, load, sim))
+    sim.mkdir(parents=True, exist_ok=True)
+    profile = with_request_path(args, real, sim)
+    _run(sim_cmd(name, args, load, sim, profile))
+    rp = StepCostModel.load(profile).request_path
     return {"router": name, "seed": seed, "hit_rate": json.loads((real / "hit.json").read_text())["hit_rate"],
-            "real": _summary(real)["overall"], "sim": _summary(sim)["overall"], "sim_hit_rate": _sim_hit_rate(sim)}
+            "real": _summary(real)["overall"], "sim": _summary(sim)["overall"], "sim_hit_rate": _sim_hit_rate(sim),
+            "request_path_ms": 1000 * (rp["per_request"] + rp["per_prompt_token"] * (args.prefix_tokens
+                                                                                    + args.suffix_tokens))}
 
 
 def serve_and_bench(name: str, seed: int, args: argparse.Namespace, load: list[str], real: Path, out: Path) -> None:
     with served([*serve_cmd(name, args), "--port", str(args.port)], f"http://127.0.0.1:{args.port}/health",
                 out / f"{name}_s{seed}.log", cwd=ROOT, timeout=300):
+        # At idle first: what a request pays outside the engines' steps on this server.
+        probe = probe_request_path(f"http://127.0.0.1:{args.port}", seed=seed)
+        real.mkdir(parents=True, exist_ok=True)
+        (real / "request_path_probe.json").write_text(json.dumps(probe))
         q0, h0 = _cache_counters(args.port)
         _run([*CADENCE, "bench", *load, "--base-url", f"http://127.0.0.1:{args.port}", "--no-progress",
               "--label", f"{name} seed {seed}", "--out", str(real)])
@@ -139,7 +167,8 @@ def _pct(v: float | None) -> str:
 
 def routers_table(rows: list[dict]) -> str:
     lines = ["| server | seed | hit rate (sim) | TTFT p50 / p95 (ms) | ITL p50 / p90 (ms) | goodput | "
-             "sim/real TTFT p50, p90 | sim/real ITL p50, p90 |", "|---|---:|---|---|---|---:|---|---|"]
+             "request path (ms) | sim/real TTFT p50, p90 | sim/real ITL p50, p90 |",
+             "|---|---:|---|---|---|---:|---:|---|---|"]
     for r in rows:
         real, sim = r["real"], r["sim"]
 
@@ -151,7 +180,8 @@ def routers_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['router']} | {r['seed']} | {_pct(r['hit_rate'])} ({_pct(r['sim_hit_rate'])}) | "
             f"{_ms(real['ttft']['p50'])} / {_ms(real['ttft']['p95'])} | {_ms(real['itl']['p50'])} / "
-            f"{_ms(real['itl']['p90'])} | {_pct(good)} | {ratio('ttft', 'p50')}, {ratio('ttft', 'p90')} | "
+            f"{_ms(real['itl']['p90'])} | {_pct(good)} | {r.get('request_path_ms', 0.0):.1f} | "
+            f"{ratio('ttft', 'p50')}, {ratio('ttft', 'p90')} | "
             f"{ratio('itl', 'p50')}, {ratio('itl', 'p90')} |")
     return "\n".join(lines)
 
@@ -198,29 +228,104 @@ def routers(args: argparse.Namespace, out: Path) -> None:
     print(text)
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _role(cmdline: list[str]) -> str:
+    """A process of the server's tree, by what it does: Ray names its workers `ray::Class...`."""
+    first = cmdline[0] if cmdline else "?"
+    if first.startswith("ray::"):
+        title = first.removeprefix("ray::")
+        for key, role in (("Ingress", "ingress"), ("Replica", "replica"), ("Proxy", "HTTP proxy"),
+                          ("Controller", "Serve controller")):
+            if key in title:
+                return role
+        return "other Ray workers"
+    name = Path(first).name
+    if "cadence.cli" in cmdline:
+        return "cadence serve"
+    if name in ("raylet", "gcs_server"):
+        return "Ray system (raylet, GCS)"
+    return "other Ray system"
+
+
+def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of `root` and every process descended from it, by pid."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):  # gone, or not ours to read
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    tree, frontier = {root}, [root]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p and c not in tree]
+        tree.update(kids)
+        frontier += kids
+    out = {}
+    for pid in tree:
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        out[pid] = (_role(cmd), (int(f[11]) + int(f[12])) / TICK)
+    return out
+
+
+def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    roles: dict[str, float] = {}
+    for pid, (role, cpu) in after.items():
+        roles[role] = roles.get(role, 0.0) + cpu - before.get(pid, (role, 0.0))[1]
+    return roles
+
+
 def overhead(args: argparse.Namespace, out: Path) -> None:
     servers = {"plain": [*CADENCE, "serve", "--num-threads", "2"],
                "fleet-1": [*CADENCE, "serve", "--replicas", "1", "--replica-threads", "2"]}
     tps: dict[str, list[float]] = {k: [] for k in servers}
+    cpu: dict[str, list[dict[str, float]]] = {k: [] for k in servers}  # CPU seconds per 1,000 output tokens
     for rnd in range(args.rounds):
         order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
         for name in order:
             d = out / f"{name}_r{rnd}"
             with served([*servers[name], "--port", str(args.port)], f"http://127.0.0.1:{args.port}/health",
-                        out / f"{name}_r{rnd}.log", cwd=ROOT, timeout=300):
+                        out / f"{name}_r{rnd}.log", cwd=ROOT, timeout=300) as proc:
+                c0, r0 = tree_cpu(proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
                 _run([*CADENCE, "bench", "--base-url", f"http://127.0.0.1:{args.port}", "--endpoint", "chat",
                       "--workload", "chat", "--concurrency", "8", "--num-requests", str(args.num_requests),
                       "--seed", str(rnd), "--no-progress", "--out", str(d)])
-            tps[name].append(_summary(d)["overall"]["output_token_throughput"])
+                roles = cpu_by_role(c0, tree_cpu(proc.pid))
+                r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            roles["client (cadence bench)"] = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+            summary = _summary(d)["overall"]
+            tokens = summary["output_tokens"]
+            cpu[name].append({k: 1000 * v / tokens for k, v in roles.items() if v > 0.005})
+            tps[name].append(summary["output_token_throughput"])
         print(f"round {rnd}: plain {tps['plain'][-1]:.1f} tok/s, fleet of 1 {tps['fleet-1'][-1]:.1f} tok/s, "
               f"ratio {tps['fleet-1'][-1] / tps['plain'][-1]:.2f}", flush=True)
     ratios = [f / p for f, p in zip(tps["fleet-1"], tps["plain"], strict=True)]
     text = (f"8 streams, chat workload, {args.num_requests} requests a run, {args.rounds} alternating rounds\n"
             f"plain cadence serve: {statistics.median(tps['plain']):.1f} tok/s (median), fleet of one replica: "
             f"{statistics.median(tps['fleet-1']):.1f} tok/s; ratio per round "
-            f"{', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
+            f"{', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})\n\n"
+            + cpu_table(cpu))
     (out / "table.md").write_text(text + "\n")
+    (out / "cpu.json").write_text(json.dumps(cpu, indent=1))
     print(text)
+
+
+def cpu_table(cpu: dict[str, list[dict[str, float]]]) -> str:
+    """CPU seconds per 1,000 output tokens by process, median over rounds, for each server."""
+    roles = sorted({r for runs in cpu.values() for run in runs for r in run})
+    lines = ["| CPU s per 1,000 output tokens (median of rounds) | " + " | ".join(cpu) + " |",
+             "|---|" + "---:|" * len(cpu)]
+    for role in roles:
+        lines.append(f"| {role} | " + " | ".join(
+            f"{statistics.median(run.get(role, 0.0) for run in runs):.2f}" for runs in cpu.values()) + " |")
+    lines.append("| all | " + " | ".join(
+        f"{statistics.median(sum(run.values()) for run in runs):.2f}" for runs in cpu.values()) + " |")
+    return "\n".join(lines)
 
 
 def main() -> int:
