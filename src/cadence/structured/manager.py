@@ -149,7 +149,7 @@ class StructuredOutputs:
         request ends after this step, and nothing its grammar might refuse is sampled meanwhile."""
         eos = [t for t in self._tokenizer.eos_token_ids if 0 <= t < self.vocab_size]
         if not eos:
-            row.fill_(-1)  # no end token to offer: the token is discarded with the request's error
+            row.fill_(-1)  # no end token to offer: whatever it samples, the request ends with its error
             return
         row.zero_()
         for t in eos:
