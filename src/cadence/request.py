@@ -146,7 +146,8 @@ class SamplingParams:
 
     A temperature below SAMPLING_EPS (0 included) means greedy. top_k <= 0 and top_p == 1 and
     min_p == 0 switch those filters off. `allowed_token_ids`, when given, are the only tokens that
-    may be sampled. `seed` makes a request's samples reproducible whatever else shares its batch.
+    may be sampled (not with `structured_outputs`, which restricts them too). `seed` makes a
+    request's samples reproducible whatever else shares its batch.
     """
 
     max_tokens: int = 16
@@ -249,6 +250,11 @@ class SamplingParams:
         _check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "must be a StructuredOutputsParams")
+        # Two hard masks whose intersection may turn out empty partway through the output, with no
+        # token left to sample: refused up front, as the server refuses the pair.
+        _check(self.allowed_token_ids is None or self.structured_outputs is None, "allowed_token_ids",
+               "cannot be combined with structured_outputs (both restrict the tokens that may be sampled, and "
+               "together they may leave none; give one of them)")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
 

@@ -1,5 +1,7 @@
 """StructuredOutputsParams: one constraint per request, schemas kept as canonical JSON text."""
 
+from dataclasses import replace
+
 import pytest
 
 from cadence.request import SamplingParams, StructuredOutputsParams
@@ -37,3 +39,14 @@ def test_structured_outputs_params_comes_from_the_package_as_sampling_params_doe
 
     assert cadence.StructuredOutputsParams is StructuredOutputsParams
     assert "StructuredOutputsParams" in cadence.__all__
+
+
+def test_allowed_token_ids_with_a_constraint_is_refused_naming_both_fields():
+    # Both are hard masks: their intersection may be empty at some step, leaving nothing to sample
+    # (offline this used to emit a token the grammar refused). The server refuses the pair too.
+    constraint = StructuredOutputsParams(regex="[a-z]{3}")
+    with pytest.raises(ValueError, match=r"^allowed_token_ids: cannot be combined with structured_outputs"):
+        SamplingParams(allowed_token_ids=[5, 6], structured_outputs=constraint)
+    with pytest.raises(ValueError, match=r"^allowed_token_ids: cannot be combined with structured_outputs"):
+        replace(SamplingParams(structured_outputs=constraint), allowed_token_ids=(5, 6))
+    assert SamplingParams(allowed_token_ids=[5, 6]).allowed_token_ids == (5, 6)

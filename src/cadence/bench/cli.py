@@ -99,6 +99,13 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                    help="do not send ignore_eos/min_tokens: let the model stop where it likes")
     g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling's top_p (default: the server's)")
+    g.add_argument("--structured-fraction", type=float, default=None,
+                   help="send this fraction of the requests (chosen by --seed) with a response_format: the "
+                        "built-in extraction JSON schema, or --response-format's (default 0, or 1 with "
+                        "--response-format)")
+    g.add_argument("--response-format", default=None, metavar="FILE",
+                   help="a JSON file holding the response_format object the structured requests send "
+                        '(e.g. {"type": "json_schema", "json_schema": {"name": ..., "schema": ...}})')
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -340,13 +347,16 @@ def _check_args(args: argparse.Namespace) -> None:
     drain = getattr(args, "drain_timeout", None)
     if drain is not None and not (math.isfinite(drain) and drain >= 0):
         raise bad("--drain-timeout", f"must be >= 0 seconds, got {drain:g}")
+    fraction = getattr(args, "structured_fraction", None)
+    if fraction is not None and not (math.isfinite(fraction) and 0 <= fraction <= 1):
+        raise bad("--structured-fraction", f"must be in [0, 1], got {fraction:g}")
     temperature = getattr(args, "temperature", None)
     if temperature is not None and not (math.isfinite(temperature) and 0 <= temperature <= 2):
         raise bad("--temperature", f"must be in [0, 2], got {temperature:g}")
     tokenizer = getattr(args, "tokenizer", "auto")
     if tokenizer not in ("auto", "none") and not Path(tokenizer).exists():
         raise bad("--tokenizer", f"{tokenizer}: no such file or directory (or give auto or none)")
-    for flag in ("trace", "requests_file"):
+    for flag in ("trace", "requests_file", "response_format"):
         path = getattr(args, flag, None)
         if path and not Path(path).is_file():
             raise bad("--" + flag.replace("_", "-"), f"{path}: no such file")
@@ -364,10 +374,34 @@ def workload_settings(args: argparse.Namespace) -> dict:
     return out
 
 
+def read_response_format(path: str | None) -> dict | None:
+    """--response-format's file: a response_format object of type json_object or json_schema."""
+    if path is None:
+        return None
+    try:
+        fmt = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--response-format: cannot read {path}: {e}") from None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("json_object", "json_schema") or (kind == "json_schema" and not isinstance(fmt.get("json_schema"), dict)):
+        raise ValueError(f'--response-format: {path} must hold {{"type": "json_object"}} or {{"type": "json_schema", '
+                         '"json_schema": {"name": ..., "schema": ...}}')
+    return fmt
+
+
+def _structured(args: argparse.Namespace) -> tuple[float, dict | None]:
+    fmt = read_response_format(getattr(args, "response_format", None))
+    fraction = getattr(args, "structured_fraction", None)
+    if fraction is None:
+        fraction = 1.0 if fmt is not None else 0.0
+    return fraction, fmt
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     _resolve_vllm_args(args)
     _check_args(args)
     arrival = _arrival(args)
+    structured_fraction, response_format = _structured(args)
     cfg = BenchConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
         arrival=arrival, rate=args.rate, burstiness=args.burstiness or 1.0, concurrency=args.concurrency,
@@ -375,7 +409,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         out_dir=args.out, tokenizer=args.tokenizer, request_timeout=args.request_timeout,
         drain_timeout=args.drain_timeout, force_output_lengths=not args.no_exact_output,
         temperature=args.temperature, top_p=args.top_p, progress=not args.no_progress, label=args.label,
-        workload_settings=workload_settings(args),
+        workload_settings=workload_settings(args), structured_fraction=structured_fraction,
+        response_format=response_format,
     )
     if cfg.arrival in ("poisson", "gamma") and cfg.rate is None and args.rates:
         cfg.rate = max(args.rates)  # sizes the workload for the busiest point; each point sets its own

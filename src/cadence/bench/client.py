@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +27,24 @@ from cadence.bench.prompts import LocalTokenizer, PromptBuilder, ServerTokenizer
 from cadence.bench.report import RequestRecord
 from cadence.wording import counted
 from cadence.workload import Workload, WorkloadRequest, assign_arrivals, builtin_workload
+
+# The built-in schema of `--structured-fraction`: an extraction record as a pipeline asks for it,
+# closed (strict) and ending in a free-text field, so that a request may run to its `max_tokens`.
+EXTRACTION_SCHEMA: dict = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 80},
+        "category": {"type": "string", "enum": ["news", "story", "howto", "history", "science", "other"]},
+        "year": {"anyOf": [{"type": "integer", "minimum": 1000, "maximum": 2100}, {"type": "null"}]},
+        "places": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 5},
+        "sentiment": {"type": "number", "minimum": -1, "maximum": 1},
+        "summary": {"type": "string"},
+    },
+    "required": ["title", "category", "year", "places", "sentiment", "summary"],
+    "additionalProperties": False,
+}
+EXTRACTION_RESPONSE_FORMAT: dict = {"type": "json_schema", "json_schema": {
+    "name": "extraction", "schema": EXTRACTION_SCHEMA, "strict": True}}
 
 
 @dataclass
@@ -59,6 +78,8 @@ class BenchConfig:
     progress: bool = True
     label: str | None = None
     workload_settings: dict = field(default_factory=dict)
+    structured_fraction: float = 0.0
+    response_format: dict | None = None  # sent by the structured requests; None: EXTRACTION_RESPONSE_FORMAT
 
     def validate(self) -> None:
         if self.endpoint not in ("completions", "chat"):
@@ -77,6 +98,8 @@ class BenchConfig:
             raise ValueError("duration: must be > 0 seconds")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p: must be in (0, 1]")
+        if not (math.isfinite(self.structured_fraction) and 0.0 <= self.structured_fraction <= 1.0):
+            raise ValueError(f"structured_fraction: must be in [0, 1], got {self.structured_fraction!r}")
 
 
 @dataclass
@@ -172,7 +195,21 @@ def _make_tokenizer(cfg: BenchConfig, model: str) -> tuple[Tokenizer | None, str
     return LocalTokenizer(cfg.tokenizer), None
 
 
-def _body(cfg: BenchConfig, model: str, req: WorkloadRequest, text: str | None) -> dict:
+def structured_indices(n: int, fraction: float, seed: int) -> frozenset[int]:
+    """Which of `n` requests carry the response format: round(fraction * n) of them, drawn by the
+    seed alone (the same seed, the same requests), spread over the run rather than in one block."""
+    k = round(fraction * n)
+    return frozenset(random.Random(f"structured:{seed}").sample(range(n), k))
+
+
+def response_format_name(cfg: BenchConfig) -> str:
+    """The response format the structured requests send, by its schema's name (else its type)."""
+    fmt = cfg.response_format or EXTRACTION_RESPONSE_FORMAT
+    schema = fmt.get("json_schema")
+    return str(schema.get("name") if isinstance(schema, dict) and schema.get("name") else fmt.get("type"))
+
+
+def _body(cfg: BenchConfig, model: str, req: WorkloadRequest, text: str | None, structured: bool = False) -> dict:
     body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True},
                   "max_tokens": req.output_tokens}
     if cfg.force_output_lengths:
@@ -193,6 +230,8 @@ def _body(cfg: BenchConfig, model: str, req: WorkloadRequest, text: str | None) 
         body["temperature"] = cfg.temperature
     if cfg.top_p is not None:
         body["top_p"] = cfg.top_p
+    if structured:
+        body["response_format"] = cfg.response_format or EXTRACTION_RESPONSE_FORMAT
     return body
 
 
@@ -263,7 +302,7 @@ async def _send_one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, req
     path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
     rec.send_time = time.perf_counter() - t0
     try:
-        await _stream(client, path, _body(cfg, model, req, text), headers, rec, t0)
+        await _stream(client, path, _body(cfg, model, req, text, rec.structured), headers, rec, t0)
     except asyncio.CancelledError:
         rec.error = "cancelled: still running when the drain timeout ended the run"
         raise
@@ -351,6 +390,8 @@ async def run_benchmark_async(cfg: BenchConfig) -> BenchResult:
         builder = PromptBuilder(tokenizer, cfg.seed, tokenizer_refused=refused)
         texts = await asyncio.to_thread(builder.build_all, workload)
         records = [_new_record(i, r) for i, r in enumerate(workload.requests)]
+        for i in structured_indices(len(records), cfg.structured_fraction, cfg.seed):
+            records[i].structured = True
         bar = tqdm(total=len(records), disable=not cfg.progress, desc=cfg.label or "bench", unit="req")
         t0, started_at = time.perf_counter(), time.time()
 
@@ -391,6 +432,9 @@ def _meta(cfg: BenchConfig, model: str, w: Workload, builder: PromptBuilder, sen
     # out first), so every prepared request is sent unless a --concurrency cap still held it back.
     if cfg.duration is not None and cfg.arrival == "none" and sent == prepared:
         notes.append(f"all {prepared} prepared requests were sent before the {cfg.duration:g}s duration ended")
+    if cfg.structured_fraction:
+        notes.append(f"{round(cfg.structured_fraction * prepared)} of {counted(prepared, 'request')} sent "
+                     f"response_format {response_format_name(cfg)!r}")
     if cfg.arrival != "none" and sent < prepared:
         notes.append(f"{prepared - sent} of {counted(prepared, 'request')} never sent: still waiting for one of the "
                      f"{cfg.concurrency} --concurrency slots when the drain timeout ended the run")
@@ -400,6 +444,8 @@ def _meta(cfg: BenchConfig, model: str, w: Workload, builder: PromptBuilder, sen
         "burstiness": cfg.burstiness, "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
         "duration": cfg.duration, "seed": cfg.seed, "force_output_lengths": cfg.force_output_lengths,
         "temperature": cfg.temperature, "top_p": cfg.top_p, "tokenizer": cfg.tokenizer,
+        "structured_fraction": cfg.structured_fraction,
+        "response_format": response_format_name(cfg) if cfg.structured_fraction else None,
         **cfg.workload_settings, "notes": notes,
     }
 

@@ -61,6 +61,7 @@ class RequestRecord:
     retry_after: float | None = None
     queue_time: float | None = None
     finish_reason: str | None = None
+    structured: bool = False  # sent with a response_format (--structured-fraction)
     text: str = ""  # generated text: kept for counting tokens, not written out
 
     @property
@@ -419,7 +420,13 @@ def _warnings(records: Sequence[RequestRecord], overall: dict, exact_asked: bool
         short = [r for r in records if r.ok and r.output_tokens < r.output_tokens_asked]
         # Stopped at a stop token (or with no reason given): the server ignored ignore_eos/min_tokens.
         # Any other reason (a deadline, a length cap) is the server's own decision, said as such.
-        eos = [r for r in short if r.finish_reason in (None, "stop")]
+        eos = [r for r in short if r.finish_reason in (None, "stop") and not r.structured]
+        # A request with a response_format stops where its output is complete, whatever ignore_eos says.
+        complete = [r for r in short if r.finish_reason == "stop" and r.structured]
+        if complete:
+            out.append(f"{len(complete)} of {sum(r.ok and r.structured for r in records)} completed requests with a "
+                       "response_format stopped before the asked length, where their output was complete; tokens/s "
+                       "count what they produced")
         if eos and exact_asked:
             out.append(f"{len(eos)} of {overall['completed']} completed requests stopped before the asked length: "
                        "the server does not honour ignore_eos/min_tokens; tokens/s count what it produced")
@@ -573,7 +580,8 @@ def compare(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -> str:
 COMPARED_SETTINGS = ("model", "endpoint", "workload", "workload_source", "random_input_len", "random_output_len",
                      "random_range_ratio", "scale_lengths", "scale_output", "max_prompt_tokens", "max_output_tokens",
                      "time_scale", "tokenizer", "arrival", "rate", "burstiness", "concurrency", "num_requests",
-                     "duration", "seed", "force_output_lengths", "temperature", "top_p")
+                     "duration", "seed", "force_output_lengths", "temperature", "top_p", "structured_fraction",
+                     "response_format")
 
 
 def setting_differences(meta_a: dict, meta_b: dict) -> list[str]:

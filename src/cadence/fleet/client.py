@@ -32,6 +32,7 @@ from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 from cadence.routing import fingerprints
 from cadence.server.engine_client import TRACE_CARRIER
+from cadence.structured import StructuredOutputs
 
 log = logging.getLogger("cadence.fleet")
 
@@ -199,6 +200,9 @@ class FleetClient:
         # Serve's id of the HTTP request -> the response's id (as many as `_placed`)
         self._serve_ids: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._draining = False
+        # The ingress compiles constraints too (the grammar library loads on first use), so that a
+        # refused one is a 400 naming the request's field before any replica sees it.
+        self._grammars = StructuredOutputs(tokenizer, info.vocab_size)
 
     # -- state --------------------------------------------------------------------------------------
     # The ingress itself is healthy while it runs; a replica's health is Serve's to check.
@@ -230,6 +234,12 @@ class FleetClient:
 
     def chain(self, prompt: Sequence[int], cache_salt: str | None) -> tuple[int, ...]:
         return fingerprints(self._hash_chain(prompt, self._block_size, cache_salt, ()))
+
+    async def validate_structured(self, params: SamplingParams) -> None:
+        """Compile `params.structured_outputs` here (or find it cached): ValueError naming the field
+        when the grammar library refuses it. The replica compiles it again when it admits it."""
+        if params.structured_outputs is not None:
+            await self._grammars.validate_async(params.structured_outputs)
 
     async def submit(self, prompts: Sequence[list[int]], params: SamplingParams, *, request_id: str,
                      policy: RequestPolicy = DEFAULT_POLICY, queue_status: bool = False) -> FleetStream:

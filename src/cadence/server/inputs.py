@@ -202,8 +202,9 @@ class InputBuilder:
 
     async def check_constraint(self, constraint: Constraint | None, params: SamplingParams) -> None:
         """Have the engine compile the constraint now (cached for when the request is admitted), so
-        that one its grammar library refuses is a 400 naming the request's field. An engine client
-        without a local compiler (a fleet's) leaves the check to the replica the request reaches."""
+        that one its grammar library refuses is a 400 naming the request's field (a fleet's ingress
+        compiles it too). An engine client without `validate_structured` leaves the check to the
+        engine the request reaches."""
         validate = getattr(self.engine, "validate_structured", None)
         if constraint is None or validate is None:
             return
