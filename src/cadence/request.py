@@ -169,6 +169,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    speculative: bool = True  # False: never speculate for this request (where the engine speculates)
 
     def __post_init__(self) -> None:
         # Accept lists/dicts from callers but store hashable tuples; anything else is refused here,
@@ -249,7 +250,7 @@ class SamplingParams:
         _check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "must be a StructuredOutputsParams")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             _check(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
 
     @property
@@ -270,6 +271,15 @@ class SamplingParams:
         history and no logprobs, so its token may come back as an id rather than a delta and the
         simulator may fast-forward it. Cached like `needs_history`."""
         return not self.needs_history and self.logprobs is None and self.structured_outputs is None
+
+    @cached_property
+    def speculable(self) -> bool:
+        """True when speculative decoding may run for this request: greedy and nothing that makes
+        a position's token depend on more than its logits' argmax (no logprobs, penalties, bias,
+        allowed tokens or grammar). min_tokens is checked per step by the scheduler. Sampled
+        requests do not speculate: verifying them needs rejection sampling."""
+        return (self.speculative and self.greedy and self.plain_decode and not self.logit_bias
+                and self.allowed_token_ids is None)
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,26 @@ class Sampler:
         token_ids = self._pick(logits, reqs)  # (reads `logits`; its torch path divides a copy)
         return SamplerOutput(token_ids.tolist(), self._logprobs(raw, token_ids, reqs))
 
+    @staticmethod
+    def verify_greedy(logits: torch.Tensor, rows: Sequence[tuple[ScheduledRequest, int]]) -> dict[str, tuple[int, ...]]:
+        """Greedy verification of speculative drafts: for each (request, first logits row), the
+        drafts that equal the argmax at the position before them, in order up to the first that
+        does not, followed by the argmax after the last accepted one (the correction, or the
+        bonus token when all are accepted). The argmax is what a decode step picks from the same
+        logits, so the tokens are those plain greedy decoding would give."""
+        if not rows:
+            return {}
+        index = torch.tensor([i for r, first in rows for i in range(first, first + 1 + r.num_draft_tokens)],
+                             dtype=torch.long, device=logits.device)
+        targets = logits.index_select(0, index).argmax(dim=-1).tolist()
+        out: dict[str, tuple[int, ...]] = {}
+        at = 0
+        for r, _ in rows:
+            k = r.num_draft_tokens
+            out[r.request_id] = accept_greedy(r.draft_token_ids, targets[at : at + k + 1])
+            at += k + 1
+        return out
+
     # -- logits processing --------------------------------------------------------------------
 
     def _processed(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> torch.Tensor:
@@ -182,6 +202,15 @@ class Sampler:
             top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
             out[i] = TokenLogprobs(token_id=toks[j], logprob=chosen_l[j], top=top)
         return out
+
+
+def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> tuple[int, ...]:
+    """`targets[i]` is the greedy token after draft i (targets[0]: after the fed token): the
+    longest run of drafts each equal to the target before it, then the target after that run."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return tuple(targets[: accepted + 1])
 
 
 def _filter_tensors(reqs: Sequence[ScheduledRequest]) -> tuple[torch.Tensor | None, ...]:
