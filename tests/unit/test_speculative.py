@@ -91,7 +91,7 @@ def _run(requests_args: list[dict], spec: dict | None, **options) -> tuple[dict[
     for r in reqs:
         engine.add_request(r)
     deltas: dict[str, list] = {}
-    counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+    counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": 0}
     for _ in range(10_000):
         if not engine.has_unfinished_requests():
             break
@@ -101,6 +101,7 @@ def _run(requests_args: list[dict], spec: dict | None, **options) -> tuple[dict[
         counts["drafts"] += st.num_drafts
         counts["draft_tokens"] += st.num_draft_tokens
         counts["accepted"] += st.num_accepted_tokens
+        counts["per_pos"] += sum(st.num_accepted_tokens_per_pos)
     assert not executor.violations, executor.violations
     return {r.request_id: tokens_of(deltas[r.request_id]) for r in reqs}, counts, executor.outputs
 
@@ -113,8 +114,8 @@ def test_speculation_gives_the_tokens_of_plain_decoding_in_fewer_steps() -> None
     plain, off, plain_steps = _run(_requests(), None)
     got, counts, steps = _run(_requests(), NGRAM)
     assert got == plain
-    assert off == {"drafts": 0, "draft_tokens": 0, "accepted": 0}
-    assert counts["accepted"] > 0 and counts["draft_tokens"] >= counts["accepted"]
+    assert off == {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": 0}
+    assert counts["accepted"] > 0 and counts["draft_tokens"] >= counts["accepted"] == counts["per_pos"]
     assert len(steps) < len(plain_steps)
     rows = [sr for out in steps for sr in out.scheduled if sr.num_draft_tokens]
     assert rows and all(len(sr.token_ids) == 1 + sr.num_draft_tokens <= 5 for sr in rows)

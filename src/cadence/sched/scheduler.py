@@ -399,6 +399,11 @@ class Scheduler(SchedulerIntrospection):
         stats.num_drafts += 1
         stats.num_draft_tokens += sr.num_draft_tokens
         stats.num_accepted_tokens += len(tokens) - 1
+        per_pos = stats.num_accepted_tokens_per_pos
+        for i in range(len(tokens) - 1):
+            if i == len(per_pos):
+                per_pos.append(0)
+            per_pos[i] += 1
         outputs, sp = req.output_token_ids, req.sampling_params
         status, stop_reason, taken = None, None, 0
         for token in tokens:
