@@ -9,10 +9,12 @@ import json
 
 import pytest
 from fakes import FakeExecutor, make_engine, make_request, run_until_done, tokens_of
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cadence.config import EngineConfig, SpeculativeConfig, option_flags
 from cadence.request import SamplingParams
-from cadence.sched.ngram import propose
+from cadence.sched.ngram import PackedTokens, propose
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PERIOD = [11, 12, 13, 14, 15, 16, 17]
@@ -43,6 +45,30 @@ def test_propose_matches_whole_tokens_not_bytes() -> None:
     assert propose([a, b, x], 2, 1, 1) == ()
     # Past such a straddling byte match, the real (earlier) occurrence of x is found.
     assert propose([x, 9, a, b, x], 2, 1, 1) == (9, a)
+
+
+def _reference_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[int, ...]:
+    """The definition, by brute force."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tuple(tokens[start + n : start + n + k])
+    return ()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5) | st.sampled_from([0x44332211, 0x88776655, 0x66554433]), max_size=40),
+       st.integers(1, 5), st.integers(1, 3), st.integers(0, 3), st.integers(0, 40))
+def test_propose_equals_the_brute_force_definition_also_when_packed_incrementally(
+        tokens: list[int], k: int, min_n: int, extra: int, cut: int) -> None:
+    max_n = min_n + extra
+    want = _reference_propose(tokens, k, min_n, max_n)
+    assert propose(tokens, k, min_n, max_n) == want
+    grown = PackedTokens(tokens[:cut])
+    grown.extend(tokens[cut:])
+    follow = grown.continuation(min_n, max_n)
+    assert (() if follow is None else tuple(tokens[follow : follow + k])) == want
 
 
 # ---------------------------------------------------------------- configuration
@@ -209,3 +235,12 @@ def test_engine_without_speculation_schedules_no_drafts() -> None:
     engine.add_request(make_request(prompt=PERIOD * 3, max_tokens=20))
     run_until_done(engine)
     assert not any(sr.num_draft_tokens for out in executor.outputs for sr in out.scheduled)
+
+
+def test_the_simulator_refuses_speculation_it_does_not_model() -> None:
+    from cadence.executor.cost_model import StepCostModel
+    from cadence.sim.simulator import Simulator
+
+    config = EngineConfig.from_options(speculative_config=NGRAM)
+    with pytest.raises(ValueError, match="speculative_config: cadence sim does not model"):
+        Simulator(config, StepCostModel("tokens", {"const": 0.1}, {"max_model_len": 4096}))

@@ -147,11 +147,18 @@ class ModelRunner:
     # -- Also used by tests and benchmarks --------------------------------------------------------
 
     def compute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """Run the step (writing the KV cache) and return the float32 logits [V] of each sampling request."""
+        """Run the step (writing the KV cache) and return the float32 logits [V] of each sampling
+        request; of a verification row, [1 + k, V]: one row per position."""
         batch = self.prepare(scheduler_output.scheduled)
         with torch.inference_mode():
             logits = self._run(batch)
-        return {r.request_id: logits[i] for i, r in enumerate(batch.sampling)}
+        out: dict[str, torch.Tensor] = {}
+        row = 0
+        for r in batch.sampling:
+            k = r.num_draft_tokens
+            out[r.request_id] = logits[row : row + 1 + k] if k else logits[row]
+            row += 1 + k
+        return out
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> FlatBatch:
         """Lay the step out as one flat batch: multi-token chunks first, then the decode tokens, shortest

@@ -41,7 +41,7 @@ from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, RequestStatus
 from cadence.sched.admission import AdmissionControl, check_ids
 from cadence.sched.introspect import SchedulerIntrospection
-from cadence.sched.ngram import propose
+from cadence.sched.ngram import PackedTokens
 from cadence.sched.plan import StepPlan
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
@@ -74,6 +74,7 @@ class Scheduler(SchedulerIntrospection):
         self.last_iteration_stats = IterationStats()
         self.is_static = config.scheduler == "static"
         self.speculative: SpeculativeConfig | None = config.speculative_config
+        self._packed: dict[str, PackedTokens] = {}  # speculating requests' contexts, for the n-gram lookup
         self._decode_ids = decode_ids
         # With `decode_ids`: requests whose plain decode gave one token in the last `update` and
         # went on. They get no RequestDelta; each one's new token is its last output token.
@@ -219,8 +220,7 @@ class Scheduler(SchedulerIntrospection):
                 self.max_model_len - req.num_tokens - 1)
         if k < 1:
             return ()
-        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        drafts = propose(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        drafts = self._propose(req, k, spec)
         if not drafts:
             return ()
         kv, n = self.kv, 1 + len(drafts)
@@ -229,6 +229,18 @@ class Scheduler(SchedulerIntrospection):
             if spare < len(self.running) or kv.allocate_slots(req, n) is None:
                 return ()
         return drafts
+
+    def _propose(self, req: Request, k: int, spec: SpeculativeConfig) -> tuple[int, ...]:
+        """Up to k n-gram drafts from the request's context, packed once and extended as it grows."""
+        rid, num = req.request_id, req.num_tokens
+        packed = self._packed.get(rid)
+        if packed is None:
+            packed = self._packed[rid] = PackedTokens()
+        if packed.num_tokens < num:
+            packed.extend(req.token_ids_slice(packed.num_tokens, num))
+        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        follow = packed.continuation(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return () if follow is None else tuple(req.token_ids_slice(follow, min(follow + k, num)))
 
     def eligible(self) -> Callable[[Request], bool] | None:
         """Which waiting requests may be admitted now (None: all): the per-tenant running cap."""
@@ -606,6 +618,7 @@ class Scheduler(SchedulerIntrospection):
         else:
             self.waiting.remove(req)
             self.kv.free(req)  # holds no blocks, but may hold a hash memo
+        self._packed.pop(req.request_id, None)
         req.status = status
         req.finished_time = now
         req.stop_reason = stop_reason
