@@ -483,7 +483,7 @@ OPTION_HELP: dict[str, str] = {
     "deadline_aging": "seconds of waiting that count as one second nearer a deadline (deadline policy)",
     "speculative_config": 'speculative decoding as JSON, in vLLM\'s spelling: {"method": "ngram", '
                           '"num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B} '
-                          "(greedy requests only; none: off)",
+                          "(none: off)",
 }
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": (*DTYPES, *DTYPE_ALIASES), "device": DEVICES, "scheduler": SCHEDULERS, "policy": POLICIES,

@@ -274,12 +274,10 @@ class SamplingParams:
 
     @cached_property
     def speculable(self) -> bool:
-        """True when speculative decoding may run for this request: greedy and nothing that makes
-        a position's token depend on more than its logits' argmax (no logprobs, penalties, bias,
-        allowed tokens or grammar). min_tokens is checked per step by the scheduler. Sampled
-        requests do not speculate: verifying them needs rejection sampling."""
-        return (self.speculative and self.greedy and self.plain_decode and not self.logit_bias
-                and self.allowed_token_ids is None)
+        """True when speculative decoding may run for this request: nothing makes a position's
+        token depend on more than its logits and the sampling filters (no logprobs, penalties,
+        bias, allowed tokens or grammar). min_tokens is checked per step by the scheduler."""
+        return self.speculative and self.plain_decode and not self.logit_bias and self.allowed_token_ids is None
 
 
 @dataclass(frozen=True)

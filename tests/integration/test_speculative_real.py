@@ -1,15 +1,19 @@
-"""Speculative decoding keeps greedy outputs: on the real default model (bfloat16 kernels) and on the
-tiny random one (whose attention runs in torch: greedy tokens only), a request's tokens with n-gram speculation are those without, alone, batched with
-requests that do not speculate, and under preemption; each scenario also checks that drafts were
+"""Speculative decoding keeps outputs: on the real default model (bfloat16 kernels) and on the tiny
+random one (whose attention runs in torch: greedy tokens only), a request's greedy tokens with
+n-gram speculation are those without, alone, batched with requests that do not speculate, and
+under preemption; on the default model a seeded sampling request's tokens are too; on the tiny
+model unseeded sampling keeps its token frequencies. Each scenario also checks that drafts were
 accepted, so the verification path really ran.
 
-Verification feeds the drafts as a chunk of 1 + k tokens and takes the argmax at each position;
-on cadence's bfloat16 CPU kernels a position's logits are the same bits in a chunk as in a decode
-step (tests/unit/test_exact.py), so no tolerance is needed.
+Verification feeds the drafts as a chunk of 1 + k tokens and picks a token at each position as a
+decode step would; on cadence's bfloat16 CPU kernels a position's logits are the same bits in a
+chunk as in a decode step (tests/unit/test_exact.py), so no tolerance is needed.
 """
 
 from __future__ import annotations
 
+import collections
+import math
 from collections.abc import Callable
 
 import pytest
@@ -99,6 +103,7 @@ def test_alone_the_same_tokens_with_drafts_accepted(model: dict, reference) -> N
 
 
 def test_batched_with_requests_that_do_not_speculate(model: dict, reference) -> None:
+    """Speculating greedy requests beside opted-out ones and seeded sampling ones (which speculate too)."""
     spec = Counted(max_num_seqs=64, num_kv_blocks=2048, speculative_config=NGRAM, **model)
     n = len(PROMPTS)
     params = [GREEDY] * n + [OPTED_OUT] * n + [_seeded(i) for i in range(n)]
@@ -152,3 +157,37 @@ def _stop_inside_a_run(tokens: list[int], runs: list[tuple[int, ...]], decode: C
                     return stop, end
         at += len(run)
     raise AssertionError("no multi-token step to put a stop string in")
+
+
+def test_seeded_sampled_requests_speculate_and_keep_their_tokens() -> None:
+    """temperature 1 with a seed, on the default model: each position draws with the uniform of its
+    output index, so the tokens are those of plain decoding (on the kernels, whose logits are the
+    same bits). Not on the tiny model: its attention runs in torch, whose sampled tokens move with
+    the batch's shape even without speculation; its distribution is tested below."""
+    params = [_seeded(i) for i in range(len(PROMPTS))]
+    want = _reference(LLM(num_kv_blocks=2048, enable_prefix_caching=False), PROMPTS, params)
+    spec = Counted(max_num_seqs=64, num_kv_blocks=2048, speculative_config=NGRAM)
+    _assert_same(spec.tokens(PROMPTS, params), want, "seeded sampling")
+    assert spec.accepted > 0
+
+
+def test_sampling_keeps_the_token_distribution_on_the_tiny_model() -> None:
+    """Unseeded sampling, many times over: the frequencies of each output position's tokens with
+    speculation match those without (within 5 standard errors of their difference). At temperature
+    0.1 the tiny model's distribution has a few likely tokens, which it tends to repeat: drafts."""
+    n, length = 2000, 6
+    plain = LLM(tiny=True, dtype="bfloat16", max_num_seqs=64, num_kv_blocks=1024)  # (the seed makes the weights)
+    greedy = plain.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    prompt = {"prompt_token_ids": list(greedy[:24])}
+    params = SamplingParams(temperature=0.1, max_tokens=length, ignore_eos=True)
+    spec = Counted(tiny=True, dtype="bfloat16", max_num_seqs=64, num_kv_blocks=1024, speculative_config=NGRAM)
+    runs = {"plain": [o.outputs[0].token_ids for o in plain.generate([prompt] * n, params, use_tqdm=False)],
+            "spec": spec.tokens([prompt] * n, params)}
+    assert spec.accepted > n // 2, "too few drafts were accepted to test anything"
+    for pos in range(length):
+        a = collections.Counter(t[pos] for t in runs["plain"])
+        b = collections.Counter(t[pos] for t in runs["spec"])
+        assert max(a.values()) < 0.9 * n  # a distribution, not one token
+        for token in set(a) | set(b):
+            p = (a[token] + b[token]) / (2 * n)
+            assert abs(a[token] - b[token]) / n <= 5 * math.sqrt(2 * p * (1 - p) / n) + 1e-9, (pos, token, a, b)

@@ -214,7 +214,7 @@ def test_preemption_with_speculation_keeps_the_tokens() -> None:
     assert got == plain
 
 
-def test_sampled_and_opted_out_requests_do_not_speculate_beside_one_that_does() -> None:
+def test_opted_out_and_logprobs_requests_do_not_speculate_beside_ones_that_do() -> None:
     args = [
         {"rid": "g", "prompt": PERIOD * 2, "params": SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)},
         {"rid": "t", "prompt": PERIOD * 2, "params": SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)},
@@ -227,7 +227,7 @@ def test_sampled_and_opted_out_requests_do_not_speculate_beside_one_that_does() 
     got, _, steps = _run([dict(a) for a in args], NGRAM)
     assert got == plain
     speculated = {sr.request_id for out in steps for sr in out.scheduled if sr.num_draft_tokens}
-    assert speculated == {"g"}
+    assert speculated == {"g", "t"}  # greedy and sampling; not the opted-out one, nor the one asking logprobs
 
 
 def test_engine_without_speculation_schedules_no_drafts() -> None:

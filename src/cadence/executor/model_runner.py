@@ -98,8 +98,8 @@ class ModelRunner:
         )
 
     def _verify_and_sample(self, logits: torch.Tensor, batch: FlatBatch, out: SchedulerOutput) -> ModelOutput:
-        """A step with verification rows: each one's 1 + k logits rows verify its drafts greedily;
-        the other requests sample from their one row as in any step."""
+        """A step with verification rows: each one's 1 + k logits rows verify its drafts (greedily,
+        or by rejection sampling); the other requests sample from their one row as in any step."""
         plain: list[ScheduledRequest] = []
         plain_rows: list[int] = []
         verifying: list[tuple[ScheduledRequest, int]] = []
@@ -111,7 +111,7 @@ class ModelRunner:
                 plain.append(r)
                 plain_rows.append(row)
             row += 1 + r.num_draft_tokens
-        verified = self.sampler.verify_greedy(logits, verifying)
+        verified = self.sampler.verify(logits, verifying)
         if not plain:
             return ModelOutput(verified_token_ids=verified)
         index = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)

@@ -27,7 +27,7 @@ the default model, 29% of rows: 8 ms a step at 8 rows, which the kernel does in 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -93,23 +93,34 @@ class Sampler:
         token_ids = self._pick(logits, reqs)  # (reads `logits`; its torch path divides a copy)
         return SamplerOutput(token_ids.tolist(), self._logprobs(raw, token_ids, reqs))
 
-    @staticmethod
-    def verify_greedy(logits: torch.Tensor, rows: Sequence[tuple[ScheduledRequest, int]]) -> dict[str, tuple[int, ...]]:
-        """Greedy verification of speculative drafts: for each (request, first logits row), the
-        drafts that equal the argmax at the position before them, in order up to the first that
-        does not, followed by the argmax after the last accepted one (the correction, or the
-        bonus token when all are accepted). The argmax is what a decode step picks from the same
-        logits, so the tokens are those plain greedy decoding would give."""
+    def verify(self, logits: torch.Tensor, rows: Sequence[tuple[ScheduledRequest, int]]) -> dict[str, tuple[int, ...]]:
+        """Verify speculative drafts: for each (request, first of its 1 + k logits rows), the drafts
+        accepted and the token after them.
+
+        At every position of a row the token is picked exactly as a decode step at that output
+        index would pick it (the argmax, or a draw with that index's seeded or engine uniform,
+        through the same filters and kernel); the drafts equal to the token picked before them are
+        accepted, up to the first that is not, followed by the token picked after the last one
+        accepted. Every kept token is thus the one plain decoding would have produced from the same
+        logits: greedy output is unchanged, a seeded request's too, and an unseeded request's
+        tokens have the target distribution. For drafts proposed without a distribution (n-gram),
+        this accepts a draft d with probability p(d), as the standard rejection-sampling rule with
+        a one-hot proposal does."""
         if not rows:
             return {}
-        index = torch.tensor([i for r, first in rows for i in range(first, first + 1 + r.num_draft_tokens)],
-                             dtype=torch.long, device=logits.device)
-        targets = logits.index_select(0, index).argmax(dim=-1).tolist()
+        index: list[int] = []
+        positions: list[ScheduledRequest] = []
+        for r, first in rows:
+            for j in range(r.num_draft_tokens + 1):
+                index.append(first + j)
+                positions.append(replace(r, num_output_tokens=r.num_output_tokens + j, num_draft_tokens=0))
+        picked = self(logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device)),
+                      positions).token_ids
         out: dict[str, tuple[int, ...]] = {}
         at = 0
         for r, _ in rows:
             k = r.num_draft_tokens
-            out[r.request_id] = accept_greedy(r.draft_token_ids, targets[at : at + k + 1])
+            out[r.request_id] = accept_greedy(r.draft_token_ids, picked[at : at + k + 1])
             at += k + 1
         return out
 
@@ -205,7 +216,7 @@ class Sampler:
 
 
 def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> tuple[int, ...]:
-    """`targets[i]` is the greedy token after draft i (targets[0]: after the fed token): the
+    """`targets[i]` is the token picked after draft i (targets[0]: after the fed token): the
     longest run of drafts each equal to the target before it, then the target after that run."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
