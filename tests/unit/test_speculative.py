@@ -8,7 +8,7 @@ import itertools
 import json
 
 import pytest
-from fakes import FakeExecutor, make_engine, make_request, run_until_done, tokens_of
+from fakes import FakeExecutor, generate_alone, make_engine, make_request, run_until_done, tokens_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -244,3 +244,25 @@ def test_the_simulator_refuses_speculation_it_does_not_model() -> None:
     config = EngineConfig.from_options(speculative_config=NGRAM)
     with pytest.raises(ValueError, match="speculative_config: cadence sim does not model"):
         Simulator(config, StepCostModel("tokens", {"const": 0.1}, {"max_model_len": 4096}))
+
+
+def test_blocks_published_after_rejections_hold_only_kept_tokens() -> None:
+    """A request whose drafts are often rejected publishes its full blocks; a later request whose
+    prompt is its whole text hits them, and reads (through the fake's KV) exactly that text."""
+    engine, executor, _ = make_engine(speculative_config=NGRAM, block_size=2, num_kv_blocks=128)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    first = make_request(rid="a", prompt=PERIOD * 2, params=greedy)
+    # The period with a wrong turn every few tokens: drafts from the period, some rejected midway.
+    executor.script["a"] = [t if i % 5 != 3 else 900 + i for i, t in enumerate(_repetitive("a", 30))]
+    engine.add_request(first)
+    out_a = tokens_of(run_until_done(engine)["a"])
+    rows = [sr for out in executor.outputs for sr in out.scheduled if sr.num_draft_tokens]
+    assert rows, "the request was meant to speculate"
+    assert sum(sr.num_draft_tokens for sr in rows) + len(rows) > len(out_a), "some drafts were meant to be rejected"
+    text = PERIOD * 2 + out_a
+    second = make_request(rid="b", prompt=text, params=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    engine.add_request(second)
+    out_b = tokens_of(run_until_done(engine)["b"])
+    assert second.num_cached_tokens >= len(text) - 2 * 2  # all but the last block or so came from the cache
+    assert not executor.violations
+    assert out_b == generate_alone(text, 5)
