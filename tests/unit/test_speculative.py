@@ -266,3 +266,17 @@ def test_blocks_published_after_rejections_hold_only_kept_tokens() -> None:
     assert second.num_cached_tokens >= len(text) - 2 * 2  # all but the last block or so came from the cache
     assert not executor.violations
     assert out_b == generate_alone(text, 5)
+
+
+def test_an_executor_answer_that_does_not_match_the_drafts_ends_the_request_with_an_error() -> None:
+    class Liar(FakeExecutor):
+        def _verify(self, sr):  # claims drafts it was not given were accepted
+            return tuple(t + 1 for t in sr.draft_token_ids) + (1,)
+
+    engine, _, _ = make_engine(executor=Liar(), speculative_config=NGRAM)
+    engine.add_request(make_request(rid="x", prompt=PERIOD * 2,
+                                    params=SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
+    engine.executor.script["x"] = _repetitive("x")
+    final = run_until_done(engine)["x"][-1]
+    assert final.finish_reason is not None and final.finish_reason.value == "error"
+    assert final.error == "the executor's verified tokens are not the drafts"

@@ -208,7 +208,7 @@ class Scheduler(SchedulerIntrospection):
 
     def _drafts(self, req: Request, spec: SpeculativeConfig, budget: int) -> tuple[int, ...]:
         """Draft tokens for a decoding request this step, their KV slots allocated; () when it
-        does not speculate (not a plain greedy request, no n-gram match, no room). Drafts take
+        does not speculate (its sampling does not allow it, no n-gram match, no room). Drafts take
         only spare blocks: a failed allocation, or one that would leave fewer free blocks than
         running requests, drops them rather than preempting anyone for them."""
         sp = req.sampling_params
@@ -403,8 +403,12 @@ class Scheduler(SchedulerIntrospection):
         tokens = model_output.verified_token_ids.get(rid)
         if tokens is None and rid in model_output.sampled_token_ids:
             tokens = (model_output.sampled_token_ids[rid],)  # an executor that does not verify: none accepted
-        if not tokens or len(tokens) > sr.num_draft_tokens + 1:
-            self.finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no verified tokens")
+        # The K/V written is that of the drafts: the tokens kept before the last must be drafts.
+        error = "the executor returned no verified tokens" if not tokens else \
+            "the executor's verified tokens are not the drafts" \
+            if len(tokens) > sr.num_draft_tokens + 1 or tokens[:-1] != sr.draft_token_ids[: len(tokens) - 1] else None
+        if error is not None or not tokens:
+            self.finish(req, RequestStatus.FINISHED_ERROR, now, error=error)
             deltas.append(final_delta(req))
             return
         stats = self._stats
