@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -96,16 +97,21 @@ def ratios(groups: dict[str, list[tuple[float, float, dict, dict]]]) -> dict[str
     return out
 
 
-def summary(groups: dict[str, list[tuple[float, float, dict, dict]]]) -> str:
-    """Cells within 15% over the gated percentiles, and each percentile's median and spread."""
-    from cadence.sim.fidelity import GATED_QUANTILES, WITHIN, RatioSpread
+def spreads_of(by_key: dict[str, list[float]]) -> dict[str, Any]:
+    """Each percentile key's `RatioSpread` (median, 10th-90th percentile, cells within 15%)."""
+    from cadence.sim.fidelity import RatioSpread
 
-    by_key = ratios(groups)
-    spreads = {k: RatioSpread.of(v) for k, v in by_key.items()}
+    return {k: RatioSpread.of(v) for k, v in by_key.items()}
+
+
+def summary(by_key: dict[str, list[float]], spreads: dict[str, Any], num_groups: int) -> str:
+    """Cells within 15% over the gated percentiles, and each percentile's median and spread."""
+    from cadence.sim.fidelity import GATED_QUANTILES, WITHIN
+
     gated = [s for k, s in spreads.items() if int(k.rpartition("_p")[2]) in GATED_QUANTILES]
     within, cells = sum(s.within for s in gated), sum(s.cells for s in gated)
     lines = [f"{within} of {cells} p50/p90 cells within {WITHIN:.0%} ({within / max(cells, 1):.0%}) over "
-             f"{len(groups)} workload x seed groups",
+             f"{num_groups} workload x seed groups",
              "| metric | median sim/real | 10th-90th percentile | min-max | within 15% |", "|---|---|---|---|---|"]
     for k, s in spreads.items():
         r = by_key[k]
@@ -114,15 +120,13 @@ def summary(groups: dict[str, list[tuple[float, float, dict, dict]]]) -> str:
     return "\n".join(lines)
 
 
-def record_validation(profile: str, groups: dict[str, list[tuple[float, float, dict, dict]]],
-                      args: argparse.Namespace) -> None:
+def record_validation(profile: str, spreads: dict[str, Any], args: argparse.Namespace) -> None:
     """Write the sim/real spread into the profile's `validation` block."""
     import datetime
 
     from cadence.host_load import cpu_model
-    from cadence.sim.fidelity import RatioSpread, Validation
+    from cadence.sim.fidelity import Validation
 
-    spreads = {k: RatioSpread.of(v) for k, v in ratios(groups).items()}
     v = Validation(spreads, datetime.date.today().isoformat(), f"{cpu_model()}, {os.cpu_count()} cores",
                    tuple(args.workloads.split(",")), tuple(int(x) for x in args.seeds.split(",")),
                    tuple(float(f) for f in args.fractions.split(",")))
@@ -162,13 +166,16 @@ def main() -> int:
             args.workload, args.seed = workload, seed
             name = f"{workload}_seed{seed}"
             groups[name] = run_group(args, out / name)
+    by_key = ratios(groups)
+    spreads = spreads_of(by_key)
     text = (f"profile: {args.profile}\n{args.num_requests} requests per load, load average "
             f"{os.getloadavg()[0]:.2f} at the end\n\n" + "\n\n".join(
-                f"{name}\n" + table(rows, REPORTED) for name, rows in groups.items()) + "\n\n" + summary(groups))
+                f"{name}\n" + table(rows, REPORTED) for name, rows in groups.items()) + "\n\n"
+            + summary(by_key, spreads, len(groups)))
     (out / "table.md").write_text(text + "\n")
     print(text)
     if args.record_validation:
-        record_validation(args.profile, groups, args)
+        record_validation(args.profile, spreads, args)
     return 0
 
 

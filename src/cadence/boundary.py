@@ -33,6 +33,10 @@ class ScheduledRequest:
     chunk, or the one last-sampled token when decoding); their K/V are written to the slots that
     `block_table` maps those positions to. `sample` is true when this chunk reaches the end of the
     request's known tokens, so the logits of its last position pick the next token.
+
+    A verification row (speculative decoding) feeds the last sampled token followed by
+    `num_draft_tokens` proposed tokens (the last ones of `token_ids`); it samples at every one of
+    its positions, and the executor answers it in `ModelOutput.verified_token_ids`.
     """
 
     request_id: str
@@ -44,10 +48,16 @@ class ScheduledRequest:
     num_output_tokens: int = 0  # outputs so far: the step index of seeded sampling, and min_tokens
     history: tuple[int, ...] | None = None  # prompt + outputs, only when penalties need them
     eos_token_ids: frozenset[int] = frozenset()
+    num_draft_tokens: int = 0  # proposed tokens at the end of `token_ids`, to verify
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        k = self.num_draft_tokens
+        return self.token_ids[len(self.token_ids) - k :] if k else ()
 
     @property
     def end_pos(self) -> int:
@@ -98,10 +108,13 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """The executor's answer: one sampled token per request that had `sample=True`."""
+    """The executor's answer: one sampled token per request that had `sample=True`; for a
+    verification row, in `verified_token_ids`, the drafts it accepted followed by the token the
+    model picks after them (so 1 to k + 1 tokens)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    verified_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -206,6 +219,11 @@ class IterationStats:
     first_token_latencies: list[tuple[str, float]] = field(default_factory=list)  # (tenant, ttft)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
+    # Speculative decoding: verification rows, the drafts they carried, and the drafts accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ field needs no other wiring.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -153,6 +154,68 @@ class CacheConfig:
         _require(self.prefix_caching_hash_algo in HASH_ALGOS, "prefix_caching_hash_algo", f"must be one of {HASH_ALGOS}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # drafts one verification row may carry
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's spelling (`--speculative-config '{"method": "ngram", ...}'`).
+
+    ngram (prompt lookup): the drafts are the tokens that followed the latest earlier occurrence
+    of the request's last n tokens in its own prompt and output, for the longest n in
+    [prompt_lookup_min, prompt_lookup_max] that occurs; each decode step verifies up to
+    `num_speculative_tokens` of them. As in vLLM, a missing bound takes the other's value, and
+    both missing are 5."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig:
+        """From a dict (or its JSON text, as on the command line); ValueError names the bad key."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config: must be a JSON object such as "
+                             '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in value if k not in known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens: required")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        return cls(**{**value, "prompt_lookup_min": lo, "prompt_lookup_max": hi})
+
+    def validate(self) -> None:
+        for f in fields(self):
+            kind, v = str(f.type), getattr(self, f.name)
+            _require(_type_ok(v, kind), f"speculative_config.{f.name}",
+                     f"must be {_TYPE_WORDS.get(kind.removesuffix(' | None'), kind)}, got {v!r}")
+        _require(self.method in SPECULATIVE_METHODS, "speculative_config.method", f"must be one of {SPECULATIVE_METHODS}")
+        _require(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, "speculative_config.num_speculative_tokens",
+                 f"must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        _require(lo is not None and lo >= 1, "speculative_config.prompt_lookup_min", "must be >= 1")
+        _require(hi is not None and lo is not None and hi >= lo, "speculative_config.prompt_lookup_max",
+                 "must be >= prompt_lookup_min")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     scheduler: str = "continuous"  # or "static": hold a batch until its last member finishes
@@ -167,6 +230,7 @@ class SchedulerConfig:
     tenant_max_running: int | None = None  # running requests per tenant
     tenant_weights: tuple[tuple[str, float], ...] = ()  # fair share weights; others weigh 1
     deadline_aging: float = 1.0  # seconds of waiting that count as one second nearer a deadline
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def validate(self) -> None:
         _check_types(self)
@@ -187,6 +251,11 @@ class SchedulerConfig:
         )
         _require(all(w > 0 for _, w in self.tenant_weights), "tenant_weights", "weights must be > 0")
         _require(self.deadline_aging > 0, "deadline_aging", "must be > 0")
+        spec = self.speculative_config
+        _require(spec is None or isinstance(spec, SpeculativeConfig), "speculative_config",
+                 "must be a SpeculativeConfig, a dict or its JSON text")
+        if spec is not None:
+            spec.validate()
 
 
 @dataclass(frozen=True)
@@ -200,6 +269,10 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         return self
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        return self.scheduler.speculative_config
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -336,6 +409,8 @@ def _normalise(key: str, value: Any) -> Any:
             return parse_size(value)
         except ValueError as e:
             raise ValueError(f"kv_cache_memory: {e}") from None
+    if key == "speculative_config" and value is not None:
+        return SpeculativeConfig.parse(value)
     if key == "tenant_weights":
         if isinstance(value, dict):
             return tuple(value.items())
@@ -356,6 +431,9 @@ def option_flags(name: str, value: Any) -> list[str]:
         return [f"--{flag}" if value else f"--no-{flag}"]
     if name == "tenant_weights":
         return [f"--{flag}", ",".join(f"{k}={w}" for k, w in value)]
+    if name == "speculative_config":
+        spec = value if isinstance(value, dict) else SpeculativeConfig.parse(value).as_dict()
+        return [f"--{flag}", json.dumps(spec)]
     return [f"--{flag}", str(value)]
 
 
@@ -403,6 +481,9 @@ OPTION_HELP: dict[str, str] = {
     "tenant_max_running": "running requests per tenant; more wait (none: no cap)",
     "tenant_weights": "fair-share weights, NAME=WEIGHT[,NAME=WEIGHT...]; unnamed tenants weigh 1",
     "deadline_aging": "seconds of waiting that count as one second nearer a deadline (deadline policy)",
+    "speculative_config": 'speculative decoding as JSON, in vLLM\'s spelling: {"method": "ngram", '
+                          '"num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B} '
+                          "(none: off)",
 }
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": (*DTYPES, *DTYPE_ALIASES), "device": DEVICES, "scheduler": SCHEDULERS, "policy": POLICIES,

@@ -170,6 +170,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    speculative: bool = True  # False: never speculate for this request (where the engine speculates)
 
     def __post_init__(self) -> None:
         # Accept lists/dicts from callers but store hashable tuples; anything else is refused here,
@@ -255,7 +256,7 @@ class SamplingParams:
         _check(self.allowed_token_ids is None or self.structured_outputs is None, "allowed_token_ids",
                "cannot be combined with structured_outputs (both restrict the tokens that may be sampled, and "
                "together they may leave none; give one of them)")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             _check(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
 
     @property
@@ -276,6 +277,13 @@ class SamplingParams:
         history and no logprobs, so its token may come back as an id rather than a delta and the
         simulator may fast-forward it. Cached like `needs_history`."""
         return not self.needs_history and self.logprobs is None and self.structured_outputs is None
+
+    @cached_property
+    def speculable(self) -> bool:
+        """True when speculative decoding may run for this request: nothing makes a position's
+        token depend on more than its logits and the sampling filters (no logprobs, penalties,
+        bias, allowed tokens or grammar). min_tokens is checked per step by the scheduler."""
+        return self.speculative and self.plain_decode and not self.logit_bias and self.allowed_token_ids is None
 
 
 @dataclass(frozen=True)

@@ -113,3 +113,20 @@ def test_a_scrape_after_a_workload_has_the_vllm_series_agreeing_with_cadences(se
     assert total(s, "vllm:request_success_total") == 8
     assert by_name(s, "vllm:request_success_total") == {
         (("engine", "0"), ("finished_reason", "length"), ("model_name", model)): 8.0}
+
+
+def test_speculative_decoding_counters_under_both_names():
+    exp = PrometheusExporter(vllm_model_name="m1")
+    exp.record_step(IterationStats(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=5,
+                                   num_accepted_tokens_per_pos=[2, 2, 1]), None)
+    exp.record_step(IterationStats(num_drafts=1, num_draft_tokens=2, num_accepted_tokens=0), None)
+    s = samples(exp.render()[0])
+    lab = (("engine", "0"), ("model_name", "m1"))
+    assert s[("cadence:spec_decode_num_drafts_total", ())] == s[("vllm:spec_decode_num_drafts_total", lab)] == 3
+    assert s[("cadence:spec_decode_num_draft_tokens_total", ())] == 10
+    assert s[("vllm:spec_decode_num_draft_tokens_total", lab)] == 10
+    assert s[("cadence:spec_decode_num_accepted_tokens_total", ())] == 5
+    assert s[("vllm:spec_decode_num_accepted_tokens_total", lab)] == 5
+    assert s[("cadence:spec_decode_num_accepted_tokens_per_pos_total", (("position", "2"),))] == 1
+    assert s[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (*lab, ("position", "0")))] == 2
+    assert s[("cadence:spec_decode_acceptance_ratio", ())] == 0.5

@@ -48,7 +48,10 @@ def tiny_llm() -> LLM:
 
 @pytest.fixture(scope="session")
 def app_client() -> Iterator[TestClient]:
-    engine = AsyncEngine(build_engine(EngineConfig.from_options(**TINY), tiny=True))
+    # With n-gram speculation on: the tiny model's greedy text repeats itself, so fuzzed greedy
+    # requests also go through verification rows (stops mid-draft, the context's end, min_tokens).
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    engine = AsyncEngine(build_engine(EngineConfig.from_options(**TINY, speculative_config=spec), tiny=True))
     app = create_app(engine, ServerConfig())
     try:
         # An exception escaping the app becomes the 500 it would be behind uvicorn, for the tests to see.

@@ -52,6 +52,7 @@ SAMPLING = {
     "user": st.text(max_size=30),
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
+    "speculative": st.booleans() | st.sampled_from(["no", 0, None]),
     "priority": st.integers(-10, 10),
     "deadline": st.sampled_from([1e-9, 0.5, 30.0, 86400.0]),
     "response_format": st.sampled_from([

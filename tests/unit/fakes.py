@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from cadence.boundary import ModelOutput, RequestDelta, SchedulerOutput
+from cadence.boundary import ModelOutput, RequestDelta, ScheduledRequest, SchedulerOutput
 from cadence.clock import VirtualClock
 from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
@@ -76,10 +76,14 @@ class FakeExecutor:
         if out.step in self.fail_steps:
             raise RuntimeError(f"scripted failure at step {out.step}")
         sampled: dict[str, int] = {}
+        verified: dict[str, tuple[int, ...]] = {}
         for sr in out.scheduled:
             if self.verify_kv:
                 self._write(sr.block_table, sr.start_pos, sr.token_ids, sr.request_id)
             if not sr.sample:
+                continue
+            if sr.num_draft_tokens:
+                verified[sr.request_id] = self._verify(sr)
                 continue
             scripted = self.script.get(sr.request_id, [])
             if sr.num_output_tokens < len(scripted):
@@ -88,7 +92,25 @@ class FakeExecutor:
                 sampled[sr.request_id] = next_token(self._read(sr.block_table, sr.end_pos, sr.request_id))
             else:
                 sampled[sr.request_id] = (sr.end_pos * 7 + sr.token_ids[-1]) % VOCAB
-        return ModelOutput(sampled_token_ids=sampled)
+        return ModelOutput(sampled_token_ids=sampled, verified_token_ids=verified)
+
+    def _target(self, sr: ScheduledRequest, i: int) -> int:
+        """The token this fake picks after position start_pos + i of a verification row."""
+        scripted = self.script.get(sr.request_id, [])
+        if sr.num_output_tokens + i < len(scripted):
+            return scripted[sr.num_output_tokens + i]
+        end = sr.start_pos + i + 1
+        return next_token(self._read(sr.block_table, end, sr.request_id)) if self.verify_kv \
+            else (end * 7 + sr.token_ids[i]) % VOCAB
+
+    def _verify(self, sr: ScheduledRequest) -> tuple[int, ...]:
+        """Greedy verification, as the real sampler does it: targets at every position of the row."""
+        out = [self._target(sr, 0)]
+        for i, draft in enumerate(sr.draft_token_ids, start=1):
+            if draft != out[-1]:
+                break
+            out.append(self._target(sr, i))
+        return tuple(out)
 
     def _write(self, table: tuple[int, ...], start: int, tokens: tuple[int, ...], rid: str) -> None:
         bs = self.block_size

@@ -114,3 +114,23 @@ def test_a_wait_behind_a_moving_head_is_one_event_per_change_of_reason() -> None
          "cadence.behind_reason": "max_num_seqs", "cadence.step": 1},
         {"cadence.wait_reason": "max_num_seqs", "cadence.step": 13},
     ]
+
+
+def test_a_verification_row_beside_a_prefill_is_no_prefill_chunk() -> None:
+    from cadence.request import SamplingParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    engine, executor, _ = make_engine(max_num_batched_tokens=8, block_size=4, speculative_config=spec)
+    events = engine.record_request_events()
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    req = make_request(prompt=[5, 6, 7, 5, 6, 7, 5, 6], params=greedy, rid="v")
+    executor.script["v"] = [7, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    engine.add_request(req)
+    events.track("v")
+    engine.step()  # its whole prompt
+    engine.add_request(make_request(prompt_len=30, max_tokens=2))  # a long prefill shares the next steps
+    while not req.is_finished:
+        engine.step()
+    rows = [sr for out in executor.outputs for sr in out.scheduled if sr.request_id == "v" and sr.num_draft_tokens]
+    assert rows, "the request was meant to speculate beside the prefill"
+    assert _names(events.pop("v")) == ["prefill_chunk"]

@@ -104,8 +104,10 @@ class RequestEventRecorder:
             n = len(sr.token_ids)
             rid = sr.request_id
             req = requests.get(rid)
-            # A decode, unless it is a resume whose recompute the prefix cache cut to one token.
-            if req is None or (n == 1 and sr.start_pos >= req.num_prompt_tokens and rid not in self._preempted):
+            # A decode, unless it is a resume whose recompute the prefix cache cut to one token; a
+            # verification row (speculative drafts) is a decode too.
+            if req is None or sr.num_draft_tokens or (n == 1 and sr.start_pos >= req.num_prompt_tokens
+                                                      and rid not in self._preempted):
                 continue
             since = self._waiting_since.pop(rid, None)
             if since is not None:

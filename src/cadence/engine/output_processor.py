@@ -81,6 +81,8 @@ class OutputProcessor:
         return out, stopped
 
     def _one(self, st: _State, d: RequestDelta) -> StreamDelta:
+        if st.stops is not None and len(d.new_token_ids) > 1:
+            return self._several(st, d)
         st.num_output_tokens += len(d.new_token_ids)
         ending = d.finish_reason is not None
         text = st.detok.add(d.new_token_ids)
@@ -94,11 +96,40 @@ class OutputProcessor:
                 finish, stop_reason = FinishReason.STOP.value, matched
             elif ending:
                 text += st.stops.flush()  # held back as a possible stop string; the request ended first
+        return self._delta(st, d, text, list(d.new_token_ids), finish, stop_reason)
+
+    def _several(self, st: _State, d: RequestDelta) -> StreamDelta:
+        """Several tokens in one delta (speculative decoding) under stop strings: checked a token at
+        a time, so the tokens after the one that completes a stop string are dropped, as they
+        would never have been generated one step at a time."""
+        stops = st.stops
+        assert stops is not None
+        tokens = list(d.new_token_ids)
+        pieces: list[str] = []
+        for i, token in enumerate(tokens):
+            text, matched = stops.add(st.detok.add((token,)))
+            pieces.append(text)
+            if matched is not None:
+                st.num_output_tokens += i + 1
+                return self._delta(st, d, "".join(pieces), tokens[: i + 1], FinishReason.STOP.value, matched)
+        st.num_output_tokens += len(tokens)
+        ending = d.finish_reason is not None
+        if ending:
+            text, matched = stops.add(st.detok.flush())
+            pieces.append(text)
+            if matched is not None:
+                return self._delta(st, d, "".join(pieces), tokens, FinishReason.STOP.value, matched)
+            pieces.append(stops.flush())
+        finish = d.finish_reason.value if d.finish_reason else None
+        return self._delta(st, d, "".join(pieces), tokens, finish, d.stop_reason)
+
+    def _delta(self, st: _State, d: RequestDelta, text: str, tokens: list[int], finish: str | None,
+               stop_reason: str | int | None) -> StreamDelta:
         return StreamDelta(
             request_id=d.request_id,
             text=text,
-            token_ids=list(d.new_token_ids),
-            logprobs=list(d.new_logprobs) if st.params.logprobs is not None else None,
+            token_ids=tokens,
+            logprobs=list(d.new_logprobs[: len(tokens)]) if st.params.logprobs is not None else None,
             finish_reason=finish,
             stop_reason=stop_reason,
             num_prompt_tokens=st.num_prompt_tokens,

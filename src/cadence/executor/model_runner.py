@@ -25,8 +25,9 @@ class FlatBatch:
     order: tuple[ScheduledRequest, ...]
     input_ids: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] last row of each request that samples
-    sampling: tuple[ScheduledRequest, ...]  # the S requests, in logits row order
+    logits_indices: torch.Tensor  # [S] last row of each request that samples (every row of a verification row)
+    sampling: tuple[ScheduledRequest, ...]  # the requests that sample, in logits row order
+    has_drafts: bool = False  # some sampling request is a verification row: more logits rows than requests
 
 
 class ModelRunner:
@@ -86,12 +87,40 @@ class ModelRunner:
             logits = self._run(batch)
             if not batch.sampling:
                 return ModelOutput()
+            if batch.has_drafts:
+                return self._verify_and_sample(logits, batch, scheduler_output)
             # The only host sync of the step: reading the sampled tokens back.
             sampled = self.sampler(logits, batch.sampling, _grammar_rows(scheduler_output, batch.sampling))
         ids = [r.request_id for r in batch.sampling]
         return ModelOutput(
             sampled_token_ids=dict(zip(ids, sampled.token_ids, strict=True)),
             logprobs={ids[i]: lp for i, lp in sampled.logprobs.items()},
+        )
+
+    def _verify_and_sample(self, logits: torch.Tensor, batch: FlatBatch, out: SchedulerOutput) -> ModelOutput:
+        """A step with verification rows: each one's 1 + k logits rows verify its drafts (greedily,
+        or by rejection sampling); the other requests sample from their one row as in any step."""
+        plain: list[ScheduledRequest] = []
+        plain_rows: list[int] = []
+        verifying: list[tuple[ScheduledRequest, int]] = []
+        row = 0
+        for r in batch.sampling:
+            if r.num_draft_tokens:
+                verifying.append((r, row))
+            else:
+                plain.append(r)
+                plain_rows.append(row)
+            row += 1 + r.num_draft_tokens
+        verified = self.sampler.verify(logits, verifying)
+        if not plain:
+            return ModelOutput(verified_token_ids=verified)
+        index = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
+        sampled = self.sampler(logits.index_select(0, index), plain, _grammar_rows(out, plain))
+        ids = [r.request_id for r in plain]
+        return ModelOutput(
+            sampled_token_ids=dict(zip(ids, sampled.token_ids, strict=True)),
+            logprobs={ids[i]: lp for i, lp in sampled.logprobs.items()},
+            verified_token_ids=verified,
         )
 
     # -- KV blocks moved between engines ------------------------------------------------------------
@@ -118,11 +147,18 @@ class ModelRunner:
     # -- Also used by tests and benchmarks --------------------------------------------------------
 
     def compute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """Run the step (writing the KV cache) and return the float32 logits [V] of each sampling request."""
+        """Run the step (writing the KV cache) and return the float32 logits [V] of each sampling
+        request; of a verification row, [1 + k, V]: one row per position."""
         batch = self.prepare(scheduler_output.scheduled)
         with torch.inference_mode():
             logits = self._run(batch)
-        return {r.request_id: logits[i] for i, r in enumerate(batch.sampling)}
+        out: dict[str, torch.Tensor] = {}
+        row = 0
+        for r in batch.sampling:
+            k = r.num_draft_tokens
+            out[r.request_id] = logits[row : row + 1 + k] if k else logits[row]
+            row += 1 + k
+        return out
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> FlatBatch:
         """Lay the step out as one flat batch: multi-token chunks first, then the decode tokens, shortest
@@ -137,10 +173,15 @@ class ModelRunner:
         order = tuple(sorted(scheduled, key=lambda r: (r.num_tokens == 1, r.end_pos if r.num_tokens == 1 else 0)))
         ids: list[int] = []
         last_rows: list[int] = []
+        has_drafts = False
         for r in order:
             ids.extend(r.token_ids)
             if r.sample:
-                last_rows.append(len(ids) - 1)
+                if r.num_draft_tokens:  # every position of a verification row has its logits
+                    has_drafts = True
+                    last_rows.extend(range(len(ids) - 1 - r.num_draft_tokens, len(ids)))
+                else:
+                    last_rows.append(len(ids) - 1)
         spans = [SeqSpan(r.start_pos, r.num_tokens, r.block_table) for r in order]
         meta = AttentionMetadata.build(spans, self.kv_cache.block_size, self.device, self.arch.num_kv_heads,
                                        self.model.decode_kernels)
@@ -150,6 +191,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=to_device(torch.tensor(last_rows, dtype=torch.long), self.device),
             sampling=tuple(r for r in order if r.sample),
+            has_drafts=has_drafts,
         )
 
     def _run(self, batch: FlatBatch) -> torch.Tensor:

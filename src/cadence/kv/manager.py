@@ -235,6 +235,24 @@ class KVCacheManager:
         self.pool.cache_blocks(table[start:num_full], hashes[start:num_full])
         self._num_cached[rid] = num_full
 
+    def release_tail(self, request: Request) -> int:
+        """Give back the blocks past `request.num_computed_tokens` (slots allocated for tokens that
+        were not kept: rejected speculative drafts); returns how many. Those blocks hold no
+        kept token, so none is published."""
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if table is None:
+            return 0
+        keep = self.num_blocks_needed(request.num_computed_tokens)
+        if len(table) <= keep:
+            return 0
+        assert self._num_cached.get(rid, 0) <= keep, f"{rid}: a published block past its computed tokens"
+        tail = table[keep:]
+        del table[keep:]
+        self._table_ids[rid] = self._table_ids[rid][:keep]
+        self.pool.free(reversed(tail))
+        return len(tail)
+
     def num_published(self, request_id: str) -> int:
         """How many of the request's blocks are published (hashed and findable); 0 if it holds none."""
         return self._num_cached.get(request_id, 0)

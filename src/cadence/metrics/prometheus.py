@@ -211,6 +211,30 @@ class PrometheusExporter:
             "Preemptions: a running request's KV freed, recomputed later.",
             registry=r,
         )
+        self.spec_drafts = Counter(
+            "cadence:spec_decode_num_drafts",
+            "Speculative decoding: verification rows (a decode step of one request that carried drafts).",
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "cadence:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed and verified.",
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "cadence:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.", registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "cadence:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by their position in the draft (0: the first).",
+            ("position",),
+            registry=r,
+        )
+        self.spec_acceptance = Gauge(
+            "cadence:spec_decode_acceptance_ratio",
+            "Speculative decoding: draft tokens accepted over draft tokens verified, since the start.",
+            registry=r,
+        )
+        self._spec_totals = [0, 0]  # draft tokens, accepted
         self.cache_queries = Counter(
             "cadence:prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.", registry=r
         )
@@ -268,6 +292,8 @@ class PrometheusExporter:
         _inc(self.preemptions, it.num_preemptions)
         _inc(self.cache_queries, it.prefix_cache_queries)
         _inc(self.cache_hits, it.prefix_cache_hits)
+        if it.num_drafts:
+            self._record_spec(it)
         for tenant, seconds in it.first_token_latencies:
             self.ttft.labels(self.tenant(tenant)).observe(seconds)
         for tenant, seconds in it.token_latencies:
@@ -277,6 +303,17 @@ class PrometheusExporter:
         for f in it.finished:
             self.record_finished(f)
         # it.rejections is not read: the HTTP side counts every refusal as it answers it (module doc).
+
+    def _record_spec(self, it: IterationStats) -> None:
+        _inc(self.spec_drafts, it.num_drafts)
+        _inc(self.spec_draft_tokens, it.num_draft_tokens)
+        _inc(self.spec_accepted_tokens, it.num_accepted_tokens)
+        for pos, n in enumerate(it.num_accepted_tokens_per_pos):
+            self.spec_accepted_per_pos.labels(str(pos)).inc(n)
+        totals = self._spec_totals
+        totals[0] += it.num_draft_tokens
+        totals[1] += it.num_accepted_tokens
+        self.spec_acceptance.set(totals[1] / totals[0] if totals[0] else 0.0)
 
     def record_scheduler(self, st: SchedulerStats) -> None:
         self.running.set(st.num_running)

@@ -49,6 +49,11 @@ class VllmMetrics:
         self.cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.", (*LABELS, "position"), registry=r)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                (*LABELS, "finished_reason"), registry=r)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -85,9 +90,14 @@ class VllmMetrics:
                                 (self.generation_tokens, it.num_generation_tokens),
                                 (self.preemptions, it.num_preemptions),
                                 (self.cache_queries, it.prefix_cache_queries),
-                                (self.cache_hits, it.prefix_cache_hits)):
+                                (self.cache_hits, it.prefix_cache_hits),
+                                (self.spec_drafts, it.num_drafts),
+                                (self.spec_draft_tokens, it.num_draft_tokens),
+                                (self.spec_accepted_tokens, it.num_accepted_tokens)):
             if amount > 0:
                 counter.inc(amount)
+        for pos, n in enumerate(it.num_accepted_tokens_per_pos):
+            self.spec_accepted_per_pos.labels(*self.labels, str(pos)).inc(n)
         for _, seconds in it.first_token_latencies:
             self.ttft.observe(seconds)
         for _, seconds in it.token_latencies:

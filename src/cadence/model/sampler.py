@@ -27,7 +27,7 @@ the default model, 29% of rows: 8 ms a step at 8 rows, which the kernel does in 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -92,6 +92,37 @@ class Sampler:
             logits = self._processed(logits.clone(), reqs)  # a copy: `raw` feeds the logprobs
         token_ids = self._pick(logits, reqs)  # (reads `logits`; its torch path divides a copy)
         return SamplerOutput(token_ids.tolist(), self._logprobs(raw, token_ids, reqs))
+
+    def verify(self, logits: torch.Tensor, rows: Sequence[tuple[ScheduledRequest, int]]) -> dict[str, tuple[int, ...]]:
+        """Verify speculative drafts: for each (request, first of its 1 + k logits rows), the drafts
+        accepted and the token after them.
+
+        At every position of a row the token is picked exactly as a decode step at that output
+        index would pick it (the argmax, or a draw with that index's seeded or engine uniform,
+        through the same filters and kernel); the drafts equal to the token picked before them are
+        accepted, up to the first that is not, followed by the token picked after the last one
+        accepted. Every kept token is thus the one plain decoding would have produced from the same
+        logits: greedy output is unchanged, a seeded request's too, and an unseeded request's
+        tokens have the target distribution. For drafts proposed without a distribution (n-gram),
+        this accepts a draft d with probability p(d), as the standard rejection-sampling rule with
+        a one-hot proposal does."""
+        if not rows:
+            return {}
+        index: list[int] = []
+        positions: list[ScheduledRequest] = []
+        for r, first in rows:
+            for j in range(r.num_draft_tokens + 1):
+                index.append(first + j)
+                positions.append(replace(r, num_output_tokens=r.num_output_tokens + j, num_draft_tokens=0))
+        picked = self(logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device)),
+                      positions).token_ids
+        out: dict[str, tuple[int, ...]] = {}
+        at = 0
+        for r, _ in rows:
+            k = r.num_draft_tokens
+            out[r.request_id] = accept_greedy(r.draft_token_ids, picked[at : at + k + 1])
+            at += k + 1
+        return out
 
     # -- logits processing --------------------------------------------------------------------
 
@@ -182,6 +213,15 @@ class Sampler:
             top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
             out[i] = TokenLogprobs(token_id=toks[j], logprob=chosen_l[j], top=top)
         return out
+
+
+def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> tuple[int, ...]:
+    """`targets[i]` is the token picked after draft i (targets[0]: after the fed token): the
+    longest run of drafts each equal to the target before it, then the target after that run."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return tuple(targets[: accepted + 1])
 
 
 def _filter_tensors(reqs: Sequence[ScheduledRequest]) -> tuple[torch.Tensor | None, ...]:

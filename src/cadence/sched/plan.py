@@ -33,10 +33,10 @@ class StepPlan:
 
     def undo(self, req: Request) -> None:
         """Forget `req`'s share of the plan (it was just preempted), if it had one."""
-        n = self.num_tokens(req.request_id)
-        if n:
-            del self.rows[req.request_id]
-            if is_prefill(req, n):
+        row = self.rows.pop(req.request_id, None)
+        if row is not None:
+            n = len(row.token_ids)
+            if not row.num_draft_tokens and is_prefill(req, n):  # (a verification row is decode)
                 self.num_prefill -= n
             self.budget += n
 

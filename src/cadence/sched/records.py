@@ -50,7 +50,26 @@ def scheduled_request(req: Request, n: int, block_table: tuple[int, ...]) -> Sch
     fields["num_output_tokens"] = len(outputs)
     fields["history"] = tuple(req.all_token_ids) if sp.needs_history else None
     fields["eos_token_ids"] = req.eos_token_ids
+    fields["num_draft_tokens"] = 0
     return sr
+
+
+def verification_request(req: Request, drafts: tuple[int, ...], block_table: tuple[int, ...]) -> ScheduledRequest:
+    """A decoding request's row with `drafts` to verify: its last sampled token, then the drafts."""
+    start = req.num_computed_tokens
+    sp = req.sampling_params
+    return ScheduledRequest(
+        request_id=req.request_id,
+        token_ids=(req.output_token_ids[-1], *drafts),
+        start_pos=start,
+        block_table=block_table,
+        sample=True,
+        sampling_params=sp,
+        num_output_tokens=len(req.output_token_ids),
+        history=tuple(req.all_token_ids) if sp.needs_history else None,
+        eos_token_ids=req.eos_token_ids,
+        num_draft_tokens=len(drafts),
+    )
 
 
 def scheduled_request_reference(req: Request, n: int, block_table: tuple[int, ...]) -> ScheduledRequest:
@@ -96,6 +115,12 @@ def token_delta(req: Request, token: int, lps: tuple[TokenLogprobs, ...]) -> Req
 def token_delta_reference(req: Request, token: int, lps: tuple[TokenLogprobs, ...]) -> RequestDelta:
     """`token_delta`, plainly: the dataclass constructor."""
     return RequestDelta(req.request_id, (token,), lps, num_prompt_tokens=req.num_prompt_tokens,
+                        num_cached_tokens=req.num_cached_tokens)
+
+
+def tokens_delta(req: Request, tokens: tuple[int, ...]) -> RequestDelta:
+    """Several new tokens of a request that goes on (a verification row's)."""
+    return RequestDelta(req.request_id, tokens, num_prompt_tokens=len(req.prompt_token_ids),
                         num_cached_tokens=req.num_cached_tokens)
 
 

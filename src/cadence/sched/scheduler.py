@@ -35,16 +35,24 @@ from cadence.boundary import (
     TokenLogprobs,
     WaitReason,
 )
-from cadence.config import CacheConfig, SchedulerConfig
+from cadence.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from cadence.errors import AdmissionError
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, RequestStatus
 from cadence.sched.admission import AdmissionControl, check_ids
 from cadence.sched.introspect import SchedulerIntrospection
+from cadence.sched.ngram import PackedTokens
 from cadence.sched.plan import StepPlan
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
-from cadence.sched.records import final_delta, finished_stats, scheduled_request, token_delta
+from cadence.sched.records import (
+    final_delta,
+    finished_stats,
+    scheduled_request,
+    token_delta,
+    tokens_delta,
+    verification_request,
+)
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -65,6 +73,8 @@ class Scheduler(SchedulerIntrospection):
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.last_iteration_stats = IterationStats()
         self.is_static = config.scheduler == "static"
+        self.speculative: SpeculativeConfig | None = config.speculative_config
+        self._packed: dict[str, PackedTokens] = {}  # speculating requests' contexts, for the n-gram lookup
         self._decode_ids = decode_ids
         # With `decode_ids`: requests whose plain decode gave one token in the last `update` and
         # went on. They get no RequestDelta; each one's new token is its last output token.
@@ -157,6 +167,7 @@ class Scheduler(SchedulerIntrospection):
         allocate, table = self.kv.allocate_slots, self.kv.block_tables.get
         block_size = self.kv.block_size
         rows = plan.rows
+        spec = self.speculative
         for req in list(self.running):
             if plan.budget <= 0:
                 break
@@ -170,6 +181,12 @@ class Scheduler(SchedulerIntrospection):
             n = 1 if remaining == 1 else self.chunk(req, start, plan.budget)
             if n == 0:
                 continue
+            if spec is not None and remaining == 1 and start >= num_prompt:
+                drafts = self._drafts(req, spec, plan.budget)
+                if drafts:
+                    rows[rid] = verification_request(req, drafts, table(rid, ()))
+                    plan.budget -= 1 + len(drafts)  # a verification row counts as decode tokens
+                    continue
             ids = table(rid, ())
             # Most steps the tokens fit in the blocks the request holds (a decode needs a new block
             # every `block_size` steps): then allocate_slots would return at once, so skip the call.
@@ -188,6 +205,42 @@ class Scheduler(SchedulerIntrospection):
             if n != 1 or start < num_prompt:
                 plan.num_prefill += n
             plan.budget -= n
+
+    def _drafts(self, req: Request, spec: SpeculativeConfig, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding request this step, their KV slots allocated; () when it
+        does not speculate (its sampling does not allow it, no n-gram match, no room). Drafts take
+        only spare blocks: a failed allocation, or one that would leave fewer free blocks than
+        running requests, drops them rather than preempting anyone for them."""
+        sp = req.sampling_params
+        num_out = len(req.output_token_ids)
+        if not sp.speculable or num_out < sp.min_tokens:
+            return ()
+        # Never more drafts than the budget, max_tokens or the context leave room to use.
+        k = min(spec.num_speculative_tokens, budget - 1, sp.max_tokens - num_out - 1,
+                self.max_model_len - req.num_tokens - 1)
+        if k < 1:
+            return ()
+        drafts = self._propose(req, k, spec)
+        if not drafts:
+            return ()
+        kv, n = self.kv, 1 + len(drafts)
+        if req.num_computed_tokens + n > len(kv.block_tables.get(req.request_id, ())) * kv.block_size:
+            spare = kv.num_free_blocks - kv.blocks_to_take(req, n)
+            if spare < len(self.running) or kv.allocate_slots(req, n) is None:
+                return ()
+        return drafts
+
+    def _propose(self, req: Request, k: int, spec: SpeculativeConfig) -> tuple[int, ...]:
+        """Up to k n-gram drafts from the request's context, packed once and extended as it grows."""
+        rid, num = req.request_id, req.num_tokens
+        packed = self._packed.get(rid)
+        if packed is None:
+            packed = self._packed[rid] = PackedTokens()
+        if packed.num_tokens < num:
+            packed.extend(req.token_ids_slice(packed.num_tokens, num))
+        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        follow = packed.continuation(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return () if follow is None else tuple(req.token_ids_slice(follow, min(follow + k, num)))
 
     def eligible(self) -> Callable[[Request], bool] | None:
         """Which waiting requests may be admitted now (None: all): the per-tenant running cap."""
@@ -310,6 +363,9 @@ class Scheduler(SchedulerIntrospection):
         req = self.requests.get(rid)
         if req is None or req.status is not _RUNNING:
             return  # ended between schedule and update
+        if sr.num_draft_tokens:
+            self._update_verified(req, sr, model_output, now, deltas)
+            return
         start, n = sr.start_pos, len(sr.token_ids)
         assert req.num_computed_tokens == start, f"{rid}: progress out of step"
         req.num_computed_tokens = start + n
@@ -336,6 +392,61 @@ class Scheduler(SchedulerIntrospection):
         self._stats.num_generation_tokens += 1
         logprobs = model_output.logprobs
         deltas.append(self._append_token(req, token, logprobs.get(rid) if logprobs else None, now))
+
+    def _update_verified(self, req: Request, sr: ScheduledRequest, model_output: ModelOutput, now: float,
+                         deltas: list[RequestDelta]) -> None:
+        """A verification row's result: the accepted drafts and the token after them join the
+        outputs, one at a time, until one ends the request (the rest are dropped); the KV of the
+        fed token and of the accepted drafts is kept, the rejected drafts' slots are given back."""
+        rid, start = req.request_id, sr.start_pos
+        assert req.num_computed_tokens == start, f"{rid}: progress out of step"
+        tokens = model_output.verified_token_ids.get(rid)
+        if tokens is None and rid in model_output.sampled_token_ids:
+            tokens = (model_output.sampled_token_ids[rid],)  # an executor that does not verify: none accepted
+        # The K/V written is that of the drafts: the tokens kept before the last must be drafts.
+        error = "the executor returned no verified tokens" if not tokens else \
+            "the executor's verified tokens are not the drafts" \
+            if len(tokens) > sr.num_draft_tokens + 1 or tokens[:-1] != sr.draft_token_ids[: len(tokens) - 1] else None
+        if error is not None or not tokens:
+            self.finish(req, RequestStatus.FINISHED_ERROR, now, error=error)
+            deltas.append(final_delta(req))
+            return
+        stats = self._stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += sr.num_draft_tokens
+        stats.num_accepted_tokens += len(tokens) - 1
+        per_pos = stats.num_accepted_tokens_per_pos
+        for i in range(len(tokens) - 1):
+            if i == len(per_pos):
+                per_pos.append(0)
+            per_pos[i] += 1
+        outputs, sp = req.output_token_ids, req.sampling_params
+        status, stop_reason, taken = None, None, 0
+        for token in tokens:
+            outputs.append(token)
+            taken += 1
+            if not (len(outputs) < sp.max_tokens and req.num_tokens < self.max_model_len
+                    and token not in req.eos_token_ids and token not in sp.stop_token_ids):
+                status, stop_reason = self.stop_status(req, token)
+                if status is not None:
+                    break
+        # Positions start .. start + taken - 1 hold the fed token and the drafts now confirmed.
+        req.num_computed_tokens = start + taken
+        self._num_live_tokens += taken
+        self.kv.release_tail(req)
+        self.kv.cache_computed_blocks(req)
+        if self.waiting.tracks_service:
+            self.waiting.account(req, 0, taken)
+        stats.num_generation_tokens += taken
+        if req.last_token_time is not None:  # one latency per step, as for a plain decode step
+            stats.token_latencies.append((req.tenant, now - req.last_token_time))
+        req.last_token_time = now
+        new = tuple(outputs[len(outputs) - taken :])
+        if status is None:
+            deltas.append(tokens_delta(req, new))
+            return
+        self.finish(req, status, now, stop_reason=stop_reason)
+        deltas.append(final_delta(req, new))
 
     def _update_rows(self, rows: tuple[ScheduledRequest, ...], model_output: ModelOutput, now: float,
                      deltas: list[RequestDelta]) -> None:
@@ -511,6 +622,7 @@ class Scheduler(SchedulerIntrospection):
         else:
             self.waiting.remove(req)
             self.kv.free(req)  # holds no blocks, but may hold a hash memo
+        self._packed.pop(req.request_id, None)
         req.status = status
         req.finished_time = now
         req.stop_reason = stop_reason

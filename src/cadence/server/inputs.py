@@ -308,6 +308,7 @@ class InputBuilder:
                 allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
+                speculative=body.speculative,
                 structured_outputs=structured,
                 **{k: v for k, v in options.items() if v is not None},
             )

@@ -197,6 +197,7 @@ class SamplingFields(StructuredFields):
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    speculative: bool = True  # false: this request never speculates (where the server speculates)
     # Scheduling inputs (cadence extensions): a lower priority value is served first under the priority
     # policy; deadline is seconds from arrival after which the request is dropped if not done.
     priority: int = Field(default=0, ge=-(1 << 31), lt=1 << 31)

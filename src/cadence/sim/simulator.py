@@ -191,6 +191,9 @@ class Simulator:
                  on_step: Callable[[int, EngineCore, float], None] | None = None) -> None:
         self.config = config.validate()
         self.options = options.validate()
+        if config.speculative_config is not None:
+            raise ValueError("speculative_config: cadence sim does not model speculative decoding (its steps "
+                             "accept no drafts); leave it off")
         if executor_factory is None:
             if cost_model is None:
                 raise ValueError("cost_model: required unless an executor factory is given")
