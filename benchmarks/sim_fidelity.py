@@ -104,10 +104,14 @@ def spreads_of(by_key: dict[str, list[float]]) -> dict[str, Any]:
     return {k: RatioSpread.of(v) for k, v in by_key.items()}
 
 
-def summary(by_key: dict[str, list[float]], spreads: dict[str, Any], num_groups: int) -> str:
-    """Cells within 15% over the gated percentiles, and each percentile's median and spread."""
+def summary(groups: dict[str, list[tuple[float, float, dict, dict]]], spreads: dict[str, Any] | None = None) -> str:
+    """Cells within 15% over the gated percentiles, and each percentile's median and spread
+    (`spreads`: those already computed from `groups`)."""
     from cadence.sim.fidelity import GATED_QUANTILES, WITHIN
 
+    by_key = ratios(groups)
+    spreads = spreads if spreads is not None else spreads_of(by_key)
+    num_groups = len(groups)
     gated = [s for k, s in spreads.items() if int(k.rpartition("_p")[2]) in GATED_QUANTILES]
     within, cells = sum(s.within for s in gated), sum(s.cells for s in gated)
     lines = [f"{within} of {cells} p50/p90 cells within {WITHIN:.0%} ({within / max(cells, 1):.0%}) over "
@@ -166,12 +170,11 @@ def main() -> int:
             args.workload, args.seed = workload, seed
             name = f"{workload}_seed{seed}"
             groups[name] = run_group(args, out / name)
-    by_key = ratios(groups)
-    spreads = spreads_of(by_key)
+    spreads = spreads_of(ratios(groups))
     text = (f"profile: {args.profile}\n{args.num_requests} requests per load, load average "
             f"{os.getloadavg()[0]:.2f} at the end\n\n" + "\n\n".join(
                 f"{name}\n" + table(rows, REPORTED) for name, rows in groups.items()) + "\n\n"
-            + summary(by_key, spreads, len(groups)))
+            + summary(groups, spreads))
     (out / "table.md").write_text(text + "\n")
     print(text)
     if args.record_validation:
