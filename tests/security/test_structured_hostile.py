@@ -254,3 +254,28 @@ def test_tool_parameters_without_a_type_still_force_an_arguments_object(served):
         assert done["finish_reason"] == "tool_calls", done
         for call in done["message"]["tool_calls"]:
             assert isinstance(json.loads(call["function"]["arguments"]), dict), call
+
+
+DEEP_REGEX = "(" * 1000 + "a" + ")" * 1000
+DEEP_JSON = "[" * 5000 + "]" * 5000
+NESTED_TOO_DEEP = [
+    ({"guided_json": {"type": "string", "pattern": DEEP_REGEX}}, "guided_json"),
+    ({"guided_json": {"type": "object", "patternProperties": {DEEP_REGEX: {}}}}, "guided_json"),
+    ({"guided_json": DEEP_JSON}, "guided_json"),
+    ({"structured_outputs": {"json": '{"items": ' * 3000 + "{}" + "}" * 3000}}, "structured_outputs.json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": DEEP_REGEX}}}}, "response_format.json_schema.schema"),
+    ({"tools": [tool("f", {"type": "object", "properties": {"a": {"type": "string", "pattern": DEEP_REGEX}}})]},
+     "tools[0].function.parameters"),
+    ({"messages": [*CHAT, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_JSON}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), NESTED_TOO_DEEP)
+def test_nesting_deeper_than_python_recurses_is_a_400_naming_the_field(served, body: dict, param: str):
+    # JSON text and regexes (a schema's `pattern`) nested past the recursion limit: a 400, not a 500.
+    err = refused(served, body)
+    assert err["param"] == param, err
+    assert "nested too deeply" in err["message"], err

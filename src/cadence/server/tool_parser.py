@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from cadence.server.json_text import parse_json
+
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 
 
@@ -125,7 +127,7 @@ class HermesExtractor(Extractor):
     def _block(self, block: str) -> list[Piece]:
         inner = block[len(OPEN_TAG): -len(CLOSE_TAG)]
         try:
-            call = json.loads(inner)
+            call = parse_json(inner)
         except ValueError:
             call = None
         arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
@@ -213,7 +215,7 @@ class ArrayExtractor(Extractor):
 
     def _element(self, text: str) -> list[Piece]:
         try:
-            call = json.loads(text)
+            call = parse_json(text)
         except ValueError:
             return [Content(text)]
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
