@@ -126,8 +126,12 @@ class ResponseFormat(StrictModel):
     @field_validator("json_schema")
     @classmethod
     def _schema_with_its_type(cls, v: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
-        if v is None and info.data.get("type") == "json_schema":
+        kind = info.data.get("type")
+        if v is None and kind == "json_schema":
             raise ValueError("required when type is 'json_schema'")
+        if v is not None and kind in ("text", "json_object"):
+            # Taken with another type the schema would be ignored, and the output not follow it.
+            raise ValueError(f"given with type {kind!r}, which takes no schema (use type 'json_schema')")
         return v
 
 
