@@ -282,3 +282,35 @@ def test_nesting_deeper_than_python_recurses_is_a_400_naming_the_field(served, b
     err = refused(served, body)
     assert err["param"] == param, err
     assert "nested too deeply" in err["message"], err
+
+
+# A schema the library compiles, and whose first mask it computes, but whose parser outgrows the
+# library's limits once the output has begun (here 300 alternatives of 5 optional properties and a required one, past
+# its items per row after the opening brace): the request's fault, found only during generation.
+BEYOND_LIMITS = {"anyOf": [{"type": "object", "properties": {**{f"{i}_{j}": {"type": "integer"} for j in range(5)},
+                                                               "z": {"type": "integer"}}, "required": ["z"]}
+                           for i in range(300)]}
+
+
+def test_a_constraint_past_the_library_limits_mid_output_is_a_400_naming_the_field(served):
+    client, _, _ = served
+    for stream in (False, True):  # failing with the first token: a 400 before any chunk, streamed or not
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 8, "stream": stream,
+                                                      "guided_json": BEYOND_LIMITS})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "guided_json" and err["type"] == "invalid_request_error", err
+        assert err["message"].startswith("guided_json: ") and "limits" in err["message"], err
+    # Failing some tokens in: a 400 if that comes before the stream's first chunk is sent (the
+    # engine's deltas can be read together), else the stream's error event; either names the field.
+    nested = {"type": "object", "properties": {"t": {"const": "a forced text of several tokens"}, "a": BEYOND_LIMITS},
+              "required": ["t", "a"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": nested}}
+    with client.stream("POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 32, "stream": True,
+                                                              "response_format": rf}) as s:
+        bodies = [line.removeprefix("data: ") for line in s.iter_lines()]
+        events = [json.loads(b) for b in bodies if b.startswith("{")]
+    err = events[-1]["error"] if s.status_code == 200 else events[0]["error"]
+    assert err["param"] == "response_format" and err["type"] == "invalid_request_error", err
+    ok = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text  # the engine serves on
