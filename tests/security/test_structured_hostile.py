@@ -300,7 +300,7 @@ def test_a_constraint_past_the_library_limits_mid_output_is_a_400_naming_the_fie
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "guided_json" and err["type"] == "invalid_request_error", err
-        assert err["message"].startswith("guided_json: ") and "limits" in err["message"], err
+        assert err["message"].startswith("guided_json: the grammar library stopped following"), err
     # Failing some tokens in: a 400 if that comes before the stream's first chunk is sent (the
     # engine's deltas can be read together), else the stream's error event; either names the field.
     nested = {"type": "object", "properties": {"t": {"const": "a forced text of several tokens"}, "a": BEYOND_LIMITS},
@@ -314,3 +314,13 @@ def test_a_constraint_past_the_library_limits_mid_output_is_a_400_naming_the_fie
     assert err["param"] == "response_format" and err["type"] == "invalid_request_error", err
     ok = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
     assert ok.status_code == 200, ok.text  # the engine serves on
+
+
+def test_a_constraint_spelling_a_control_token_is_a_400_naming_the_field(served):
+    # The library's mask offers the control token itself for the text, then refuses it once sampled.
+    client, _, _ = served
+    for body in ({"guided_choice": ["<|im_end|>"]}, {"guided_regex": "<\\|im_end\\|>x"}):
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 8, **body})
+        assert r.status_code == 400, r.text
+        [field] = body
+        assert r.json()["error"]["param"] == field, r.text

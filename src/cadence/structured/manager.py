@@ -40,9 +40,9 @@ class GrammarEnd:
 
     request_id: str
     error: str | None = None
-    # The library itself stopped the matcher (its parser past its limits on this constraint): the
-    # request's fault, unlike a matcher that raised. Every sampled token is one the mask allowed, so
-    # a matcher in the library's error state was given a constraint beyond what it can follow.
+    # The library itself stopped the matcher: the request's fault, unlike a matcher that raised.
+    # Every sampled token is one the library's mask allowed, so a matcher in its error state was given
+    # a constraint it cannot follow (its parser past its limits; text that spells a control token).
     beyond_limits: bool = False
 
 
