@@ -276,6 +276,13 @@ NESTED_TOO_DEEP = [
 ]
 
 
+@pytest.mark.parametrize("body", [{"tools": [tool("f")]}, {"tool_choice": "required"}, {"parallel_tool_calls": False}])
+def test_tool_fields_on_the_completions_route_are_refused_not_ignored(served, body: dict):
+    err = refused(served, body, path="/v1/completions")
+    [field] = body
+    assert err["param"] == field and "/v1/chat/completions" in err["message"], err
+
+
 @pytest.mark.parametrize(("body", "param"), NESTED_TOO_DEEP)
 def test_nesting_deeper_than_python_recurses_is_a_400_naming_the_field(served, body: dict, param: str):
     # JSON text and regexes (a schema's `pattern`) nested past the recursion limit: a 400, not a 500.

@@ -255,6 +255,9 @@ class SamplingFields(StructuredFields):
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+CHAT_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
 
@@ -276,6 +279,16 @@ class CompletionRequest(SamplingFields):
     split_special_tokens: bool = False
     # As vLLM: a raw prompt gets what the model's tokenizer adds (a BOS for Llama models).
     add_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tools(cls, data: Any) -> Any:
+        # Tools are chat's: on this route they would be ignored, and the output neither a call nor constrained.
+        if isinstance(data, dict):
+            for name in CHAT_TOOL_FIELDS:
+                if data.get(name) is not None:
+                    raise ValueError(f"{name}: tools are a chat field; send them to /v1/chat/completions")
+        return data
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
