@@ -92,7 +92,6 @@ BOTH_ROUTES = [
     ({"structured_outputs": {"regex": "a", "frobnicate": 1}}, "structured_outputs.frobnicate"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
     ({"structured_outputs": {"regex": "a", "structural_tag": "{}"}}, "structured_outputs.structural_tag"),
-    ({"structured_outputs": {"json": OBJ, "disable_any_whitespace": True}}, "structured_outputs.disable_any_whitespace"),
     ({"structured_outputs": {"json": {"type": 5}}}, "structured_outputs.json"),
     ({"guided_json": OBJ, "guided_regex": "a+"}, "guided_json"),
     ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "response_format"),

@@ -132,8 +132,7 @@ def _from_structured_outputs(so: StructuredOutputsField) -> Constraint:
     for option, why in (("whitespace_pattern", "a whitespace pattern"), ("structural_tag", "structural tags")):
         if getattr(so, option) is not None:
             raise ValueError(f"{field}.{option}: not supported ({why}); leave it out")
-    if so.disable_any_whitespace:
-        raise ValueError(f"{field}.disable_any_whitespace: not supported; leave it out or set it to false")
+    # disable_any_whitespace: either value is met, the JSON cadence generates being compact already.
     given = [name for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
                                       ("grammar", so.grammar), ("json_object", so.json_object or None))
              if value is not None]
