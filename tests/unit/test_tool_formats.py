@@ -123,3 +123,15 @@ def test_a_call_nested_deeper_than_json_can_parse_stays_text():
     array = f'[{{"name": "add", "parameters": {{"a": {deep}}}}}]'
     answer = whole(ArrayExtractor, array)
     assert not answer["message"].get("tool_calls") and deep in answer["message"]["content"]
+
+
+def test_a_named_call_cut_short_by_a_stop_string_does_not_finish_as_tool_calls():
+    # The grammar forces a whole call, but a stop string can end the output inside it: the arguments
+    # are not JSON, so the finish reason stays "stop" (as "length" stays for max_tokens).
+    cut = '{"city": "Par'
+    answer = whole(lambda: NamedExtractor("get_weather"), cut, finish="stop")
+    assert answer["finish_reason"] == "stop" and answer["message"]["tool_calls"][0]["function"]["arguments"] == cut
+    chunks, _ = streamed(lambda: NamedExtractor("get_weather"), cut, finish="stop")
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["stop"]
+    done = whole(lambda: NamedExtractor("get_weather"), '{"city": "Paris"}', finish="stop")
+    assert done["finish_reason"] == "tool_calls"

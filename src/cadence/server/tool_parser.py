@@ -59,6 +59,9 @@ class Extractor(abc.ABC):
 
     def __init__(self) -> None:
         self.num_calls = 0
+        # False while a call that was begun is unfinished (its arguments not yet whole JSON):
+        # an output that stops there has not made its calls.
+        self.calls_complete = True
 
     def _call(self, name: str, arguments: str) -> list[Piece]:
         index = self.num_calls
@@ -163,6 +166,7 @@ class NamedExtractor(Extractor):
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
+        self._arguments = ""
 
     def feed(self, text: str) -> list[Piece]:
         out: list[Piece] = []
@@ -170,8 +174,17 @@ class NamedExtractor(Extractor):
             self.num_calls = 1
             out.append(CallStart(0, new_call_id(), self.name))
         if text:
+            self._arguments += text
             out.append(CallArguments(0, text))
         return out
+
+    def finish(self) -> list[Piece]:
+        # The grammar forces whole arguments, but a stop string may end the output inside them.
+        try:
+            parse_json(self._arguments)
+        except ValueError:
+            self.calls_complete = False
+        return []
 
 
 class ArrayExtractor(Extractor):
