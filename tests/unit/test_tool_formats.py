@@ -135,3 +135,7 @@ def test_a_named_call_cut_short_by_a_stop_string_does_not_finish_as_tool_calls()
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["stop"]
     done = whole(lambda: NamedExtractor("get_weather"), '{"city": "Paris"}', finish="stop")
     assert done["finish_reason"] == "tool_calls"
+    # tool_choice required: the calls completed are returned, the cut one is content, and it stopped.
+    array = '[{"name": "add", "parameters": {"a": 1}}, {"name": "add", "parameters": {"a'
+    answer = whole(ArrayExtractor, array, finish="stop")
+    assert answer["finish_reason"] == "stop" and len(answer["message"]["tool_calls"]) == 1, answer

@@ -239,7 +239,10 @@ class ArrayExtractor(Extractor):
         """The unfinished element, as text (separators and brackets are no content)."""
         start, self._element_start = self._element_start, None
         rest, self._buf = self._buf, ""
-        return [Content(rest[start:])] if start is not None else []
+        if start is None:
+            return []
+        self.calls_complete = False  # the output ended inside a call (a stop string, max_tokens)
+        return [Content(rest[start:])]
 
 
 @dataclass
