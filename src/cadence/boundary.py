@@ -171,6 +171,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # set on the last delta
     error: str | None = None
+    error_by_request: bool = False  # the error is the request's own (its constraint past the grammar library's limits)
     retry_after: float | None = None  # seconds, on the last delta of a request ended refused (evicted)
 
     @property

@@ -91,3 +91,19 @@ def test_a_schema_the_grammar_library_refuses_is_a_400_from_the_ingress(fleet, e
     error = r.json()["error"]
     assert error["param"] == param and error["message"].startswith(f"{param}: "), error
     assert "x-cadence-replica" not in r.headers  # refused before any replica saw it
+
+
+# Compiled by the ingress and the replica alike, but past the library's limits once the output has
+# begun (300 alternatives, each 5 optional properties and a required one, after the opening brace).
+BEYOND_LIMITS = {"anyOf": [{"type": "object", "properties": {**{f"{i}_{j}": {"type": "integer"} for j in range(5)},
+                                                               "z": {"type": "integer"}}, "required": ["z"]}
+                           for i in range(300)]}
+
+
+def test_a_constraint_the_library_stops_following_on_a_replica_is_a_400_naming_the_field(fleet) -> None:
+    with httpx.Client(base_url=fleet.url, timeout=120) as c:
+        r = c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 8, "guided_json": BEYOND_LIMITS})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "guided_json" and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith("guided_json: the grammar library stopped following"), error

@@ -90,6 +90,7 @@ SHAPES = [
     ({"guided_choice": ["yes", "no"]}, so(choice=("yes", "no"))),
     ({"guided_grammar": 'root ::= "a" | "b"'}, so(grammar='root ::= "a" | "b"')),
     ({"structured_outputs": {"json": SCHEMA}}, so(json=SCHEMA)),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, so(json=SCHEMA)),  # JSON is compact
     ({"structured_outputs": {"regex": "x+", "disable_fallback": True}}, so(regex="x+")),
     ({"structured_outputs": {"choice": ["a", "b"]}}, so(choice=("a", "b"))),
     ({"structured_outputs": {"grammar": 'root ::= "a"'}}, so(grammar='root ::= "a"')),

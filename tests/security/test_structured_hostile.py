@@ -69,6 +69,9 @@ BOTH_ROUTES = [
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": OBJ}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "text", "json_schema": {"name": "x", "schema": OBJ}}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "has space", "schema": OBJ}}},
      "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
@@ -89,7 +92,6 @@ BOTH_ROUTES = [
     ({"structured_outputs": {"regex": "a", "frobnicate": 1}}, "structured_outputs.frobnicate"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
     ({"structured_outputs": {"regex": "a", "structural_tag": "{}"}}, "structured_outputs.structural_tag"),
-    ({"structured_outputs": {"json": OBJ, "disable_any_whitespace": True}}, "structured_outputs.disable_any_whitespace"),
     ({"structured_outputs": {"json": {"type": 5}}}, "structured_outputs.json"),
     ({"guided_json": OBJ, "guided_regex": "a+"}, "guided_json"),
     ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "response_format"),
@@ -254,3 +256,77 @@ def test_tool_parameters_without_a_type_still_force_an_arguments_object(served):
         assert done["finish_reason"] == "tool_calls", done
         for call in done["message"]["tool_calls"]:
             assert isinstance(json.loads(call["function"]["arguments"]), dict), call
+
+
+DEEP_REGEX = "(" * 1000 + "a" + ")" * 1000
+DEEP_JSON = "[" * 5000 + "]" * 5000
+NESTED_TOO_DEEP = [
+    ({"guided_json": {"type": "string", "pattern": DEEP_REGEX}}, "guided_json"),
+    ({"guided_json": {"type": "object", "patternProperties": {DEEP_REGEX: {}}}}, "guided_json"),
+    ({"guided_json": DEEP_JSON}, "guided_json"),
+    ({"structured_outputs": {"json": '{"items": ' * 3000 + "{}" + "}" * 3000}}, "structured_outputs.json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": DEEP_REGEX}}}}, "response_format.json_schema.schema"),
+    ({"tools": [tool("f", {"type": "object", "properties": {"a": {"type": "string", "pattern": DEEP_REGEX}}})]},
+     "tools[0].function.parameters"),
+    ({"messages": [*CHAT, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_JSON}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+]
+
+
+@pytest.mark.parametrize("body", [{"tools": [tool("f")]}, {"tool_choice": "required"}, {"parallel_tool_calls": False}])
+def test_tool_fields_on_the_completions_route_are_refused_not_ignored(served, body: dict):
+    err = refused(served, body, path="/v1/completions")
+    [field] = body
+    assert err["param"] == field and "/v1/chat/completions" in err["message"], err
+
+
+@pytest.mark.parametrize(("body", "param"), NESTED_TOO_DEEP)
+def test_nesting_deeper_than_python_recurses_is_a_400_naming_the_field(served, body: dict, param: str):
+    # JSON text and regexes (a schema's `pattern`) nested past the recursion limit: a 400, not a 500.
+    err = refused(served, body)
+    assert err["param"] == param, err
+    assert "nested too deeply" in err["message"], err
+
+
+# A schema the library compiles, and whose first mask it computes, but whose parser outgrows the
+# library's limits once the output has begun (here 300 alternatives of 5 optional properties and a required one, past
+# its items per row after the opening brace): the request's fault, found only during generation.
+BEYOND_LIMITS = {"anyOf": [{"type": "object", "properties": {**{f"{i}_{j}": {"type": "integer"} for j in range(5)},
+                                                               "z": {"type": "integer"}}, "required": ["z"]}
+                           for i in range(300)]}
+
+
+def test_a_constraint_past_the_library_limits_mid_output_is_a_400_naming_the_field(served):
+    client, _, _ = served
+    for stream in (False, True):  # failing with the first token: a 400 before any chunk, streamed or not
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 8, "stream": stream,
+                                                      "guided_json": BEYOND_LIMITS})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "guided_json" and err["type"] == "invalid_request_error", err
+        assert err["message"].startswith("guided_json: the grammar library stopped following"), err
+    # Failing some tokens in: a 400 if that comes before the stream's first chunk is sent (the
+    # engine's deltas can be read together), else the stream's error event; either names the field.
+    nested = {"type": "object", "properties": {"t": {"const": "a forced text of several tokens"}, "a": BEYOND_LIMITS},
+              "required": ["t", "a"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": nested}}
+    with client.stream("POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 32, "stream": True,
+                                                              "response_format": rf}) as s:
+        bodies = [line.removeprefix("data: ") for line in s.iter_lines()]
+        events = [json.loads(b) for b in bodies if b.startswith("{")]
+    err = events[-1]["error"] if s.status_code == 200 else events[0]["error"]
+    assert err["param"] == "response_format" and err["type"] == "invalid_request_error", err
+    ok = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text  # the engine serves on
+
+
+def test_a_constraint_spelling_a_control_token_is_a_400_naming_the_field(served):
+    # The library's mask offers the control token itself for the text, then refuses it once sampled.
+    client, _, _ = served
+    for body in ({"guided_choice": ["<|im_end|>"]}, {"guided_regex": "<\\|im_end\\|>x"}):
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 8, **body})
+        assert r.status_code == 400, r.text
+        [field] = body
+        assert r.json()["error"]["param"] == field, r.text

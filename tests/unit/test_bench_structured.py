@@ -94,9 +94,13 @@ def test_bad_values_are_refused_by_name(argv: list[str], says: str):
     assert says in str(info.value)
 
 
-def test_a_file_that_is_not_a_response_format_is_refused(tmp_path: Path):
+@pytest.mark.parametrize("content", [
+    EXTRACTION_SCHEMA,  # a bare schema, not a response_format object
+    {"type": "json_object", "json_schema": {"name": "x", "schema": EXTRACTION_SCHEMA}},  # the server refuses the pair
+])
+def test_a_file_that_is_not_a_response_format_is_refused(tmp_path: Path, content: dict):
     path = tmp_path / "schema.json"
-    path.write_text(json.dumps(EXTRACTION_SCHEMA))  # a bare schema, not a response_format object
+    path.write_text(json.dumps(content))
     with pytest.raises(ValueError, match="--response-format: .* must hold"):
         config_from_args(_args("--response-format", str(path)))
 

@@ -108,3 +108,34 @@ def test_required_array_and_a_cut_off_answer():
     assert cut["finish_reason"] == "length"
     assert [c["function"]["name"] for c in cut["message"]["tool_calls"]] == ["add"]
     assert cut["message"]["content"] == text[42:-20].strip()  # the unfinished call, as text
+
+
+def test_a_call_nested_deeper_than_json_can_parse_stays_text():
+    # A model (or a guided_regex beside tool_choice auto) can write JSON nested deeper than
+    # Python's parser recurses: the block is malformed as a call, kept as text, never an error.
+    deep = "[" * 5000 + "]" * 5000
+    hermes = f'<tool_call>{{"name": "add", "arguments": {{"a": {deep}}}}}</tool_call>'
+    for ask in (lambda: whole(lambda: HermesExtractor(("add",)), hermes),
+                lambda: streamed(lambda: HermesExtractor(("add",)), hermes, size=500)[1].choices[0]):
+        answer = ask()
+        message = answer["message"] if isinstance(answer, dict) else answer.message.model_dump()
+        assert not message.get("tool_calls") and message["content"] == hermes
+    array = f'[{{"name": "add", "parameters": {{"a": {deep}}}}}]'
+    answer = whole(ArrayExtractor, array)
+    assert not answer["message"].get("tool_calls") and deep in answer["message"]["content"]
+
+
+def test_a_named_call_cut_short_by_a_stop_string_does_not_finish_as_tool_calls():
+    # The grammar forces a whole call, but a stop string can end the output inside it: the arguments
+    # are not JSON, so the finish reason stays "stop" (as "length" stays for max_tokens).
+    cut = '{"city": "Par'
+    answer = whole(lambda: NamedExtractor("get_weather"), cut, finish="stop")
+    assert answer["finish_reason"] == "stop" and answer["message"]["tool_calls"][0]["function"]["arguments"] == cut
+    chunks, _ = streamed(lambda: NamedExtractor("get_weather"), cut, finish="stop")
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["stop"]
+    done = whole(lambda: NamedExtractor("get_weather"), '{"city": "Paris"}', finish="stop")
+    assert done["finish_reason"] == "tool_calls"
+    # tool_choice required: the calls completed are returned, the cut one is content, and it stopped.
+    array = '[{"name": "add", "parameters": {"a": 1}}, {"name": "add", "parameters": {"a'
+    answer = whole(ArrayExtractor, array, finish="stop")
+    assert answer["finish_reason"] == "stop" and len(answer["message"]["tool_calls"]) == 1, answer

@@ -383,7 +383,9 @@ def read_response_format(path: str | None) -> dict | None:
     except (OSError, ValueError) as e:
         raise ValueError(f"--response-format: cannot read {path}: {e}") from None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind not in ("json_object", "json_schema") or (kind == "json_schema" and not isinstance(fmt.get("json_schema"), dict)):
+    schema = fmt.get("json_schema") if isinstance(fmt, dict) else None
+    # A json_schema beside json_object is refused by the server: every structured request would fail.
+    if kind not in ("json_object", "json_schema") or isinstance(schema, dict) != (kind == "json_schema"):
         raise ValueError(f'--response-format: {path} must hold {{"type": "json_object"}} or {{"type": "json_schema", '
                          '"json_schema": {"name": ..., "schema": ...}}')
     return fmt

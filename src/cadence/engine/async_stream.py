@@ -82,6 +82,9 @@ class RequestStream:
             item.finish_reason == "error"
         ):  # a deadline delta also carries `error`: it is a finish, not a failure
             self._finish_early()
+            if item.error_by_request:
+                raise CadenceError(ErrorKind.INVALID_REQUEST, f"the grammar library stopped following the constraint "
+                                                              f"during generation ({item.error})")
             raise CadenceError(ErrorKind.INTERNAL, f"generation failed: {item.error}")
         if item.finish_reason == FinishReason.EVICTED.value:  # dropped from the queue: a refusal
             self._finish_early()

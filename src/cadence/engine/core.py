@@ -239,11 +239,12 @@ class EngineCore:
         for end in ends:
             if end.request_id in ended:  # ended by the scheduler in this step, while its grammar failed
                 finals[end.request_id] = replace(ended[end.request_id], finish_reason=FinishReason.ERROR, stop_reason=None,
-                                                 error=end.error)
+                                                 error=end.error, error_by_request=end.beyond_limits)
                 continue
             status = RequestStatus.FINISHED_STOPPED if end.error is None else RequestStatus.FINISHED_ERROR
             for d in self.scheduler.finish_requests((end.request_id,), status, now):
-                finals[d.request_id] = d if end.error is None else replace(d, error=end.error)
+                finals[d.request_id] = d if end.error is None else replace(d, error=end.error,
+                                                                           error_by_request=end.beyond_limits)
         self.structured.detach(finals)
         out = []
         for d in deltas:

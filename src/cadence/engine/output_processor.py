@@ -31,6 +31,7 @@ class StreamDelta:
     num_output_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    error_by_request: bool = False  # the error is the request's own: a 400, not a 500
     retry_after: float | None = None  # seconds, when the request ended refused (evicted from the queue)
     events: tuple[EngineEvent, ...] = ()  # on the last delta, when the engine records events (events.py)
 
@@ -137,6 +138,7 @@ class OutputProcessor:
             num_output_tokens=st.num_output_tokens,
             metrics=d.metrics,
             error=d.error,
+            error_by_request=d.error_by_request,
             retry_after=d.retry_after,
         )
 

@@ -221,7 +221,7 @@ class ChatFormatter(Formatter):
     """Chat chunks and bodies. With `extractor` (a factory, one extractor per choice), the text is
     read for tool calls (tool_parser.py): calls go out as `tool_calls` (streamed as OpenAI streams
     them: the call's index, id, type and function name first, then its arguments in fragments),
-    the rest as `content`, and a choice that made a call and stopped finishes with "tool_calls"."""
+    the rest as `content`, and a choice that made whole calls and stopped finishes with "tool_calls"."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -232,7 +232,8 @@ class ChatFormatter(Formatter):
         self._extractors = [extractor() for _ in self.choices] if extractor is not None else None
 
     def _finish_reason(self, index: int, reason: str | None) -> str | None:
-        if reason == "stop" and self._extractors is not None and self._extractors[index].num_calls:
+        ext = self._extractors[index] if self._extractors is not None else None
+        if reason == "stop" and ext is not None and ext.num_calls and ext.calls_complete:
             return "tool_calls"
         return reason
 

@@ -51,6 +51,14 @@ class Job:
     include_usage: bool
     continuous_usage: bool = False  # usage on every chunk (stream_options.continuous_usage_stats)
     queue_status: bool = False  # a first SSE comment with its queue position (stream_options.include_queue_status)
+    constraint_field: str | None = None  # the request field its structured-output constraint came from
+
+    def in_request_terms(self, error: CadenceError) -> CadenceError:
+        """An engine error that is the request's own fault (its constraint past the grammar
+        library's limits) names the field the constraint came from, as a refusal does."""
+        if error.kind is not ErrorKind.INVALID_REQUEST or error.param or not self.constraint_field:
+            return error
+        return CadenceError(error.kind, f"{self.constraint_field}: {error.message}", param=self.constraint_field)
 
 
 class InputBuilder:

@@ -126,8 +126,12 @@ class ResponseFormat(StrictModel):
     @field_validator("json_schema")
     @classmethod
     def _schema_with_its_type(cls, v: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
-        if v is None and info.data.get("type") == "json_schema":
+        kind = info.data.get("type")
+        if v is None and kind == "json_schema":
             raise ValueError("required when type is 'json_schema'")
+        if v is not None and kind in ("text", "json_object"):
+            # Taken with another type the schema would be ignored, and the output not follow it.
+            raise ValueError(f"given with type {kind!r}, which takes no schema (use type 'json_schema')")
         return v
 
 
@@ -252,6 +256,9 @@ class SamplingFields(StructuredFields):
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+CHAT_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
 
@@ -273,6 +280,16 @@ class CompletionRequest(SamplingFields):
     split_special_tokens: bool = False
     # As vLLM: a raw prompt gets what the model's tokenizer adds (a BOS for Llama models).
     add_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tools(cls, data: Any) -> Any:
+        # Tools are chat's: on this route they would be ignored, and the output neither a call nor constrained.
+        if isinstance(data, dict):
+            for name in CHAT_TOOL_FIELDS:
+                if data.get(name) is not None:
+                    raise ValueError(f"{name}: tools are a chat field; send them to /v1/chat/completions")
+        return data
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -101,6 +102,7 @@ class OpenAIServing:
             ]
             job = self.inputs.job("cmpl", body, raw, prompts, body.max_tokens, body.logprobs, "prompt",
                                   constraint.params if constraint else None)
+            job = replace(job, constraint_field=constraint.field if constraint else None)
             await self.inputs.check_constraint(constraint, job.params)
         fmt = CompletionFormatter(
             job.request_id,
@@ -125,6 +127,7 @@ class OpenAIServing:
                 "chatcmpl", body, raw, [ids], body.requested_max_tokens(), body.num_logprobs(), "messages",
                 constraint.params if constraint else None,
             )
+            job = replace(job, constraint_field=constraint.field if constraint else None)
             await self.inputs.check_constraint(constraint, job.params)
         fmt = ChatFormatter(
             job.request_id, self.engine.model_name, int(time.time()), body.n, self.tokens, body.logprobs,
@@ -243,6 +246,11 @@ class OpenAIServing:
                 return JSONResponse(await self._collect(fmt, first, stream, usage), headers={"X-Request-Id": job.request_id})
             finally:
                 await stream.aclose()
+        except CadenceError as e:
+            e = job.in_request_terms(e)
+            if trace is not None:
+                trace.error = e
+            raise e from None
         except BaseException as e:
             if trace is not None:
                 trace.error = e
@@ -374,6 +382,7 @@ class OpenAIServing:
             if job.include_usage:
                 yield sse(fmt.usage_chunk(usage.as_dict()))
         except CadenceError as e:
+            e = job.in_request_terms(e)
             if trace is not None:
                 trace.error = e
             yield sse(error_payload(e.kind, e.message, e.param))

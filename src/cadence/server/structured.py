@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadence.request import StructuredOutputsParams
+from cadence.server.json_text import TOO_DEEP, parse_json
 from cadence.server.protocol import MAX_GRAMMAR_CHARS, StructuredFields, StructuredOutputsField
 
 # The JSON text of one schema (a response format's, a guided_json, a tool's parameters).
@@ -49,7 +50,7 @@ def check_json_schema(schema: Any, field: str) -> dict[str, Any] | bool:
     JSON Schema metaschema it declares (2020-12 when it declares none)."""
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = parse_json(schema)
         except ValueError as e:
             raise ValueError(f"{field}: not valid JSON ({e})") from None
     if not isinstance(schema, (dict, bool)):
@@ -62,6 +63,9 @@ def check_json_schema(schema: Any, field: str) -> dict[str, Any] | bool:
 
     try:
         validators.validator_for(schema).check_schema(schema)
+    except RecursionError:
+        # Subschemas nested past the limit, or a `pattern` whose groups are (Python's re checks it).
+        raise ValueError(f"{field}: {TOO_DEEP}") from None
     except SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
         raise ValueError(f"{field}: not a valid JSON schema{f' (at {where})' if where else ''}: "
@@ -128,8 +132,7 @@ def _from_structured_outputs(so: StructuredOutputsField) -> Constraint:
     for option, why in (("whitespace_pattern", "a whitespace pattern"), ("structural_tag", "structural tags")):
         if getattr(so, option) is not None:
             raise ValueError(f"{field}.{option}: not supported ({why}); leave it out")
-    if so.disable_any_whitespace:
-        raise ValueError(f"{field}.disable_any_whitespace: not supported; leave it out or set it to false")
+    # disable_any_whitespace: either value is met, the JSON cadence generates being compact already.
     given = [name for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
                                       ("grammar", so.grammar), ("json_object", so.json_object or None))
              if value is not None]

@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from cadence.server.json_text import parse_json
+
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 
 
@@ -57,6 +59,9 @@ class Extractor(abc.ABC):
 
     def __init__(self) -> None:
         self.num_calls = 0
+        # False while a call that was begun is unfinished (its arguments not yet whole JSON):
+        # an output that stops there has not made its calls.
+        self.calls_complete = True
 
     def _call(self, name: str, arguments: str) -> list[Piece]:
         index = self.num_calls
@@ -125,7 +130,7 @@ class HermesExtractor(Extractor):
     def _block(self, block: str) -> list[Piece]:
         inner = block[len(OPEN_TAG): -len(CLOSE_TAG)]
         try:
-            call = json.loads(inner)
+            call = parse_json(inner)
         except ValueError:
             call = None
         arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
@@ -161,6 +166,7 @@ class NamedExtractor(Extractor):
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
+        self._arguments = ""
 
     def feed(self, text: str) -> list[Piece]:
         out: list[Piece] = []
@@ -168,8 +174,17 @@ class NamedExtractor(Extractor):
             self.num_calls = 1
             out.append(CallStart(0, new_call_id(), self.name))
         if text:
+            self._arguments += text
             out.append(CallArguments(0, text))
         return out
+
+    def finish(self) -> list[Piece]:
+        # The grammar forces whole arguments, but a stop string may end the output inside them.
+        try:
+            parse_json(self._arguments)
+        except ValueError:
+            self.calls_complete = False
+        return []
 
 
 class ArrayExtractor(Extractor):
@@ -213,7 +228,7 @@ class ArrayExtractor(Extractor):
 
     def _element(self, text: str) -> list[Piece]:
         try:
-            call = json.loads(text)
+            call = parse_json(text)
         except ValueError:
             return [Content(text)]
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -224,7 +239,10 @@ class ArrayExtractor(Extractor):
         """The unfinished element, as text (separators and brackets are no content)."""
         start, self._element_start = self._element_start, None
         rest, self._buf = self._buf, ""
-        return [Content(rest[start:])] if start is not None else []
+        if start is None:
+            return []
+        self.calls_complete = False  # the output ended inside a call (a stop string, max_tokens)
+        return [Content(rest[start:])]
 
 
 @dataclass

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from cadence.server.json_text import TOO_DEEP, parse_json
 from cadence.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 from cadence.server.structured import Constraint, check_json_schema, closed_objects, json_constraint
 from cadence.server.tool_parser import ArrayExtractor, Extractor, HermesExtractor, NamedExtractor
@@ -163,9 +164,10 @@ def template_mentions_tools(source: str | None) -> bool:
 
 def _arguments(i: int, j: int, text: str) -> Any:
     try:
-        return json.loads(text)
-    except ValueError:
-        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments: not valid JSON") from None
+        return parse_json(text)
+    except ValueError as e:
+        why = e if str(e) == TOO_DEEP else "not valid JSON"
+        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments: {why}") from None
 
 
 def template_messages(messages: list[ChatMessage], plan: ToolPlan, native: bool) -> list[dict[str, Any]]:

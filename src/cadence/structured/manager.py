@@ -40,6 +40,10 @@ class GrammarEnd:
 
     request_id: str
     error: str | None = None
+    # The library itself stopped the matcher: the request's fault, unlike a matcher that raised.
+    # Every sampled token is one the library's mask allowed, so a matcher in its error state was given
+    # a constraint it cannot follow (its parser past its limits; text that spells a control token).
+    beyond_limits: bool = False
 
 
 class StructuredOutputs:
@@ -172,6 +176,7 @@ class StructuredOutputs:
             if m is None:
                 continue
             error, stopped = self._consume(d.request_id, m, d.new_token_ids)
+            beyond_limits = error is not None and d.request_id not in self._failed
             if d.finished:
                 del self._matchers[d.request_id]
                 self._failed.pop(d.request_id, None)
@@ -179,7 +184,7 @@ class StructuredOutputs:
                 # A request that ends in the step its matcher fails (end-of-sequence being all a failed
                 # matcher's mask allows, or the budget spent) ends in error too: its output does not
                 # follow the constraint.
-                ends.append(GrammarEnd(d.request_id, error))
+                ends.append(GrammarEnd(d.request_id, error, beyond_limits))
             elif stopped and not d.finished:
                 ends.append(GrammarEnd(d.request_id))
         return ends
