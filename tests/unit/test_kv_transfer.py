@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ import torch
 from cadence.config import EngineConfig
 from cadence.engine.async_engine import AsyncEngine
 from cadence.engine.builder import build_engine
+from cadence.engine.output_processor import StreamDelta
+from cadence.fleet.protocol import GenerateCall
 from cadence.request import SamplingParams
 
 CONFIG = {"num_kv_blocks": 64, "block_size": 16, "max_model_len": 512, "device": "cpu", "dtype": "float32",
@@ -112,3 +115,54 @@ def test_a_reservation_counts_against_the_cache_and_an_unbound_one_expires(engin
     assert released and third == list(range(40))
     assert kv.num_free_blocks == 64 and kv.num_import_blocks == 0 and dt.num_reservations == 0
     kv.check_integrity()
+
+
+def _pd_replicas() -> tuple:
+    from cadence.fleet.pd import PDReplica
+
+    cfg = EngineConfig.from_options(**CONFIG)
+    return PDReplica(cfg, tiny=True), PDReplica(cfg, tiny=True)  # (outside Serve: no Ray cluster)
+
+
+async def _texts(engine: AsyncEngine, params: SamplingParams) -> list[tuple[str, str | None]]:
+    return [(d.text, d.finish_reason) async for d in engine.generate(PROMPT, params, request_id="one")]
+
+
+async def _replica_hand_off(prefill, decode, params: SamplingParams) -> tuple[str, str | None, str | int | None]:
+    """The text a client sees through the replicas' hand-off calls (as `PDFleetClient` drives them)."""
+    first_params = replace(params, max_tokens=1)
+    reserved = await decode.reserve_kv("k", PROMPT, None, 30.0)
+    items = [i async for i in prefill.prefill(GenerateCall((PROMPT,), first_params, "r"), reserved.missing)]
+    first = [i for i in items if isinstance(i, StreamDelta)]
+    text = "".join(d.text for d in first)
+    assert first[-1].finish_reason == "length", first  # (the stop is not in the first token's text alone)
+    ids = [t for d in first for t in d.token_ids]
+    call = GenerateCall((PROMPT + ids,), replace(params, max_tokens=params.max_tokens - 1), "r",
+                        num_emitted=len(ids))
+    last = None
+    async for item in decode.decode(call, "k", items[-1]):
+        if isinstance(item, StreamDelta):
+            text += item.text
+            last = item
+    assert last is not None
+    return text, last.finish_reason, last.stop_reason
+
+
+def test_a_stop_string_that_begins_in_the_first_tokens_text_is_matched_across_the_hand_off() -> None:
+    prefill, decode = _pd_replicas()
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    try:
+        deltas = asyncio.run(_texts(prefill.engine, greedy))
+        t0, t1 = deltas[0][0], deltas[1][0]
+        assert t0 and t1, deltas  # (the tiny model's first two tokens both show text for this prompt)
+        stop = t0[-1] + t1[:1]  # begins in the first token's text, ends in the second's
+        params = replace(greedy, stop=(stop,))
+        expected = asyncio.run(_texts(decode.engine, params))
+        expected_text = "".join(t for t, _ in expected)
+        text, finish, stop_reason = asyncio.run(_replica_hand_off(prefill, decode, params))
+    finally:
+        prefill.engine.shutdown()
+        decode.engine.shutdown()
+    assert expected[-1][1] == "stop" and expected_text == (t0 + t1)[: len(t0) - 1]
+    assert (text, finish, stop_reason) == (expected_text, "stop", stop)
+

@@ -18,10 +18,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cadence.engine.kv_transfer import KVExport
+from cadence.engine.output_processor import StreamDelta, shown_text
 from cadence.errors import AdmissionError, CadenceError
 from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
 from cadence.fleet.replica import CadenceReplica
@@ -48,10 +49,22 @@ class PDReplica(CadenceReplica):
 
     async def prefill(self, call: GenerateCall, positions: tuple[int, ...] | None) -> AsyncIterator[Any]:
         """`generate` (the call's max_tokens is 1), then the prompt's blocks at `positions` as a
-        `KVExport` unless the request failed."""
+        `KVExport` unless the request failed.
+
+        A request that ends at its token limit goes on on a decode replica: its text is what a stream
+        shows before its end (`shown_text`), not the flushed end of one, so what may still become a
+        character or a stop string with the next tokens is left for the decode replica to show."""
         failed = False
+        ids: list[int] = []
+        shown = 0
         async for item in self.generate(call):
             failed = failed or isinstance(item, (Refused, Failed)) or getattr(item, "error", None) is not None
+            if isinstance(item, StreamDelta):
+                ids += item.token_ids
+                if item.finish_reason == "length" and item.error is None:
+                    text = shown_text(self.engine.tokenizer, call.params, ids)
+                    item = replace(item, text=text[shown:])
+                shown += len(item.text)
             yield item
         if failed:
             return
@@ -88,7 +101,7 @@ class PDReplica(CadenceReplica):
                                             max(0.0, time.time() - export.sent_at))
         try:
             stream = await self.engine.submit(call.prompts, call.params, request_id=call.request_id,
-                                              policy=call.policy)
+                                              policy=call.policy, emitted=call.num_emitted)
         except CadenceError as e:
             await self._release(key)
             yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)

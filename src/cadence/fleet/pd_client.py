@@ -314,7 +314,8 @@ class PDStream(FleetStream):
         policy = h.policy
         if policy.deadline is not None:
             policy = replace(policy, deadline=max(0.0, policy.deadline - (time.monotonic() - h.arrival)))
-        call = GenerateCall((prompt,), params, h.request_id, policy, client.chain(prompt, policy.cache_salt))
+        call = GenerateCall((prompt,), params, h.request_id, policy, client.chain(prompt, policy.cache_salt),
+                            num_emitted=len(h.first))
         for attempt in (0, 1):
             assert self._reserved is not None
             replica = self._reserved.replica
