@@ -66,6 +66,7 @@ class FakePools:
         self.decode_calls: list[Any] = []
         self.prefill_calls = 0
         self.refused = asyncio.Event()  # set once a reservation was refused
+        self.status_asked: list[str] = []
 
     # the decode pool
     async def _reserve(self, key: str, prompt: list[int], salt: str | None, ttl: float) -> Reserved:
@@ -88,6 +89,12 @@ class FakePools:
                                   num_prompt_tokens=len(call.prompts[0]), num_cached_tokens=32,
                                   num_output_tokens=n))
         return _Gen([Admitted("d1"), *deltas])
+
+    async def _status(self, request_id: str, tenant: str | None, target: Any) -> Any:
+        from cadence.boundary import RequestSnapshot
+
+        self.status_asked.append(request_id)  # (the decode replica counts the first token as a prompt token)
+        return (RequestSnapshot(request_id, None, "finished", None, None, len(PROMPT) + 1, len(PROMPT) + 1, 3, 0, 0),)
 
     # the prefill pool
     def _prefill(self, call: Any, missing: Any) -> _Gen:
@@ -117,6 +124,7 @@ class FakePools:
             reserve_kv = _Call(pools._reserve)
             release_kv = _Call(pools._release)
             decode = _Call(pools._decode)
+            request_status = _Call(pools._status)
 
         return Prefill(), Decode()
 
@@ -156,6 +164,36 @@ def test_a_request_waits_for_decode_room_visibly_then_counts_as_one_request() ->
     assert call.prompts[0] == PROMPT + [5] and call.params.max_tokens == 3 and target.replica_id == "d1"
     assert export.positions == (0, 1) and pools.reserved == [key] and pools.released == []
 
+
+
+def test_a_request_is_found_by_the_id_serves_proxy_gave_it_while_it_waits_and_after(monkeypatch) -> None:
+    """Serve's proxy names each request (the client's X-Request-Id, else its own id): the id a client
+    that is still waiting for its response's first byte has."""
+    from cadence.boundary import RequestSnapshot
+    from cadence.fleet import client as fleet_client
+    from cadence.fleet import state
+
+    monkeypatch.setattr(state, "replica_ids", lambda: ["d1"])
+
+    async def scenario():
+        pools = FakePools(refusals=3)
+        client = _client(pools)
+
+        async def submit() -> Any:
+            fleet_client._REPLICA_SLOT.set({"serve_id": "my-id"})  # (what the middleware does per request)
+            return await client.submit([PROMPT], SamplingParams(max_tokens=4), request_id="r1")
+
+        task = asyncio.ensure_future(submit())
+        await pools.refused.wait()
+        waiting = await client.request_status("my-id")
+        await _collect(await task)
+        after = await client.request_status("my-id")
+        return waiting, after, pools.status_asked
+
+    waiting, after, asked = asyncio.run(scenario())
+    assert waiting is not None and waiting[0].request_id == "r1" and waiting[0].state == "waiting"
+    assert after is not None and asked == ["r1"]
+    assert isinstance(after[0], RequestSnapshot) and after[0].num_output_tokens == 4
 
 def test_a_prefill_replica_lost_before_answering_is_retried_once() -> None:
     pools = FakePools(prefill_failures=1)
@@ -260,6 +298,9 @@ def test_a_request_ended_from_outside_during_the_hand_off_gets_that_error_and_re
     (SamplingParams(max_tokens=4), [PROMPT, PROMPT], "decode"),
     (SamplingParams(max_tokens=4, frequency_penalty=0.5), [PROMPT], "decode"),
     (SamplingParams(max_tokens=1), [PROMPT], "prefill"),
+    # more than a decode replica can ever hold (max_request_tokens 1024): its engine refuses it at
+    # once (400), where waiting for room would end in a 429 no retry gets past
+    (SamplingParams(max_tokens=1024 - len(PROMPT) + 1), [PROMPT], "decode"),
 ])
 def test_requests_whose_state_would_not_follow_are_served_whole(params, prompts, pool) -> None:
     pools = FakePools()

@@ -279,9 +279,18 @@ class FleetClient:
         return stream
 
     def _remember(self, request_id: str, replica: str) -> None:
+        self._place(request_id, replica)
+        self._remember_serve_id(request_id)
+
+    def _place(self, request_id: str, replica: str) -> None:
+        """`replica` serves the request (its status is asked there)."""
         self._placed[request_id] = replica
+        self._placed.move_to_end(request_id)
         while len(self._placed) > PLACED_KEEP:
             self._placed.popitem(last=False)
+
+    def _remember_serve_id(self, request_id: str) -> None:
+        """The id Serve's proxy gave this HTTP request names `request_id` too."""
         serve_id = _serve_request_id()
         if serve_id is not None and serve_id != request_id:
             self._serve_ids[serve_id] = request_id  # (a client's id sent twice: the later request)

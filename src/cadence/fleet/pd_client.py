@@ -20,7 +20,8 @@ that ends the stream with an error. Reservations are released on every path, and
 engine drops one left unbound after its time to live.
 
 Requests with several prompts or choices, structured outputs, or presence or frequency penalties
-are served whole by the decode pool (`_hands_off`), and one-token requests by the prefill pool.
+are served whole by the decode pool (`_hands_off`), as are those longer than its engines can hold
+(which they refuse), and one-token requests by the prefill pool.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ class PDFleetClient(FleetClient):
                      policy: RequestPolicy = DEFAULT_POLICY, queue_status: bool = False) -> FleetStream:
         """As `FleetClient.submit`. A request handed from prefill to decode opens a stream that asked
         for its queue status with `state=unknown`: its place is in two queues, one after the other."""
-        if not _hands_off(prompts, params):
+        # A request no decode replica can ever hold goes there whole too: its engine refuses it at
+        # once, naming the limit, where waiting for room would end in a 429 no retry gets past.
+        if not _hands_off(prompts, params) or len(prompts[0]) + params.max_tokens > self.max_request_tokens:
             return await super().submit(prompts, params, request_id=request_id, policy=policy,
                                         queue_status=queue_status)
         if params.max_tokens <= 1:
@@ -109,6 +112,7 @@ class PDFleetClient(FleetClient):
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
         h = _HandOff(request_id, policy, len(prompts[0]), time.monotonic())
         self._handoffs[request_id] = h
+        self._remember_serve_id(request_id)  # (found by it while it waits, before any response byte)
         try:
             stream = await self._start(h, list(prompts[0]), params)
         except BaseException:
@@ -133,7 +137,7 @@ class PDFleetClient(FleetClient):
             raise
         h.prefill_replica, h.state = first.replica, "prefilling"
         note_replica(f"prefill={first.replica}, decode={reserved.replica}")
-        self._placed[h.request_id] = reserved.replica
+        self._place(h.request_id, reserved.replica)
         return PDStream(self, h, prompt, params, key, reserved, gen)
 
     async def _reserve(self, h: _HandOff, key: str, prompt: list[int]) -> Reserved:
@@ -208,6 +212,8 @@ class PDFleetClient(FleetClient):
     # -- status and metrics ---------------------------------------------------------------------------
 
     async def request_status(self, request_id: str, tenant: str | None = None) -> Any:
+        if request_id not in self._placed and request_id not in self._handoffs:
+            request_id = self._serve_ids.get(request_id, request_id)  # (the id Serve's proxy gave it)
         h = self._handoffs.get(request_id)
         if h is not None and h.state != "decoding":
             if tenant is not None and h.policy.tenant != tenant:
@@ -336,6 +342,7 @@ class PDStream(FleetStream):
                     reserved = await client._reserve(h, self._key, self._prompt)
                     self._reserved = reserved
                     h.decode_replica = reserved.replica
+                    client._place(h.request_id, reserved.replica)
                     export = KVExport((), None, 0, time.time())  # (the new replica recomputes what it lacks)
                     continue
                 self._close()
