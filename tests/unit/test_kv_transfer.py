@@ -166,3 +166,35 @@ def test_a_stop_string_that_begins_in_the_first_tokens_text_is_matched_across_th
     assert expected[-1][1] == "stop" and expected_text == (t0 + t1)[: len(t0) - 1]
     assert (text, finish, stop_reason) == (expected_text, "stop", stop)
 
+
+
+def test_a_reservation_that_expired_while_its_prefill_queued_still_imports_and_decodes() -> None:
+    """A prefill that waits longer than the reservation's time to live (a queue of long prompts, a
+    replica starting) must not cost the request: the decode replica reserves again and imports."""
+    prefill, decode = _pd_replicas()
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        expected = [t async for d in prefill.engine.generate(PROMPT, greedy, request_id="one") for t in d.token_ids]
+        reserved = await decode.reserve_kv("k", PROMPT, None, 0.0)  # (expires at the engine's next turn)
+        await decode.engine.run_in_engine(lambda: decode.engine.kv_transfer.expire())
+        items = [i async for i in prefill.prefill(GenerateCall((PROMPT,), replace(greedy, max_tokens=1), "r"),
+                                                  reserved.missing)]
+        first = [t for i in items if isinstance(i, StreamDelta) for t in i.token_ids]
+        call = GenerateCall((PROMPT + first,), replace(greedy, max_tokens=5), "r", num_emitted=1)
+        got, cached = list(first), 0
+        async for item in decode.decode(call, "k", items[-1]):
+            if isinstance(item, StreamDelta):
+                got += item.token_ids
+                cached = max(cached, item.num_cached_tokens)
+        state = decode.kv_state()
+        return expected, got, cached, state
+
+    try:
+        expected, got, cached, (_, free, held, reservations) = asyncio.run(scenario())
+    finally:
+        prefill.engine.shutdown()
+        decode.engine.shutdown()
+    assert got == expected
+    assert cached == 5 * 16  # the blocks arrived after all: only the partial block was computed
+    assert (free, held, reservations) == (64, 0, 0)

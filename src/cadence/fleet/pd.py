@@ -27,6 +27,8 @@ from cadence.errors import AdmissionError, CadenceError
 from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
 from cadence.fleet.replica import CadenceReplica
 
+REIMPORT_TTL_S = 10.0  # a reservation made again at import: its request is bound at once, or it is released
+
 
 @dataclass(frozen=True)
 class Reserved:
@@ -91,14 +93,15 @@ class PDReplica(CadenceReplica):
         """Import the blocks reserved under `key`, then `generate` the call there."""
         transfer = self.engine.kv_transfer
         try:
-            published = await self.engine.run_in_engine(lambda: transfer.write(key, export))
+            published = await self.engine.run_in_engine(lambda: self._import(key, call, export))
         except (KeyError, ValueError, CadenceError) as e:
             await self._release(key)
             yield Refused("unavailable", f"importing the KV blocks failed: {e}", None, None, False, self.name)
             return
-        self.transfer_metrics.record_import(export.nbytes, len(export.positions),
-                                            max(0, published - len(export.positions)),
-                                            max(0.0, time.time() - export.sent_at))
+        if published is not None:
+            self.transfer_metrics.record_import(export.nbytes, len(export.positions),
+                                                max(0, published - len(export.positions)),
+                                                max(0.0, time.time() - export.sent_at))
         try:
             stream = await self.engine.submit(call.prompts, call.params, request_id=call.request_id,
                                               policy=call.policy, emitted=call.num_emitted)
@@ -115,6 +118,19 @@ class PDReplica(CadenceReplica):
             yield Failed(e.kind.value, str(e))
         finally:
             await stream.aclose()
+
+    def _import(self, key: str, call: GenerateCall, export: KVExport) -> int | None:
+        """(On the engine thread.) Write the arrived blocks into the reservation and publish them;
+        the blocks published, or None when none could be taken. A reservation that expired (its
+        prefill waited longer than its time to live: a queue of long prompts, a replica starting)
+        is made again; without room for it now, the request recomputes its prompt, held to the KV
+        cache by the engine's own admission like any other."""
+        transfer = self.engine.kv_transfer
+        if not transfer.holds(key):
+            prompt = call.prompts[0][: len(call.prompts[0]) - call.num_emitted]
+            if transfer.reserve(key, prompt, call.policy.cache_salt, REIMPORT_TTL_S) is None:
+                return None
+        return transfer.write(key, export)
 
     async def _release(self, key: str) -> None:
         transfer = self.engine.kv_transfer
