@@ -195,6 +195,7 @@ def test_a_request_is_found_by_the_id_serves_proxy_gave_it_while_it_waits_and_af
     assert after is not None and asked == ["r1"]
     assert isinstance(after[0], RequestSnapshot) and after[0].num_output_tokens == 4
 
+
 def test_a_prefill_replica_lost_before_answering_is_retried_once() -> None:
     pools = FakePools(prefill_failures=1)
     deltas = asyncio.run(_collect_submit(pools))
@@ -245,6 +246,28 @@ class _Hangs:
         self.cancelled = True
         self._cancel.set()
 
+
+def test_a_decode_replica_lost_or_silent_before_admitting_is_replaced_once_then_a_503() -> None:
+    pools = FakePools()
+    exports: list[KVExport] = []
+    answer = pools._decode
+
+    def decode(call: Any, key: str, export: KVExport, target: Any) -> Any:
+        exports.append(export)
+        return _Gen([ActorDiedError()]) if len(exports) == 1 else answer(call, key, export, target)
+
+    pools._decode = decode  # type: ignore[method-assign]
+    deltas = asyncio.run(_collect_submit(pools))
+    assert [t for d in deltas for t in d.token_ids] == [5, 7, 7, 7]
+    assert len(pools.reserved) == 2 and pools.released == pools.reserved[:1]  # a new reservation for the new one
+    assert exports[0].positions == (0, 1) and exports[1].positions == ()  # (it recomputes the prompt)
+
+    pools = FakePools()
+    pools._decode = lambda call, key, export, target: _Hangs([])  # type: ignore[method-assign]
+    with pytest.raises(CadenceError) as e:
+        asyncio.run(_collect_submit(pools, timeout=0.3))
+    assert e.value.kind == ErrorKind.UNAVAILABLE and "did not take the request within 0.3 s" in e.value.message
+    assert len(pools.reserved) == 2 and pools.released == pools.reserved
 
 def test_kv_that_does_not_come_in_time_is_recomputed_by_the_decode_replica() -> None:
     pools = FakePools()

@@ -46,12 +46,14 @@ from cadence.fleet.client import (
     PLACED_KEEP,
     FleetClient,
     FleetStream,
+    ReplicaLost,
+    admission,
     note_replica,
     ray_unavailable,
 )
 from cadence.fleet.pd import Reserved
-from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
-from cadence.fleet.replica import ReplicaInfo, refusal_error
+from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Target
+from cadence.fleet.replica import ReplicaInfo
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 
 log = logging.getLogger("cadence.fleet")
@@ -166,31 +168,14 @@ class PDFleetClient(FleetClient):
 
     async def _prefill_once(self, call: GenerateCall, missing: tuple[int, ...] | None) -> tuple[Any, Admitted]:
         """The prefill stream and its admission; a replica lost before answering is retried once."""
-        from ray.serve.exceptions import BackPressureError
-
         for attempt in (0, 1):
             gen = self._prefill.options(stream=True).prefill.remote(call, missing)
             try:
-                first = await gen.__anext__()
-            except asyncio.CancelledError:
-                gen.cancel()
-                raise
-            except BackPressureError:
-                raise AdmissionError(ErrorKind.QUEUE_FULL, "every prefill replica is full; retry later",
-                                     retry_after=BUSY_RETRY_AFTER_S) from None
-            except StopAsyncIteration:
-                raise CadenceError(ErrorKind.INTERNAL, "the prefill replica answered nothing") from None
-            except Exception as e:
-                if attempt == 0 and _is_ray_error(e):
-                    log.warning("request %s: prefill replica lost (%s); trying another", call.request_id,
-                                type(e).__name__)
-                    continue
-                raise self._unavailable(e) from None
-            if isinstance(first, Refused):
-                note_replica(first.replica)
-                raise refusal_error(first)
-            assert isinstance(first, Admitted), type(first)
-            return gen, first
+                return gen, await admission(gen, "prefill replica")
+            except ReplicaLost as e:
+                if attempt == 1:
+                    raise
+                log.warning("request %s: prefill replica lost (%s); trying another", call.request_id, e.message)
         raise AssertionError("unreachable")
 
     async def _release(self, replica: str, key: str) -> None:
@@ -327,7 +312,7 @@ class PDStream(FleetStream):
             replica = self._reserved.replica
             gen = client._decode.options(stream=True).decode.remote(call, self._key, export, Target(replica))
             try:
-                first = await asyncio.wait_for(gen.__anext__(), client.transfer_timeout)
+                await asyncio.wait_for(admission(gen, "decode replica"), client.transfer_timeout)
             except asyncio.CancelledError:
                 gen.cancel()
                 await self._drop_reservation()
@@ -335,9 +320,13 @@ class PDStream(FleetStream):
             except Exception as e:
                 gen.cancel()
                 await self._drop_reservation()
-                if attempt == 0 and (_is_ray_error(e) or isinstance(e, TimeoutError)):
+                lost = isinstance(e, ReplicaLost | TimeoutError)
+                if isinstance(e, TimeoutError):
+                    e = CadenceError(ErrorKind.UNAVAILABLE, f"decode replica {replica} did not take the request "
+                                     f"within {client.transfer_timeout:g} s")
+                if attempt == 0 and lost:
                     log.warning("request %s: decode replica %s failed before admitting it (%s); trying another",
-                                h.request_id, replica, type(e).__name__)
+                                h.request_id, replica, e)
                     self._key = f"{h.request_id}/{uuid.uuid4().hex[:12]}"
                     reserved = await client._reserve(h, self._key, self._prompt)
                     self._reserved = reserved
@@ -347,10 +336,6 @@ class PDStream(FleetStream):
                     continue
                 self._close()
                 raise self._client._unavailable(e) from None
-            if isinstance(first, Refused):
-                self._close()
-                raise refusal_error(first)
-            assert isinstance(first, Admitted), type(first)
             break
         self._reserved = None  # (the decode engine holds it now, and releases it)
         self._gen = gen
