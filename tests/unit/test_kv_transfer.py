@@ -198,3 +198,40 @@ def test_a_reservation_that_expired_while_its_prefill_queued_still_imports_and_d
     assert got == expected
     assert cached == 5 * 16  # the blocks arrived after all: only the partial block was computed
     assert (free, held, reservations) == (64, 0, 0)
+
+
+@pytest.mark.parametrize("stop", [(), ("猫 ア",), ("t ア c",), ("ア",)])
+def test_the_text_goes_on_across_a_hand_off_at_every_token(stop) -> None:
+    """One stream's text, whichever token it is handed over after: a character split between the
+    first engine's tokens and the next one's, a stop string across them (the real tokenizer)."""
+    from cadence.boundary import RequestDelta
+    from cadence.engine.output_processor import OutputProcessor, shown_text
+    from cadence.model.loader import default_model_path
+    from cadence.model.tokenizer import Tokenizer
+    from cadence.request import FinishReason
+
+    tok = Tokenizer.from_gguf(default_model_path())
+    ids = tok.encode("cat 猫 ア cat 🐈 end", add_special_tokens=False)
+    params = SamplingParams(max_tokens=len(ids), stop=stop)
+
+    def stream(proc: OutputProcessor, rest: list[int]) -> tuple[str, str | None]:
+        text, finish = "", None
+        for i, t in enumerate(rest):
+            last = i == len(rest) - 1
+            out, _ = proc.process([RequestDelta("r", (t,), finish_reason=FinishReason.LENGTH if last else None)])
+            text += "".join(d.text for d in out)
+            finish = next((d.finish_reason for d in out if d.finished), finish)
+            if finish:
+                break
+        return text, finish
+
+    whole = OutputProcessor(tok)
+    whole.add_request("r", params, [1, 2])
+    expected = stream(whole, ids)
+    for k in range(1, len(ids)):
+        if stop and expected[1] == "stop" and tok.decode(ids[:k]).find(stop[0]) >= 0:
+            break  # (the first engine would have matched it alone)
+        second = OutputProcessor(tok)
+        second.add_request("r", params, [1, 2, *ids[:k]], emitted=k)
+        text, finish = stream(second, ids[k:])
+        assert (shown_text(tok, params, ids[:k]) + text, finish) == expected, k
