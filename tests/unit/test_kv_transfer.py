@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -235,3 +236,43 @@ def test_the_text_goes_on_across_a_hand_off_at_every_token(stop) -> None:
         second.add_request("r", params, [1, 2, *ids[:k]], emitted=k)
         text, finish = stream(second, ids[k:])
         assert (shown_text(tok, params, ids[:k]) + text, finish) == expected, k
+
+
+class _Spans:
+    """A replica's tracer stand-in: the engine spans it would export."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[dict[str, str], str, str, dict[int, Any], BaseException | None]] = []
+
+    def end_engine_span(self, carrier, request_id, replica, start_ns, finals, error=None) -> None:
+        self.spans.append((carrier, request_id, replica, finals, error))
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_both_replicas_export_their_span_of_a_handed_off_request() -> None:
+    prefill, decode = _pd_replicas()
+    prefill.tracer, decode.tracer = _Spans(), _Spans()
+    carrier = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> None:
+        reserved = await decode.reserve_kv("k", PROMPT, None, 30.0)
+        call = GenerateCall((PROMPT,), replace(greedy, max_tokens=1), "r", trace_context=carrier)
+        items = [i async for i in prefill.prefill(call, reserved.missing)]
+        first = [t for i in items if isinstance(i, StreamDelta) for t in i.token_ids]
+        call = GenerateCall((PROMPT + first,), replace(greedy, max_tokens=3), "r", trace_context=carrier,
+                            num_emitted=1)
+        _ = [i async for i in decode.decode(call, "k", items[-1])]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        prefill.engine.shutdown()
+        decode.engine.shutdown()
+    for replica in (prefill, decode):
+        assert len(replica.tracer.spans) == 1, (replica is prefill, replica.tracer.spans)
+        [(got_carrier, rid, name, finals, error)] = replica.tracer.spans
+        assert (got_carrier, rid, name, error) == (carrier, "r", replica.name, None)
+        assert [d.finished for d in finals.values()] == [True]

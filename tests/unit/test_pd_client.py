@@ -65,6 +65,7 @@ class FakePools:
         self.released: list[str] = []
         self.decode_calls: list[Any] = []
         self.prefill_calls = 0
+        self.prefill_seen: list[Any] = []  # the prefill calls' GenerateCalls
         self.refused = asyncio.Event()  # set once a reservation was refused
         self.status_asked: list[str] = []
 
@@ -99,6 +100,7 @@ class FakePools:
     # the prefill pool
     def _prefill(self, call: Any, missing: Any) -> _Gen:
         self.prefill_calls += 1
+        self.prefill_seen.append(call)
         if self.prefill_failures:
             self.prefill_failures -= 1
             return _Gen([ActorDiedError()])
@@ -195,6 +197,28 @@ def test_a_request_is_found_by_the_id_serves_proxy_gave_it_while_it_waits_and_af
     assert after is not None and asked == ["r1"]
     assert isinstance(after[0], RequestSnapshot) and after[0].num_output_tokens == 4
 
+
+def test_both_replicas_get_the_ingress_spans_trace_context() -> None:
+    """Each replica's span of the request is a child of the ingress's: the context the HTTP layer
+    sets for the submit goes with the prefill call and, later, the decode call."""
+    from cadence.server.engine_client import TRACE_CARRIER
+
+    carrier = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    pools = FakePools()
+    client = _client(pools)
+
+    async def scenario() -> list[StreamDelta]:
+        token = TRACE_CARRIER.set(carrier)
+        try:
+            stream = await client.submit([PROMPT], SamplingParams(max_tokens=4), request_id="r1")
+        finally:
+            TRACE_CARRIER.reset(token)  # (as the HTTP layer does: the rest streams without it)
+        return await _collect(stream)
+
+    asyncio.run(scenario())
+    [prefill_call] = pools.prefill_seen
+    [(decode_call, _, _, _)] = pools.decode_calls
+    assert prefill_call.trace_context == carrier and decode_call.trace_context == carrier
 
 def test_a_prefill_replica_lost_before_answering_is_retried_once() -> None:
     pools = FakePools(prefill_failures=1)

@@ -24,7 +24,7 @@ from typing import Any
 from cadence.engine.kv_transfer import KVExport
 from cadence.engine.output_processor import StreamDelta, shown_text
 from cadence.errors import AdmissionError, CadenceError
-from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
+from cadence.fleet.protocol import Failed, GenerateCall, Refused, Target
 from cadence.fleet.replica import CadenceReplica
 
 REIMPORT_TTL_S = 10.0  # a reservation made again at import: its request is bound at once, or it is released
@@ -91,6 +91,7 @@ class PDReplica(CadenceReplica):
     async def decode(self, call: GenerateCall, key: str, export: KVExport, target: Target | None = None
                      ) -> AsyncIterator[Any]:
         """Import the blocks reserved under `key`, then `generate` the call there."""
+        start_ns = time.time_ns()
         transfer = self.engine.kv_transfer
         try:
             published = await self.engine.run_in_engine(lambda: self._import(key, call, export))
@@ -110,14 +111,8 @@ class PDReplica(CadenceReplica):
             yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)
             return
         await self.engine.run_in_engine(lambda: transfer.bind(key, call.request_id))
-        try:
-            yield Admitted(self.name)
-            async for delta in stream:
-                yield delta
-        except CadenceError as e:
-            yield Failed(e.kind.value, str(e))
-        finally:
-            await stream.aclose()
+        async for item in self._serve(call, stream, start_ns):
+            yield item
 
     def _import(self, key: str, call: GenerateCall, export: KVExport) -> int | None:
         """(On the engine thread.) Write the arrived blocks into the reservation and publish them;

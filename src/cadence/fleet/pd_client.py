@@ -55,6 +55,7 @@ from cadence.fleet.pd import Reserved
 from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Target
 from cadence.fleet.replica import ReplicaInfo
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
+from cadence.server.engine_client import TRACE_CARRIER
 
 log = logging.getLogger("cadence.fleet")
 
@@ -75,6 +76,7 @@ class _HandOff:
     policy: RequestPolicy
     num_prompt_tokens: int
     arrival: float
+    trace_context: dict[str, str] | None = None  # the ingress span's, for both replicas' spans
     state: str = "waiting"
     waits: int = 0
     decode_replica: str | None = None
@@ -112,7 +114,7 @@ class PDFleetClient(FleetClient):
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         if request_id in self._live or request_id in self._handoffs:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
-        h = _HandOff(request_id, policy, len(prompts[0]), time.monotonic())
+        h = _HandOff(request_id, policy, len(prompts[0]), time.monotonic(), TRACE_CARRIER.get())
         self._handoffs[request_id] = h
         self._remember_serve_id(request_id)  # (found by it while it waits, before any response byte)
         try:
@@ -128,7 +130,7 @@ class PDFleetClient(FleetClient):
         reserved = await self._reserve(h, key, prompt)
         h.decode_replica = reserved.replica
         call = GenerateCall((prompt,), replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)),
-                            h.request_id, h.policy, self.chain(prompt, h.policy.cache_salt))
+                            h.request_id, h.policy, self.chain(prompt, h.policy.cache_salt), h.trace_context)
         try:
             gen, first = await self._prefill_once(call, reserved.missing)
         except CadenceError:
@@ -306,7 +308,7 @@ class PDStream(FleetStream):
         if policy.deadline is not None:
             policy = replace(policy, deadline=max(0.0, policy.deadline - (time.monotonic() - h.arrival)))
         call = GenerateCall((prompt,), params, h.request_id, policy, client.chain(prompt, policy.cache_salt),
-                            num_emitted=len(h.first))
+                            h.trace_context, num_emitted=len(h.first))
         for attempt in (0, 1):
             assert self._reserved is not None
             replica = self._reserved.replica
