@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
@@ -92,6 +93,36 @@ def test_greedy_outputs_equal_a_single_engines_and_the_header_names_both(pd) -> 
     assert text == expected[2]
     _assert_idle(PD_ENGINE["num_kv_blocks"])
 
+
+def test_a_stop_string_begun_in_the_first_tokens_text_ends_the_output_as_on_one_engine(pd) -> None:
+    """The first token's text comes from the prefill replica, the rest from the decode replica: a
+    stop string across the two is matched as one engine matches it. The request is also found by
+    the id the client gave it (X-Request-Id)."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    engine = AsyncEngine(build_engine(pd.engine_config, tiny=True))
+    try:
+        with TestClient(create_app(engine, pd.server_config)) as local:
+            pieces = _streamed_texts(local, body)
+            stop = pieces[0][-1] + pieces[1][:1]  # begins in the first token's text, ends in the second's
+            expected = local.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    finally:
+        engine.shutdown()
+    assert expected["finish_reason"] == "stop" and expected["text"] == pieces[0][:-1]
+    with httpx.Client(base_url=pd.url, timeout=60) as c:
+        r = c.post("/v1/completions", json={**body, "stop": [stop]}, headers={"x-request-id": "stop-across"})
+        streamed = "".join(_streamed_texts(c, {**body, "stop": [stop]}))
+        status = c.get("/v1/requests/stop-across")
+    assert r.status_code == 200 and ", decode=" in r.headers["x-cadence-replica"], r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (expected["text"], "stop", stop)
+    assert streamed == expected["text"]
+    assert status.status_code == 200 and status.json()["state"] == "finished", status.text
+
+
+def _streamed_texts(client: Any, body: dict[str, Any]) -> list[str]:
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        return [ch["text"] for line in r.iter_lines() if line.startswith("data: {")
+                for ch in json.loads(line[6:])["choices"]]
 
 def test_a_prompt_the_decode_side_holds_moves_no_bytes(pd) -> None:
     prompt = "A ferry timetable, stop by stop, with the tides at each pier. " * 8 + "When is the last boat?"
