@@ -47,7 +47,7 @@ from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach
 from cadence.engine.thread_times import EngineThreadTimes, StepTimer, name_os_thread
 from cadence.engine.watchdog import STALL_FACTOR, StepPace, Watchdog
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.request import DEFAULT_POLICY, Request, RequestPolicy, RequestStatus, SamplingParams
+from cadence.request import DECODE_LEG, DEFAULT_POLICY, Request, RequestPolicy, RequestStatus, SamplingParams
 from cadence.sched.records import request_snapshot
 from cadence.wording import counted
 
@@ -698,6 +698,11 @@ def fan_out(prompts: Sequence[list[int]], params: SamplingParams, request_id: st
                     tenant=policy.tenant,
                     deadline=deadline,
                     cache_salt=policy.cache_salt,
+                    handoff=policy.handoff,
                 )
             )
+    h = policy.handoff
+    if h is not None and h.leg == DECODE_LEG and h.num_emitted:
+        for req in requests:  # its next token's latency is from the first one, sampled elsewhere
+            req.last_token_time = now - h.since_first_token
     return requests

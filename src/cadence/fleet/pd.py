@@ -91,7 +91,7 @@ class PDReplica(CadenceReplica):
     async def decode(self, call: GenerateCall, key: str, export: KVExport, target: Target | None = None
                      ) -> AsyncIterator[Any]:
         """Import the blocks reserved under `key`, then `generate` the call there."""
-        start_ns = time.time_ns()
+        start_ns, started = time.time_ns(), time.monotonic()
         transfer = self.engine.kv_transfer
         try:
             published = await self.engine.run_in_engine(lambda: self._import(key, call, export))
@@ -103,9 +103,12 @@ class PDReplica(CadenceReplica):
             self.transfer_metrics.record_import(export.nbytes, len(export.positions),
                                                 max(0, published - len(export.positions)),
                                                 max(0.0, time.time() - export.sent_at))
+        policy = call.policy
+        if policy.handoff is not None:  # (its times were taken by the ingress before the import)
+            policy = replace(policy, handoff=policy.handoff.later(time.monotonic() - started))
         try:
             stream = await self.engine.submit(call.prompts, call.params, request_id=call.request_id,
-                                              policy=call.policy, emitted=call.num_emitted)
+                                              policy=policy, emitted=call.num_emitted)
         except CadenceError as e:
             await self._release(key)
             yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)

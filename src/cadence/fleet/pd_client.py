@@ -54,7 +54,7 @@ from cadence.fleet.client import (
 from cadence.fleet.pd import Reserved
 from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Target
 from cadence.fleet.replica import ReplicaInfo
-from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
+from cadence.request import DECODE_LEG, DEFAULT_POLICY, PREFILL_LEG, HandOff, RequestPolicy, SamplingParams
 from cadence.server.engine_client import TRACE_CARRIER
 
 log = logging.getLogger("cadence.fleet")
@@ -130,7 +130,8 @@ class PDFleetClient(FleetClient):
         reserved = await self._reserve(h, key, prompt)
         h.decode_replica = reserved.replica
         call = GenerateCall((prompt,), replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)),
-                            h.request_id, h.policy, self.chain(prompt, h.policy.cache_salt), h.trace_context)
+                            h.request_id, replace(h.policy, handoff=HandOff(PREFILL_LEG)),
+                            self.chain(prompt, h.policy.cache_salt), h.trace_context)
         try:
             gen, first = await self._prefill_once(call, reserved.missing)
         except CadenceError:
@@ -249,6 +250,8 @@ class PDStream(FleetStream):
         self._reserved: Reserved | None = reserved
         self._phase = "prefill"
         self._num_cached = 0
+        self._first_at: float | None = None  # when the first token came (the ingress's clock)
+        self._prefill_time = 0.0  # from its first scheduling to its first token, on the prefill replica
 
     async def __anext__(self) -> StreamDelta:
         if self._phase in ("prefill", "handoff"):
@@ -282,6 +285,8 @@ class PDStream(FleetStream):
             self._close()
             raise CadenceError(ErrorKind(item.kind), item.message)
         assert isinstance(item, StreamDelta), type(item)
+        if item.token_ids and self._first_at is None:
+            self._first_at = time.monotonic()
         self._h.first.extend(item.token_ids)
         if item.finished and (item.finish_reason != "length" or item.error is not None):
             self._phase = "done"  # it stopped at its first token (EOS, a stop): nothing to decode
@@ -290,6 +295,9 @@ class PDStream(FleetStream):
             return item
         if item.finished:
             self._num_cached = item.num_cached_tokens
+            m = item.metrics
+            if m is not None and m.first_token_time is not None and m.first_scheduled_time is not None:
+                self._prefill_time = max(0.0, m.first_token_time - m.first_scheduled_time)
             self._phase = "handoff"
             return replace(item, finish_reason=None, stop_reason=None, metrics=None)
         return item
@@ -304,12 +312,10 @@ class PDStream(FleetStream):
         prompt = self._prompt + h.first
         params = replace(self._params, max_tokens=self._params.max_tokens - len(h.first),
                          min_tokens=max(0, self._params.min_tokens - len(h.first)))
-        policy = h.policy
-        if policy.deadline is not None:
-            policy = replace(policy, deadline=max(0.0, policy.deadline - (time.monotonic() - h.arrival)))
-        call = GenerateCall((prompt,), params, h.request_id, policy, client.chain(prompt, policy.cache_salt),
-                            h.trace_context, num_emitted=len(h.first))
+        chain = client.chain(prompt, h.policy.cache_salt)
         for attempt in (0, 1):
+            call = GenerateCall((prompt,), params, h.request_id, self._decode_policy(), chain, h.trace_context,
+                                num_emitted=len(h.first))
             assert self._reserved is not None
             replica = self._reserved.replica
             gen = client._decode.options(stream=True).decode.remote(call, self._key, export, Target(replica))
@@ -344,6 +350,18 @@ class PDStream(FleetStream):
         client._handed_over(h.request_id, len(h.first))
         h.state = "decoding"
         self._phase = "decode"
+
+    def _decode_policy(self) -> RequestPolicy:
+        """The request's policy for the decode replica, as of now: the deadline's time left, and the
+        hand-off's times (the request's arrival, first scheduling and first token), by which the
+        decode engine's metrics count the request as one engine's would."""
+        h, now = self._h, time.monotonic()
+        policy = h.policy
+        if policy.deadline is not None:
+            policy = replace(policy, deadline=max(0.0, policy.deadline - (now - h.arrival)))
+        since_first = now - (self._first_at if self._first_at is not None else now)
+        return replace(policy, handoff=HandOff(DECODE_LEG, len(h.first), now - h.arrival,
+                                               since_first + self._prefill_time, since_first))
 
     async def _receive_export(self) -> KVExport:
         """The prefill replica's blocks; none if it is lost or slow (the decode side then recomputes)."""
