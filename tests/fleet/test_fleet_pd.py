@@ -124,6 +124,38 @@ def _streamed_texts(client: Any, body: dict[str, Any]) -> list[str]:
         return [ch["text"] for line in r.iter_lines() if line.startswith("data: {")
                 for ch in json.loads(line[6:])["choices"]]
 
+# Series that count requests, tokens and latency samples: a handed-off request once, as one engine.
+COUNTED = ("cadence:finished_requests_total", "cadence:goodput_requests_total", "cadence:prompt_tokens_total",
+           "cadence:generation_tokens_total", "cadence:time_to_first_token_seconds_count",
+           "cadence:inter_token_latency_seconds_count", "cadence:e2e_request_latency_seconds_count",
+           "cadence:request_queue_time_seconds_count")
+
+
+def _counted(client: Any, requests: list[tuple[str, int]]) -> dict[str, float]:
+    """What `requests` (prompt, max_tokens) add to the COUNTED series of `client`'s /metrics."""
+    before = client.get("/metrics").text
+    for prompt, n in requests:
+        r = complete(client, prompt, max_tokens=n, ignore_eos=True)
+        assert r.status_code == 200, r.text
+    after = client.get("/metrics").text
+    return {name: metric(after, name) - metric(before, name) for name in COUNTED}
+
+
+def test_the_merged_metrics_count_each_handed_off_request_as_one_engine_does(pd) -> None:
+    requests = [("Violet kites over the salt marsh drift", 5), ("Seven brass keys hang in the", 9),
+                ("Under the orchard the badger family", 3)]  # (prompts no earlier test cached)
+    engine = AsyncEngine(build_engine(pd.engine_config, tiny=True))
+    try:
+        with TestClient(create_app(engine, pd.server_config)) as local:
+            expected = _counted(local, requests)
+    finally:
+        engine.shutdown()
+    with httpx.Client(base_url=pd.url, timeout=60) as c:
+        got = _counted(c, requests)
+    assert expected["cadence:finished_requests_total"] == 3
+    assert got == expected
+
+
 def test_a_prompt_the_decode_side_holds_moves_no_bytes(pd) -> None:
     prompt = "A ferry timetable, stop by stop, with the tides at each pier. " * 8 + "When is the last boat?"
     with httpx.Client(base_url=pd.url, timeout=60) as c:
