@@ -202,6 +202,9 @@ class FinishedRequestStats:
     num_output_tokens: int
     num_cached_tokens: int
     metrics: RequestMetrics
+    # The prefill leg of a request handed to another engine at its first token: the request goes
+    # on there, which counts it as finished (request-level series skip this record).
+    handed_off: bool = False
 
 
 @dataclass

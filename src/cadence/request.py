@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import json as _json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from cadence.checks import is_finite, is_int
@@ -286,17 +286,49 @@ class SamplingParams:
         return self.speculative and self.plain_decode and not self.logit_bias and self.allowed_token_ids is None
 
 
+PREFILL_LEG = "prefill"
+DECODE_LEG = "decode"
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """One engine's part of a request served by two (disaggregated prefill and decode), so that
+    their metrics together count it once. Set by the disaggregated fleet's ingress only.
+
+    `leg` "prefill": the engine runs the request to its first token and the request goes on
+    elsewhere; ended at its token limit, it is not a finished request here. `leg` "decode": the
+    engine continues it from its prompt and the `num_emitted` output tokens another engine
+    streamed: its prompt is no new prompt work, and its first token here is the request's next,
+    not its first. The `since_*` are seconds before the engine takes the request (measured by the
+    ingress, so free of the two engines' clocks): since the request arrived, since it was first
+    scheduled (on the prefill engine), and since its first token (the prefill leg's one token)."""
+
+    leg: str
+    num_emitted: int = 0
+    since_arrival: float = 0.0
+    since_scheduled: float = 0.0
+    since_first_token: float = 0.0
+
+    def later(self, seconds: float) -> HandOff:
+        """The same hand-off `seconds` later (the time a replica spent before submitting it)."""
+        return replace(self, since_arrival=self.since_arrival + seconds,
+                       since_scheduled=self.since_scheduled + seconds,
+                       since_first_token=self.since_first_token + seconds)
+
+
 @dataclass(frozen=True)
 class RequestPolicy:
     """How the engine weighs one client request against the others, as it arrives: its `priority`
     (lower is served first), its `tenant` (fair share, per-tenant caps and metrics), its
     `deadline` in seconds from submission (None: none), and its prefix-cache salt (None: the
-    tenant's under tenant isolation, else none). Travels whole from the server to the engine."""
+    tenant's under tenant isolation, else none). Travels whole from the server to the engine.
+    `handoff`: which part of a request served by two engines this is (None: the whole request)."""
 
     priority: int = 0
     tenant: str = "default"
     deadline: float | None = None
     cache_salt: str | None = None
+    handoff: HandOff | None = None
 
 
 DEFAULT_POLICY = RequestPolicy()
@@ -322,6 +354,7 @@ class Request:
     deadline: float | None = None  # absolute time on the engine clock
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None  # prefix-cache isolation (per tenant when asked)
+    handoff: HandOff | None = None  # one engine's part of a request served by two (its metrics)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
@@ -91,6 +92,68 @@ def test_greedy_outputs_equal_a_single_engines_and_the_header_names_both(pd) -> 
     assert got == expected and all(expected)
     assert text == expected[2]
     _assert_idle(PD_ENGINE["num_kv_blocks"])
+
+
+def test_a_stop_string_begun_in_the_first_tokens_text_ends_the_output_as_on_one_engine(pd) -> None:
+    """The first token's text comes from the prefill replica, the rest from the decode replica: a
+    stop string across the two is matched as one engine matches it. The request is also found by
+    the id the client gave it (X-Request-Id)."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    engine = AsyncEngine(build_engine(pd.engine_config, tiny=True))
+    try:
+        with TestClient(create_app(engine, pd.server_config)) as local:
+            pieces = _streamed_texts(local, body)
+            stop = pieces[0][-1] + pieces[1][:1]  # begins in the first token's text, ends in the second's
+            expected = local.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    finally:
+        engine.shutdown()
+    assert expected["finish_reason"] == "stop" and expected["text"] == pieces[0][:-1]
+    with httpx.Client(base_url=pd.url, timeout=60) as c:
+        r = c.post("/v1/completions", json={**body, "stop": [stop]}, headers={"x-request-id": "stop-across"})
+        streamed = "".join(_streamed_texts(c, {**body, "stop": [stop]}))
+        status = c.get("/v1/requests/stop-across")
+    assert r.status_code == 200 and ", decode=" in r.headers["x-cadence-replica"], r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (expected["text"], "stop", stop)
+    assert streamed == expected["text"]
+    assert status.status_code == 200 and status.json()["state"] == "finished", status.text
+
+
+def _streamed_texts(client: Any, body: dict[str, Any]) -> list[str]:
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        return [ch["text"] for line in r.iter_lines() if line.startswith("data: {")
+                for ch in json.loads(line[6:])["choices"]]
+
+# Series that count requests, tokens and latency samples: a handed-off request once, as one engine.
+COUNTED = ("cadence:finished_requests_total", "cadence:goodput_requests_total", "cadence:prompt_tokens_total",
+           "cadence:generation_tokens_total", "cadence:time_to_first_token_seconds_count",
+           "cadence:inter_token_latency_seconds_count", "cadence:e2e_request_latency_seconds_count",
+           "cadence:request_queue_time_seconds_count")
+
+
+def _counted(client: Any, requests: list[tuple[str, int]]) -> dict[str, float]:
+    """What `requests` (prompt, max_tokens) add to the COUNTED series of `client`'s /metrics."""
+    before = client.get("/metrics").text
+    for prompt, n in requests:
+        r = complete(client, prompt, max_tokens=n, ignore_eos=True)
+        assert r.status_code == 200, r.text
+    after = client.get("/metrics").text
+    return {name: metric(after, name) - metric(before, name) for name in COUNTED}
+
+
+def test_the_merged_metrics_count_each_handed_off_request_as_one_engine_does(pd) -> None:
+    requests = [("Violet kites over the salt marsh drift", 5), ("Seven brass keys hang in the", 9),
+                ("Under the orchard the badger family", 3)]  # (prompts no earlier test cached)
+    engine = AsyncEngine(build_engine(pd.engine_config, tiny=True))
+    try:
+        with TestClient(create_app(engine, pd.server_config)) as local:
+            expected = _counted(local, requests)
+    finally:
+        engine.shutdown()
+    with httpx.Client(base_url=pd.url, timeout=60) as c:
+        got = _counted(c, requests)
+    assert expected["cadence:finished_requests_total"] == 3
+    assert got == expected
 
 
 def test_a_prompt_the_decode_side_holds_moves_no_bytes(pd) -> None:

@@ -65,7 +65,9 @@ class FakePools:
         self.released: list[str] = []
         self.decode_calls: list[Any] = []
         self.prefill_calls = 0
+        self.prefill_seen: list[Any] = []  # the prefill calls' GenerateCalls
         self.refused = asyncio.Event()  # set once a reservation was refused
+        self.status_asked: list[str] = []
 
     # the decode pool
     async def _reserve(self, key: str, prompt: list[int], salt: str | None, ttl: float) -> Reserved:
@@ -89,9 +91,16 @@ class FakePools:
                                   num_output_tokens=n))
         return _Gen([Admitted("d1"), *deltas])
 
+    async def _status(self, request_id: str, tenant: str | None, target: Any) -> Any:
+        from cadence.boundary import RequestSnapshot
+
+        self.status_asked.append(request_id)  # (the decode replica counts the first token as a prompt token)
+        return (RequestSnapshot(request_id, None, "finished", None, None, len(PROMPT) + 1, len(PROMPT) + 1, 3, 0, 0),)
+
     # the prefill pool
     def _prefill(self, call: Any, missing: Any) -> _Gen:
         self.prefill_calls += 1
+        self.prefill_seen.append(call)
         if self.prefill_failures:
             self.prefill_failures -= 1
             return _Gen([ActorDiedError()])
@@ -117,6 +126,7 @@ class FakePools:
             reserve_kv = _Call(pools._reserve)
             release_kv = _Call(pools._release)
             decode = _Call(pools._decode)
+            request_status = _Call(pools._status)
 
         return Prefill(), Decode()
 
@@ -156,6 +166,59 @@ def test_a_request_waits_for_decode_room_visibly_then_counts_as_one_request() ->
     assert call.prompts[0] == PROMPT + [5] and call.params.max_tokens == 3 and target.replica_id == "d1"
     assert export.positions == (0, 1) and pools.reserved == [key] and pools.released == []
 
+
+
+def test_a_request_is_found_by_the_id_serves_proxy_gave_it_while_it_waits_and_after(monkeypatch) -> None:
+    """Serve's proxy names each request (the client's X-Request-Id, else its own id): the id a client
+    that is still waiting for its response's first byte has."""
+    from cadence.boundary import RequestSnapshot
+    from cadence.fleet import client as fleet_client
+    from cadence.fleet import state
+
+    monkeypatch.setattr(state, "replica_ids", lambda: ["d1"])
+
+    async def scenario():
+        pools = FakePools(refusals=3)
+        client = _client(pools)
+
+        async def submit() -> Any:
+            fleet_client._REPLICA_SLOT.set({"serve_id": "my-id"})  # (what the middleware does per request)
+            return await client.submit([PROMPT], SamplingParams(max_tokens=4), request_id="r1")
+
+        task = asyncio.ensure_future(submit())
+        await pools.refused.wait()
+        waiting = await client.request_status("my-id")
+        await _collect(await task)
+        after = await client.request_status("my-id")
+        return waiting, after, pools.status_asked
+
+    waiting, after, asked = asyncio.run(scenario())
+    assert waiting is not None and waiting[0].request_id == "r1" and waiting[0].state == "waiting"
+    assert after is not None and asked == ["r1"]
+    assert isinstance(after[0], RequestSnapshot) and after[0].num_output_tokens == 4
+
+
+def test_both_replicas_get_the_ingress_spans_trace_context() -> None:
+    """Each replica's span of the request is a child of the ingress's: the context the HTTP layer
+    sets for the submit goes with the prefill call and, later, the decode call."""
+    from cadence.server.engine_client import TRACE_CARRIER
+
+    carrier = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    pools = FakePools()
+    client = _client(pools)
+
+    async def scenario() -> list[StreamDelta]:
+        token = TRACE_CARRIER.set(carrier)
+        try:
+            stream = await client.submit([PROMPT], SamplingParams(max_tokens=4), request_id="r1")
+        finally:
+            TRACE_CARRIER.reset(token)  # (as the HTTP layer does: the rest streams without it)
+        return await _collect(stream)
+
+    asyncio.run(scenario())
+    [prefill_call] = pools.prefill_seen
+    [(decode_call, _, _, _)] = pools.decode_calls
+    assert prefill_call.trace_context == carrier and decode_call.trace_context == carrier
 
 def test_a_prefill_replica_lost_before_answering_is_retried_once() -> None:
     pools = FakePools(prefill_failures=1)
@@ -207,6 +270,28 @@ class _Hangs:
         self.cancelled = True
         self._cancel.set()
 
+
+def test_a_decode_replica_lost_or_silent_before_admitting_is_replaced_once_then_a_503() -> None:
+    pools = FakePools()
+    exports: list[KVExport] = []
+    answer = pools._decode
+
+    def decode(call: Any, key: str, export: KVExport, target: Any) -> Any:
+        exports.append(export)
+        return _Gen([ActorDiedError()]) if len(exports) == 1 else answer(call, key, export, target)
+
+    pools._decode = decode  # type: ignore[method-assign]
+    deltas = asyncio.run(_collect_submit(pools))
+    assert [t for d in deltas for t in d.token_ids] == [5, 7, 7, 7]
+    assert len(pools.reserved) == 2 and pools.released == pools.reserved[:1]  # a new reservation for the new one
+    assert exports[0].positions == (0, 1) and exports[1].positions == ()  # (it recomputes the prompt)
+
+    pools = FakePools()
+    pools._decode = lambda call, key, export, target: _Hangs([])  # type: ignore[method-assign]
+    with pytest.raises(CadenceError) as e:
+        asyncio.run(_collect_submit(pools, timeout=0.3))
+    assert e.value.kind == ErrorKind.UNAVAILABLE and "did not take the request within 0.3 s" in e.value.message
+    assert len(pools.reserved) == 2 and pools.released == pools.reserved
 
 def test_kv_that_does_not_come_in_time_is_recomputed_by_the_decode_replica() -> None:
     pools = FakePools()
@@ -260,6 +345,9 @@ def test_a_request_ended_from_outside_during_the_hand_off_gets_that_error_and_re
     (SamplingParams(max_tokens=4), [PROMPT, PROMPT], "decode"),
     (SamplingParams(max_tokens=4, frequency_penalty=0.5), [PROMPT], "decode"),
     (SamplingParams(max_tokens=1), [PROMPT], "prefill"),
+    # more than a decode replica can ever hold (max_request_tokens 1024): its engine refuses it at
+    # once (400), where waiting for room would end in a 429 no retry gets past
+    (SamplingParams(max_tokens=1024 - len(PROMPT) + 1), [PROMPT], "decode"),
 ])
 def test_requests_whose_state_would_not_follow_are_served_whole(params, prompts, pool) -> None:
     pools = FakePools()

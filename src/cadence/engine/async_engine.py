@@ -47,7 +47,7 @@ from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach
 from cadence.engine.thread_times import EngineThreadTimes, StepTimer, name_os_thread
 from cadence.engine.watchdog import STALL_FACTOR, StepPace, Watchdog
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.request import DEFAULT_POLICY, Request, RequestPolicy, RequestStatus, SamplingParams
+from cadence.request import DECODE_LEG, DEFAULT_POLICY, Request, RequestPolicy, RequestStatus, SamplingParams
 from cadence.sched.records import request_snapshot
 from cadence.wording import counted
 
@@ -217,12 +217,15 @@ class AsyncEngine:
         request_id: str,
         policy: RequestPolicy = DEFAULT_POLICY,
         queue_status: bool = False,
+        emitted: int = 0,
     ) -> RequestStream:
         """Admit `len(prompts) * params.n` engine requests all-or-nothing; raise the refusal if any is refused.
 
         `policy.deadline` is seconds from now. Choice k = prompt_index * n + i; seeded choices use seed + i.
         `queue_status`: the stream's `admission` holds each choice's snapshot as admitted (its place in
         the queue, its predicted time to first token), taken before any step ran it.
+        `emitted`: each prompt's last tokens are output another engine streamed already; the text
+        goes on from theirs (`OutputProcessor.add_request`).
         """
         self._check_open()
         loop = asyncio.get_running_loop()
@@ -240,7 +243,7 @@ class AsyncEngine:
         requests = fan_out(prompts, params, request_id, now, policy)
         group = Group(request_id, [r.request_id for r in requests], loop, asyncio.Queue())
         future: asyncio.Future = loop.create_future()
-        self._post(AddItem(group, requests, future, queue_status))
+        self._post(AddItem(group, requests, future, queue_status, emitted))
         try:
             admission = await future
         except asyncio.CancelledError:
@@ -553,7 +556,7 @@ class AsyncEngine:
             return
         events = self.core.events
         for req in add.requests:
-            self._proc.add_request(req.request_id, req.sampling_params, req.prompt_token_ids)
+            self._proc.add_request(req.request_id, req.sampling_params, req.prompt_token_ids, add.emitted)
             self._owner[req.request_id] = group
             if events is not None:
                 events.track(req.request_id)
@@ -695,6 +698,11 @@ def fan_out(prompts: Sequence[list[int]], params: SamplingParams, request_id: st
                     tenant=policy.tenant,
                     deadline=deadline,
                     cache_salt=policy.cache_salt,
+                    handoff=policy.handoff,
                 )
             )
+    h = policy.handoff
+    if h is not None and h.leg == DECODE_LEG and h.num_emitted:
+        for req in requests:  # its next token's latency is from the first one, sampled elsewhere
+            req.last_token_time = now - h.since_first_token
     return requests

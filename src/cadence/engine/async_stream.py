@@ -36,6 +36,7 @@ class AddItem:
     requests: list[Request]
     future: asyncio.Future
     status: bool = False  # answer the admission with the request's snapshots (queue place, prediction)
+    emitted: int = 0  # the prompts' last tokens are output streamed already (OutputProcessor.add_request)
 
 
 @dataclass

@@ -108,6 +108,10 @@ class KVTransfer:
         if res is not None:
             res.request_id = request_id
 
+    def holds(self, key: str) -> bool:
+        """Whether the reservation `key` is here (not released nor expired)."""
+        return key in self._reservations
+
     def release(self, key: str) -> bool:
         self._reservations.pop(key, None)
         return self.kv.release_import(key)

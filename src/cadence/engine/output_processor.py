@@ -54,10 +54,16 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
 
-    def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-        stops = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
-        self._states[request_id] = _State(params, len(prompt_token_ids), detok, stops)
+    def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int],
+                    emitted: int = 0) -> None:
+        """`emitted`: the prompt's last tokens are output another engine streamed already (the first
+        token of a request handed from prefill to decode), showing `shown_text` of them. They are
+        replayed here silently, so the text goes on from theirs: a character split across them and
+        the next token, a stop string that begins in their text."""
+        st = _new_state(self.tokenizer, params, len(prompt_token_ids))
+        if emitted:
+            _show(st, prompt_token_ids[-emitted:])
+        self._states[request_id] = st
 
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -141,6 +147,24 @@ class OutputProcessor:
             error_by_request=d.error_by_request,
             retry_after=d.retry_after,
         )
+
+
+def shown_text(tokenizer: Tokenizer, params: SamplingParams, token_ids: list[int]) -> str:
+    """The text a request's stream shows for its first output `token_ids` while it has not ended
+    (text that may still become a character or a stop string held back): what an engine handing the
+    request on shows, and what the next one starts from (`add_request(emitted=...)`)."""
+    return _show(_new_state(tokenizer, params, 0), token_ids)
+
+
+def _new_state(tokenizer: Tokenizer, params: SamplingParams, num_prompt_tokens: int) -> _State:
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+    stops = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
+    return _State(params, num_prompt_tokens, detok, stops)
+
+
+def _show(st: _State, token_ids: list[int]) -> str:
+    text = st.detok.add(token_ids)
+    return st.stops.add(text)[0] if st.stops is not None else text
 
 
 def attach_final_metrics(stream: list[StreamDelta], final: Iterable[RequestDelta]) -> None:

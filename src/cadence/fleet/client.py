@@ -105,7 +105,39 @@ class _FixedRetryAfter:
 
 
 def ray_unavailable(exc: BaseException) -> CadenceError:
-    return CadenceError(ErrorKind.UNAVAILABLE, f"the replica serving the request failed ({type(exc).__name__})")
+    return ReplicaLost(ErrorKind.UNAVAILABLE, f"the replica serving the request failed ({type(exc).__name__})")
+
+
+class ReplicaLost(CadenceError):
+    """A replica call failed in Ray (the replica died or could not be reached): a 503, unless the
+    caller tries another replica."""
+
+
+async def admission(gen: Any, what: str) -> Admitted:
+    """The first item of a replica's stream `gen`, its engine's admission: a refusal raises its
+    error, Serve's back pressure a 429 (`what`: "replica", "prefill replica"), a Ray error
+    `ReplicaLost`; a stream that ends at once is an internal error. The client leaving cancels
+    the call."""
+    from ray.exceptions import RayError
+    from ray.serve.exceptions import BackPressureError
+
+    try:
+        first = await gen.__anext__()
+    except asyncio.CancelledError:  # the client left while the request waited for a replica
+        gen.cancel()
+        raise
+    except BackPressureError:
+        raise AdmissionError(ErrorKind.QUEUE_FULL, f"every {what} is full; retry later",
+                             retry_after=BUSY_RETRY_AFTER_S) from None
+    except StopAsyncIteration:
+        raise CadenceError(ErrorKind.INTERNAL, f"the {what} answered nothing") from None
+    except RayError as e:
+        raise ray_unavailable(e) from None
+    if isinstance(first, Refused):
+        note_replica(first.replica)
+        raise refusal_error(first)
+    assert isinstance(first, Admitted), type(first)
+    return first
 
 
 class FleetStream:
@@ -248,37 +280,14 @@ class FleetClient:
     async def _submit_to(self, handle: Any, prompts: Sequence[list[int]], params: SamplingParams, request_id: str,
                          policy: RequestPolicy, queue_status: bool = False) -> FleetStream:
         """`submit` to the replicas behind `handle`."""
-        from ray.serve.exceptions import BackPressureError
-
         if self._draining:
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         if request_id in self._live:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
         call = GenerateCall(tuple(prompts), params, request_id, policy, self.chain(prompts[0], policy.cache_salt),
                             TRACE_CARRIER.get(), queue_status)
-        gen = None
-        try:
-            gen = handle.options(stream=True).generate.remote(call)
-            first = await gen.__anext__()
-        except asyncio.CancelledError:  # the client left while the request waited for a replica
-            if gen is not None:
-                gen.cancel()
-            raise
-        except BackPressureError:
-            raise AdmissionError(ErrorKind.QUEUE_FULL, "every replica is full; retry later",
-                                 retry_after=BUSY_RETRY_AFTER_S) from None
-        except StopAsyncIteration:
-            raise CadenceError(ErrorKind.INTERNAL, "the replica answered nothing") from None
-        except Exception as e:
-            from ray.exceptions import RayError
-
-            if isinstance(e, RayError):
-                raise ray_unavailable(e) from None
-            raise
-        if isinstance(first, Refused):
-            note_replica(first.replica)
-            raise refusal_error(first)
-        assert isinstance(first, Admitted), type(first)
+        gen = handle.options(stream=True).generate.remote(call)
+        first = await admission(gen, "replica")
         note_replica(first.replica)
         self._remember(request_id, first.replica)
         total = len(prompts) * params.n
@@ -289,9 +298,18 @@ class FleetClient:
         return stream
 
     def _remember(self, request_id: str, replica: str) -> None:
+        self._place(request_id, replica)
+        self._remember_serve_id(request_id)
+
+    def _place(self, request_id: str, replica: str) -> None:
+        """`replica` serves the request (its status is asked there)."""
         self._placed[request_id] = replica
+        self._placed.move_to_end(request_id)
         while len(self._placed) > PLACED_KEEP:
             self._placed.popitem(last=False)
+
+    def _remember_serve_id(self, request_id: str) -> None:
+        """The id Serve's proxy gave this HTTP request names `request_id` too."""
         serve_id = _serve_request_id()
         if serve_id is not None and serve_id != request_id:
             self._serve_ids[serve_id] = request_id  # (a client's id sent twice: the later request)

@@ -18,13 +18,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cadence.engine.kv_transfer import KVExport
+from cadence.engine.output_processor import StreamDelta, shown_text
 from cadence.errors import AdmissionError, CadenceError
-from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
+from cadence.fleet.protocol import Failed, GenerateCall, Refused, Target
 from cadence.fleet.replica import CadenceReplica
+
+REIMPORT_TTL_S = 10.0  # a reservation made again at import: its request is bound at once, or it is released
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,22 @@ class PDReplica(CadenceReplica):
 
     async def prefill(self, call: GenerateCall, positions: tuple[int, ...] | None) -> AsyncIterator[Any]:
         """`generate` (the call's max_tokens is 1), then the prompt's blocks at `positions` as a
-        `KVExport` unless the request failed."""
+        `KVExport` unless the request failed.
+
+        A request that ends at its token limit goes on on a decode replica: its text is what a stream
+        shows before its end (`shown_text`), not the flushed end of one, so what may still become a
+        character or a stop string with the next tokens is left for the decode replica to show."""
         failed = False
+        ids: list[int] = []
+        shown = 0
         async for item in self.generate(call):
             failed = failed or isinstance(item, (Refused, Failed)) or getattr(item, "error", None) is not None
+            if isinstance(item, StreamDelta):
+                ids += item.token_ids
+                if item.finish_reason == "length" and item.error is None:
+                    text = shown_text(self.engine.tokenizer, call.params, ids)
+                    item = replace(item, text=text[shown:])
+                shown += len(item.text)
             yield item
         if failed:
             return
@@ -76,32 +91,44 @@ class PDReplica(CadenceReplica):
     async def decode(self, call: GenerateCall, key: str, export: KVExport, target: Target | None = None
                      ) -> AsyncIterator[Any]:
         """Import the blocks reserved under `key`, then `generate` the call there."""
+        start_ns, started = time.time_ns(), time.monotonic()
         transfer = self.engine.kv_transfer
         try:
-            published = await self.engine.run_in_engine(lambda: transfer.write(key, export))
+            published = await self.engine.run_in_engine(lambda: self._import(key, call, export))
         except (KeyError, ValueError, CadenceError) as e:
             await self._release(key)
             yield Refused("unavailable", f"importing the KV blocks failed: {e}", None, None, False, self.name)
             return
-        self.transfer_metrics.record_import(export.nbytes, len(export.positions),
-                                            max(0, published - len(export.positions)),
-                                            max(0.0, time.time() - export.sent_at))
+        if published is not None:
+            self.transfer_metrics.record_import(export.nbytes, len(export.positions),
+                                                max(0, published - len(export.positions)),
+                                                max(0.0, time.time() - export.sent_at))
+        policy = call.policy
+        if policy.handoff is not None:  # (its times were taken by the ingress before the import)
+            policy = replace(policy, handoff=policy.handoff.later(time.monotonic() - started))
         try:
             stream = await self.engine.submit(call.prompts, call.params, request_id=call.request_id,
-                                              policy=call.policy)
+                                              policy=policy, emitted=call.num_emitted)
         except CadenceError as e:
             await self._release(key)
             yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)
             return
         await self.engine.run_in_engine(lambda: transfer.bind(key, call.request_id))
-        try:
-            yield Admitted(self.name)
-            async for delta in stream:
-                yield delta
-        except CadenceError as e:
-            yield Failed(e.kind.value, str(e))
-        finally:
-            await stream.aclose()
+        async for item in self._serve(call, stream, start_ns):
+            yield item
+
+    def _import(self, key: str, call: GenerateCall, export: KVExport) -> int | None:
+        """(On the engine thread.) Write the arrived blocks into the reservation and publish them;
+        the blocks published, or None when none could be taken. A reservation that expired (its
+        prefill waited longer than its time to live: a queue of long prompts, a replica starting)
+        is made again; without room for it now, the request recomputes its prompt, held to the KV
+        cache by the engine's own admission like any other."""
+        transfer = self.engine.kv_transfer
+        if not transfer.holds(key):
+            prompt = call.prompts[0][: len(call.prompts[0]) - call.num_emitted]
+            if transfer.reserve(key, prompt, call.policy.cache_salt, REIMPORT_TTL_S) is None:
+                return None
+        return transfer.write(key, export)
 
     async def _release(self, key: str) -> None:
         transfer = self.engine.kv_transfer

@@ -20,7 +20,8 @@ that ends the stream with an error. Reservations are released on every path, and
 engine drops one left unbound after its time to live.
 
 Requests with several prompts or choices, structured outputs, or presence or frequency penalties
-are served whole by the decode pool (`_hands_off`), and one-token requests by the prefill pool.
+are served whole by the decode pool (`_hands_off`), as are those longer than its engines can hold
+(which they refuse), and one-token requests by the prefill pool.
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ from cadence.fleet.client import (
     PLACED_KEEP,
     FleetClient,
     FleetStream,
+    ReplicaLost,
+    admission,
     note_replica,
     ray_unavailable,
 )
 from cadence.fleet.pd import Reserved
-from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
-from cadence.fleet.replica import ReplicaInfo, refusal_error
-from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
+from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Target
+from cadence.fleet.replica import ReplicaInfo
+from cadence.request import DECODE_LEG, DEFAULT_POLICY, PREFILL_LEG, HandOff, RequestPolicy, SamplingParams
+from cadence.server.engine_client import TRACE_CARRIER
 
 log = logging.getLogger("cadence.fleet")
 
@@ -72,6 +76,7 @@ class _HandOff:
     policy: RequestPolicy
     num_prompt_tokens: int
     arrival: float
+    trace_context: dict[str, str] | None = None  # the ingress span's, for both replicas' spans
     state: str = "waiting"
     waits: int = 0
     decode_replica: str | None = None
@@ -98,7 +103,9 @@ class PDFleetClient(FleetClient):
                      policy: RequestPolicy = DEFAULT_POLICY, queue_status: bool = False) -> FleetStream:
         """As `FleetClient.submit`. A request handed from prefill to decode opens a stream that asked
         for its queue status with `state=unknown`: its place is in two queues, one after the other."""
-        if not _hands_off(prompts, params):
+        # A request no decode replica can ever hold goes there whole too: its engine refuses it at
+        # once, naming the limit, where waiting for room would end in a 429 no retry gets past.
+        if not _hands_off(prompts, params) or len(prompts[0]) + params.max_tokens > self.max_request_tokens:
             return await super().submit(prompts, params, request_id=request_id, policy=policy,
                                         queue_status=queue_status)
         if params.max_tokens <= 1:
@@ -107,8 +114,9 @@ class PDFleetClient(FleetClient):
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         if request_id in self._live or request_id in self._handoffs:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
-        h = _HandOff(request_id, policy, len(prompts[0]), time.monotonic())
+        h = _HandOff(request_id, policy, len(prompts[0]), time.monotonic(), TRACE_CARRIER.get())
         self._handoffs[request_id] = h
+        self._remember_serve_id(request_id)  # (found by it while it waits, before any response byte)
         try:
             stream = await self._start(h, list(prompts[0]), params)
         except BaseException:
@@ -122,7 +130,8 @@ class PDFleetClient(FleetClient):
         reserved = await self._reserve(h, key, prompt)
         h.decode_replica = reserved.replica
         call = GenerateCall((prompt,), replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)),
-                            h.request_id, h.policy, self.chain(prompt, h.policy.cache_salt))
+                            h.request_id, replace(h.policy, handoff=HandOff(PREFILL_LEG)),
+                            self.chain(prompt, h.policy.cache_salt), h.trace_context)
         try:
             gen, first = await self._prefill_once(call, reserved.missing)
         except CadenceError:
@@ -133,7 +142,7 @@ class PDFleetClient(FleetClient):
             raise
         h.prefill_replica, h.state = first.replica, "prefilling"
         note_replica(f"prefill={first.replica}, decode={reserved.replica}")
-        self._placed[h.request_id] = reserved.replica
+        self._place(h.request_id, reserved.replica)
         return PDStream(self, h, prompt, params, key, reserved, gen)
 
     async def _reserve(self, h: _HandOff, key: str, prompt: list[int]) -> Reserved:
@@ -162,31 +171,14 @@ class PDFleetClient(FleetClient):
 
     async def _prefill_once(self, call: GenerateCall, missing: tuple[int, ...] | None) -> tuple[Any, Admitted]:
         """The prefill stream and its admission; a replica lost before answering is retried once."""
-        from ray.serve.exceptions import BackPressureError
-
         for attempt in (0, 1):
             gen = self._prefill.options(stream=True).prefill.remote(call, missing)
             try:
-                first = await gen.__anext__()
-            except asyncio.CancelledError:
-                gen.cancel()
-                raise
-            except BackPressureError:
-                raise AdmissionError(ErrorKind.QUEUE_FULL, "every prefill replica is full; retry later",
-                                     retry_after=BUSY_RETRY_AFTER_S) from None
-            except StopAsyncIteration:
-                raise CadenceError(ErrorKind.INTERNAL, "the prefill replica answered nothing") from None
-            except Exception as e:
-                if attempt == 0 and _is_ray_error(e):
-                    log.warning("request %s: prefill replica lost (%s); trying another", call.request_id,
-                                type(e).__name__)
-                    continue
-                raise self._unavailable(e) from None
-            if isinstance(first, Refused):
-                note_replica(first.replica)
-                raise refusal_error(first)
-            assert isinstance(first, Admitted), type(first)
-            return gen, first
+                return gen, await admission(gen, "prefill replica")
+            except ReplicaLost as e:
+                if attempt == 1:
+                    raise
+                log.warning("request %s: prefill replica lost (%s); trying another", call.request_id, e.message)
         raise AssertionError("unreachable")
 
     async def _release(self, replica: str, key: str) -> None:
@@ -208,6 +200,8 @@ class PDFleetClient(FleetClient):
     # -- status and metrics ---------------------------------------------------------------------------
 
     async def request_status(self, request_id: str, tenant: str | None = None) -> Any:
+        if request_id not in self._placed and request_id not in self._handoffs:
+            request_id = self._serve_ids.get(request_id, request_id)  # (the id Serve's proxy gave it)
         h = self._handoffs.get(request_id)
         if h is not None and h.state != "decoding":
             if tenant is not None and h.policy.tenant != tenant:
@@ -256,6 +250,8 @@ class PDStream(FleetStream):
         self._reserved: Reserved | None = reserved
         self._phase = "prefill"
         self._num_cached = 0
+        self._first_at: float | None = None  # when the first token came (the ingress's clock)
+        self._prefill_time = 0.0  # from its first scheduling to its first token, on the prefill replica
 
     async def __anext__(self) -> StreamDelta:
         if self._phase in ("prefill", "handoff"):
@@ -289,6 +285,8 @@ class PDStream(FleetStream):
             self._close()
             raise CadenceError(ErrorKind(item.kind), item.message)
         assert isinstance(item, StreamDelta), type(item)
+        if item.token_ids and self._first_at is None:
+            self._first_at = time.monotonic()
         self._h.first.extend(item.token_ids)
         if item.finished and (item.finish_reason != "length" or item.error is not None):
             self._phase = "done"  # it stopped at its first token (EOS, a stop): nothing to decode
@@ -297,6 +295,9 @@ class PDStream(FleetStream):
             return item
         if item.finished:
             self._num_cached = item.num_cached_tokens
+            m = item.metrics
+            if m is not None and m.first_token_time is not None and m.first_scheduled_time is not None:
+                self._prefill_time = max(0.0, m.first_token_time - m.first_scheduled_time)
             self._phase = "handoff"
             return replace(item, finish_reason=None, stop_reason=None, metrics=None)
         return item
@@ -311,16 +312,15 @@ class PDStream(FleetStream):
         prompt = self._prompt + h.first
         params = replace(self._params, max_tokens=self._params.max_tokens - len(h.first),
                          min_tokens=max(0, self._params.min_tokens - len(h.first)))
-        policy = h.policy
-        if policy.deadline is not None:
-            policy = replace(policy, deadline=max(0.0, policy.deadline - (time.monotonic() - h.arrival)))
-        call = GenerateCall((prompt,), params, h.request_id, policy, client.chain(prompt, policy.cache_salt))
+        chain = client.chain(prompt, h.policy.cache_salt)
         for attempt in (0, 1):
+            call = GenerateCall((prompt,), params, h.request_id, self._decode_policy(), chain, h.trace_context,
+                                num_emitted=len(h.first))
             assert self._reserved is not None
             replica = self._reserved.replica
             gen = client._decode.options(stream=True).decode.remote(call, self._key, export, Target(replica))
             try:
-                first = await asyncio.wait_for(gen.__anext__(), client.transfer_timeout)
+                await asyncio.wait_for(admission(gen, "decode replica"), client.transfer_timeout)
             except asyncio.CancelledError:
                 gen.cancel()
                 await self._drop_reservation()
@@ -328,27 +328,40 @@ class PDStream(FleetStream):
             except Exception as e:
                 gen.cancel()
                 await self._drop_reservation()
-                if attempt == 0 and (_is_ray_error(e) or isinstance(e, TimeoutError)):
+                lost = isinstance(e, ReplicaLost | TimeoutError)
+                if isinstance(e, TimeoutError):
+                    e = CadenceError(ErrorKind.UNAVAILABLE, f"decode replica {replica} did not take the request "
+                                     f"within {client.transfer_timeout:g} s")
+                if attempt == 0 and lost:
                     log.warning("request %s: decode replica %s failed before admitting it (%s); trying another",
-                                h.request_id, replica, type(e).__name__)
+                                h.request_id, replica, e)
                     self._key = f"{h.request_id}/{uuid.uuid4().hex[:12]}"
                     reserved = await client._reserve(h, self._key, self._prompt)
                     self._reserved = reserved
                     h.decode_replica = reserved.replica
+                    client._place(h.request_id, reserved.replica)
                     export = KVExport((), None, 0, time.time())  # (the new replica recomputes what it lacks)
                     continue
                 self._close()
                 raise self._client._unavailable(e) from None
-            if isinstance(first, Refused):
-                self._close()
-                raise refusal_error(first)
-            assert isinstance(first, Admitted), type(first)
             break
         self._reserved = None  # (the decode engine holds it now, and releases it)
         self._gen = gen
         client._handed_over(h.request_id, len(h.first))
         h.state = "decoding"
         self._phase = "decode"
+
+    def _decode_policy(self) -> RequestPolicy:
+        """The request's policy for the decode replica, as of now: the deadline's time left, and the
+        hand-off's times (the request's arrival, first scheduling and first token), by which the
+        decode engine's metrics count the request as one engine's would."""
+        h, now = self._h, time.monotonic()
+        policy = h.policy
+        if policy.deadline is not None:
+            policy = replace(policy, deadline=max(0.0, policy.deadline - (now - h.arrival)))
+        since_first = now - (self._first_at if self._first_at is not None else now)
+        return replace(policy, handoff=HandOff(DECODE_LEG, len(h.first), now - h.arrival,
+                                               since_first + self._prefill_time, since_first))
 
     async def _receive_export(self) -> KVExport:
         """The prefill replica's blocks; none if it is lost or slow (the decode side then recomputes)."""

@@ -22,6 +22,9 @@ class GenerateCall:
     chain: tuple[int, ...] = ()
     trace_context: dict[str, str] | None = None  # the ingress span's W3C context, when traced
     queue_status: bool = False  # Admitted carries the request's snapshots as admitted
+    # The prompt's last tokens that are output another replica streamed already (a disaggregated
+    # request's first token): the decode replica's text and stop strings continue from them.
+    num_emitted: int = 0
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,11 @@ class CadenceReplica:
         except CadenceError as e:
             yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)
             return
+        async for item in self._serve(call, stream, start_ns):
+            yield item
+
+    async def _serve(self, call: GenerateCall, stream: Any, start_ns: int) -> AsyncIterator[Any]:
+        """An admitted request's `Admitted`, deltas and `Failed`, and its span when traced."""
         traced = self.tracer is not None and call.trace_context is not None
         finals: dict[int, Any] = {}
         error: BaseException | None = None

@@ -120,6 +120,8 @@ class DashboardRecorder:
         if it.token_latencies:
             self._itl.append((now, it.token_latencies))
         for f in it.finished:
+            if f.handed_off:  # counted by the engine the request went on to
+                continue
             self._finishes.append((now, self.tenant(f.tenant), f.num_output_tokens, f.finish_reason))
         if it.num_preemptions:
             self._preemptions.append((now, it.num_preemptions))

@@ -324,6 +324,8 @@ class PrometheusExporter:
             self.vllm.record_scheduler(st)
 
     def record_finished(self, f: FinishedRequestStats) -> None:
+        if f.handed_off:  # the request goes on on another engine, whose record counts it
+            return
         tenant = self.tenant(f.tenant)
         self.finished.labels(f.finish_reason, tenant).inc()
         m = f.metrics

@@ -19,7 +19,7 @@ from cadence.boundary import (
     TokenLogprobs,
     WaitInfo,
 )
-from cadence.request import Request, RequestStatus
+from cadence.request import DECODE_LEG, PREFILL_LEG, FinishReason, HandOff, Request, RequestStatus
 
 _new = object.__new__
 
@@ -144,6 +144,9 @@ def final_delta(req: Request, tokens: tuple[int, ...] = (), lps: tuple[TokenLogp
 def finished_stats(req: Request) -> FinishedRequestStats:
     reason = req.finish_reason
     assert reason is not None
+    h = req.handoff
+    if h is not None and h.leg == DECODE_LEG:
+        return _continued_stats(req, reason.value, h)
     return FinishedRequestStats(
         req.request_id,
         req.tenant,
@@ -153,7 +156,22 @@ def finished_stats(req: Request) -> FinishedRequestStats:
         req.num_output_tokens,
         req.num_cached_tokens,
         request_metrics(req),
+        handed_off=h is not None and h.leg == PREFILL_LEG and reason is FinishReason.LENGTH and req.error is None,
     )
+
+
+def _continued_stats(req: Request, reason: str, h: HandOff) -> FinishedRequestStats:
+    """A decode leg's record as the whole request's: its prompt without the tokens another engine
+    emitted, its outputs with them, and its times from the request's arrival (the hand-off's
+    offsets, taken back from this engine's arrival): the e2e latency, the queue time and the time
+    to first token are the request's, though measured in part by the ingress."""
+    t = req.arrival_time
+    first = t - h.since_first_token if h.num_emitted else req.first_token_time
+    metrics = RequestMetrics(t - h.since_arrival, t - h.since_scheduled, first, req.finished_time,
+                             req.num_preemptions)
+    return FinishedRequestStats(req.request_id, req.tenant, req.priority, reason,
+                                req.num_prompt_tokens - h.num_emitted, req.num_output_tokens + h.num_emitted,
+                                req.num_cached_tokens, metrics)
 
 
 def request_state(req: Request) -> str:

@@ -38,7 +38,7 @@ from cadence.boundary import (
 from cadence.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from cadence.errors import AdmissionError
 from cadence.kv.manager import KVCacheManager
-from cadence.request import Request, RequestStatus
+from cadence.request import DECODE_LEG, Request, RequestStatus
 from cadence.sched.admission import AdmissionControl, check_ids
 from cadence.sched.introspect import SchedulerIntrospection
 from cadence.sched.ngram import PackedTokens
@@ -376,7 +376,8 @@ class Scheduler(SchedulerIntrospection):
         if start % self.kv.block_size + n >= self.kv.block_size:
             self.kv.cache_computed_blocks(req)
         prompt_tokens = 0 if n == 1 and start >= len(req.prompt_token_ids) else n  # decode: 0
-        self._stats.num_prompt_tokens += prompt_tokens
+        if req.handoff is None or req.handoff.leg != DECODE_LEG:  # (a decode leg's prompt was counted by its prefill)
+            self._stats.num_prompt_tokens += prompt_tokens
         account = self.waiting.account if self.waiting.tracks_service else None  # a no-op call otherwise
         if not sr.sample:
             if account is not None:
@@ -531,6 +532,8 @@ class Scheduler(SchedulerIntrospection):
             req.first_token_time = now
             self._stats.first_token_latencies.append((req.tenant, now - req.arrival_time))
         else:
+            if req.first_token_time is None:  # a decode leg's first token here: the request's next one
+                req.first_token_time = now
             self._stats.token_latencies.append((req.tenant, now - last))
         req.last_token_time = now
         lps = (logprobs,) if logprobs is not None else ()
