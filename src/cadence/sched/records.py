@@ -136,8 +136,8 @@ def final_delta(req: Request, tokens: tuple[int, ...] = (), lps: tuple[TokenLogp
         req.num_prompt_tokens,
         req.num_cached_tokens,
         request_metrics(req),
-        req.error,
-        req.retry_after,
+        error=req.error,
+        retry_after=req.retry_after,
     )
 
 
