@@ -108,6 +108,7 @@ def token_delta(req: Request, token: int, lps: tuple[TokenLogprobs, ...]) -> Req
     fields["num_cached_tokens"] = req.num_cached_tokens
     fields["metrics"] = None
     fields["error"] = None
+    fields["error_by_request"] = False
     fields["retry_after"] = None
     return delta
 
