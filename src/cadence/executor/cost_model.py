@@ -25,24 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from cadence.boundary import ModelOutput, ScheduledRequest, SchedulerOutput
+from cadence.boundary import ModelOutput, SchedulerOutput
 from cadence.clock import VirtualClock
+from cadence.executor.features import _K1, _K2, _K3, BASES, KNEES, StepFeatures, scan_rows
 from cadence.host_load import cpu_model
 
 PROFILE_FORMAT = 1
-# Base quantities every feature set is linear in; the fitted model folds into one weight per base.
-BASES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context",
-         "decode_padded", "decode_over_16k", "decode_over_32k", "decode_over_64k", "prefill_attention",
-         "prefill_step", "decode_seqs_beside_prefill")
-# The two paths of a CPU step (model/llama.py): an all-decode step runs every layer in one kernel
-# call; a step with a prompt chunk runs them one by one from Python, at a fixed cost more
-# ("prefill_step": 1 for such a step), and its decode rows go through the same matmuls as the
-# chunk's tokens, so they cost what a prompt token does, not what a row of the one-call path does
-# ("decode_seqs_beside_prefill": the decode rows of such a step).
-# Where the gathered decode context outgrows the CPU's caches, each key costs more: hinges at a few
-# candidate knees (keys read by the decode batch) let the fit find the bend on this machine.
-KNEES = {"decode_over_16k": 16384, "decode_over_32k": 32768, "decode_over_64k": 65536}
-_K1, _K2, _K3 = KNEES.values()  # in BASES order, for the two places that evaluate the hinges
 
 
 def _cols(*names: str) -> dict[str, dict[str, float]]:
@@ -72,70 +60,6 @@ _STEPS.flags.writeable = False
 _FEW_STEPS = 14  # decode runs this short are costed step by step (SimExecutor.decode_run_costs): about
 # 1.1 us a step in Python against 15-18 us for the numpy pass (a microbenchmark of the two)
 DEFAULT_SIM_TOKEN = 13  # the scripted output token: any id works, the simulator has no EOS
-
-
-def scan_rows(rows: Sequence[ScheduledRequest], token: int) -> tuple[int, int, int, int, int, int, dict[str, int]]:
-    """One pass over a step's rows: its prefill tokens, prefill rows, decode rows, decode keys, longest
-    decode context and prefill (query, key) pairs (see `StepFeatures`), and each row that samples,
-    mapped to `token`. Shared by `StepFeatures.from_output` and `SimExecutor.execute`, which needs
-    both in one pass (it runs once per simulated step)."""
-    pt = ps = ds = dc = dmax = pa = 0
-    sampled: dict[str, int] = {}
-    for r in rows:
-        n = len(r.token_ids)
-        if n == 1:
-            ds += 1
-            ctx = r.start_pos + 1
-            dc += ctx
-            if ctx > dmax:
-                dmax = ctx
-        else:
-            pt += n
-            ps += 1
-            pa += n * r.start_pos + n * (n + 1) // 2
-        if r.sample:
-            sampled[r.request_id] = token
-    return pt, ps, ds, dc, dmax, pa, sampled
-
-
-@dataclass(frozen=True, slots=True)
-class StepFeatures:
-    """The shape of one step. A scheduled request with one token is a decode row (the runner lays
-    it out with the decodes, whatever its phase); more tokens make a prefill chunk."""
-
-    prefill_tokens: int = 0
-    prefill_seqs: int = 0
-    decode_seqs: int = 0
-    sampled: int = 0  # rows whose logits go through the LM head and the sampler
-    decode_context: int = 0  # keys attended by decode rows: sum of their context lengths
-    decode_padded: int = 0  # decode rows x the longest decode context: keys a padded batch reads
-    prefill_attention: int = 0  # (query, key) pairs of the chunks: n * start + n * (n + 1) / 2 each
-
-    @classmethod
-    def from_output(cls, out: SchedulerOutput) -> StepFeatures:
-        pt, ps, ds, dc, dmax, pa, sampled = scan_rows(out.scheduled, 0)
-        return cls(pt, ps, ds, len(sampled), dc, ds * dmax, pa)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.prefill_tokens + self.decode_seqs
-
-    @property
-    def num_seqs(self) -> int:
-        return self.prefill_seqs + self.decode_seqs
-
-    def bases(self) -> tuple[float, ...]:
-        pad = self.decode_padded
-        return (1.0, self.prefill_tokens, self.prefill_seqs, self.decode_seqs, self.sampled, self.decode_context,
-                pad, max(0, pad - _K1), max(0, pad - _K2), max(0, pad - _K3), self.prefill_attention,
-                float(self.prefill_tokens > 0), self.decode_seqs if self.prefill_tokens else 0)
-
-    def to_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in _FIELDS}
-
-
-_FIELDS = ("prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context", "decode_padded",
-           "prefill_attention")
 
 
 def default_profile_path() -> Path:
@@ -371,8 +295,8 @@ class SimExecutor:
         # StepCostModel.predict (measured: going through them made a 5,000-request trace
         # simulation 8% slower). It must stay the same sum as StepFeatures.bases() . weights;
         # tests/unit/test_cost_model.py compares the two past every knee.
-        pt, ps, ds, dc, dmax, pa, sampled = scan_rows(scheduler_output.scheduled, self.token_id)
-        cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, len(sampled), dc, ds * dmax, pa)
+        pt, ps, ds, dc, dmax, pa, sm, sampled = scan_rows(scheduler_output.scheduled, self.token_id)
+        cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, sm, dc, ds * dmax, pa)
         self._charge(cost)
         return ModelOutput(sampled_token_ids=sampled)
 

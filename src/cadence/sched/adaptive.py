@@ -1,0 +1,118 @@
+"""Adaptive k for speculative decoding: how many drafts each request verifies this step.
+
+A verification row of 1 + k tokens yields, when each draft is accepted with probability a given
+the drafts before it were, (1 - a^(k+1)) / (1 - a) tokens on average instead of one; it costs
+what the step-cost model says the step costs with those k tokens more. The step's throughput is
+its expected tokens over its cost, so drafts are worth verifying only while they raise that
+ratio: at low load (a memory-bound step, where k more tokens add little time) and high acceptance
+k rises to its cap; in a large batch (compute-bound: k more tokens cost as much as k more
+requests' decodes) or with drafts that are rarely accepted, k is 0.
+
+Each request's acceptance rate is measured: an exponentially weighted count of its accepted and
+rejected drafts, started from an optimistic prior so that a new request tries its drafts once
+(a request never tried would never be measured).
+
+Pure Python: the cost is any callable from a step's `StepFeatures` to seconds (or any unit);
+the engine builds it from the calibrated profile, else `analytic_step_cost`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cadence.executor.features import StepFeatures
+
+StepCost = Callable[[StepFeatures], float]
+
+PRIOR_RATE = 0.8  # acceptance assumed before a request has verified anything
+PRIOR_WEIGHT = 2.0  # worth that many observed drafts
+DECAY = 0.9  # per verification row: older rows' weight in the estimate
+
+
+def analytic_step_cost(f: StepFeatures) -> float:
+    """A step's cost in units of one weight read, when no calibrated profile is given: every step
+    reads the weights once; a token through the matmuls costs 1/32 of that (a batch of 32 tokens
+    is where the arithmetic catches up with the memory traffic), a position's logits 1/128, a key
+    attended 1/16384 (its K/V bytes against the weights')."""
+    return (1.0 + (f.prefill_tokens + f.decode_seqs) / 32 + f.sampled / 128
+            + (f.decode_context + f.prefill_attention) / 16384)
+
+
+def expected_tokens(k: int, a: float) -> float:
+    """Tokens a row of k drafts yields on average: the accepted drafts and the token after them."""
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """A request's measured acceptance: decayed counts of accepted drafts and of drafts judged
+    (accepted ones, plus the one rejection that ends a row short of its k)."""
+
+    accepted: float = 0.0
+    judged: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.judged + PRIOR_WEIGHT)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.accepted = self.accepted * DECAY + num_accepted
+        self.judged = self.judged * DECAY + num_accepted + (num_accepted < num_drafts)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A request planned as a plain decode at `start` that could verify up to `max_k` drafts."""
+
+    request_id: str
+    start: int
+    max_k: int
+    rate: float
+
+
+def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCost, budget: int) -> dict[str, int]:
+    """k for each candidate that should speculate (the others: 0), given the planned step `base`
+    (every candidate in it as a plain decode) and at most `budget` draft tokens in all.
+
+    Candidates are taken best acceptance first; each gets the k that maximises the step's
+    expected tokens per unit of cost. The first row of drafts may put the step on a dearer path
+    (a CPU step with a chunk runs differently): it is kept tentatively, and the set kept in the
+    end is the leading run of candidates with the best ratio overall. Once a step already has a
+    chunk, a candidate that does not improve the ratio ends the search (those after it accept
+    less)."""
+    pt, ps, ds, sm = base.prefill_tokens, base.prefill_seqs, base.decode_seqs, base.sampled
+    dc, pa = base.decode_context, base.prefill_attention
+    dmax = base.decode_padded // ds if ds else 0
+    tokens = float(sm)  # every sampled position of the base step yields one token
+    t = cost(base)
+    best_ratio, best_len = tokens / t, 0
+    chosen: list[tuple[str, int]] = []
+    for c in sorted(candidates, key=lambda c: -c.rate):
+        if budget <= 0:
+            break
+        # The candidate's decode row leaves; a chunk of 1 + k at the same position takes its place.
+        ds1, dc1 = ds - 1, dc - (c.start + 1)
+        pick = None
+        for k in range(1, min(c.max_k, budget) + 1):
+            n = 1 + k
+            f = StepFeatures(pt + n, ps + 1, ds1, sm + k, dc1, ds1 * dmax, pa + n * c.start + n * (n + 1) // 2)
+            got = tokens - 1 + expected_tokens(k, c.rate)
+            ct = cost(f)
+            if pick is not None and got / ct <= pick[1] / pick[2]:
+                break  # past the best k: the ratio falls from here on
+            pick = (k, got, ct, f)
+        if pick is None:
+            continue
+        k, got, ct, f = pick
+        if got / ct <= tokens / t and pt > 0:
+            break
+        chosen.append((c.request_id, k))
+        budget -= k
+        tokens, t = got, ct
+        pt, ps, ds, sm, dc, pa = f.prefill_tokens, f.prefill_seqs, ds1, f.sampled, dc1, f.prefill_attention
+        if tokens / t > best_ratio:
+            best_ratio, best_len = tokens / t, len(chosen)
+    return dict(chosen[:best_len])
