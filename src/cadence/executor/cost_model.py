@@ -59,6 +59,7 @@ _STEPS = np.arange(1024, dtype=np.int64)  # step indices of a decode run, sliced
 _STEPS.flags.writeable = False
 _FEW_STEPS = 14  # decode runs this short are costed step by step (SimExecutor.decode_run_costs): about
 # 1.1 us a step in Python against 15-18 us for the numpy pass (a microbenchmark of the two)
+SPEC_CYCLE = 8  # with speculation, the simulator's outputs cycle through this many token ids
 DEFAULT_SIM_TOKEN = 13  # the scripted output token: any id works, the simulator has no EOS
 
 
@@ -242,6 +243,43 @@ class StepCostModel:
 
 
 @dataclass(frozen=True)
+class SpecAcceptance:
+    """How the simulator accepts speculative drafts: `rates[i]` is the fraction of verification
+    rows that accept draft i (and so every draft before it), as a real run's counters give it:
+    `cadence:spec_decode_num_accepted_tokens_per_pos_total{position="i"}` over
+    `cadence:spec_decode_num_drafts_total` (of a run with fixed k, where every row carries them
+    all). Past the list, each further draft is accepted with the last ratio of successive rates;
+    one rate a is the geometric model (each draft accepted with probability a given the ones
+    before it were)."""
+
+    rates: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        r = self.rates
+        if not r or any(not (math.isfinite(x) and 0.0 <= x <= 1.0) for x in r):
+            raise ValueError(f"spec_acceptance_rate: rates must be in [0, 1], got {list(r)}")
+        if any(b > a for a, b in zip(r, r[1:], strict=False)):
+            raise ValueError(f"spec_acceptance_rate: per-position rates cannot rise (a draft is accepted only "
+                             f"after the ones before it), got {list(r)}")
+        # P(draft i accepted | drafts before it were): the ratio of successive rates.
+        cond = [r[0]] + [b / a if a > 0 else 0.0 for a, b in zip(r, r[1:], strict=False)]
+        object.__setattr__(self, "_conditional", tuple(cond))
+
+    @classmethod
+    def parse(cls, text: str) -> SpecAcceptance:
+        """From "0.7" or "0.8,0.6,0.45" (the command line's spelling)."""
+        try:
+            rates = tuple(float(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"spec_acceptance_rate: expected a rate or comma-separated rates, got {text!r}") from None
+        return cls(rates)
+
+    def conditional(self, i: int) -> float:
+        c = self._conditional  # type: ignore[attr-defined]
+        return c[i] if i < len(c) else c[-1]
+
+
+@dataclass(frozen=True)
 class DecodeRun:
     """`num_steps` consecutive steps that each schedule the same `num_seqs` plain decodes and, with
     `chunk`, one prompt chunk of `chunk` tokens after them that samples nothing (with `sampled`, its
@@ -267,11 +305,21 @@ class SimExecutor:
 
     It also costs a `DecodeRun` (steps of the same plain decodes) in one call: the simulator
     fast-forwards such stretches without building a step each (see sim/fast_forward.py).
-    Every plain decode samples `token_id`."""
+    Every plain decode samples `token_id`.
+
+    With `spec_acceptance` (an engine that speculates), output i of every request is instead
+    `token_id + i % SPEC_CYCLE`: text that repeats, where the n-gram lookup finds drafts (a constant
+    token would leave it one draft at a time). A verification row is priced as what it is, a chunk
+    of 1 + k tokens whose every position goes through the LM head; its drafts are accepted by
+    `spec_acceptance` (`SpecAcceptance`), drawn from a generator seeded with `seed`, whatever they
+    are, and the token after the accepted ones is the one of its output index."""
 
     def __init__(self, cost_model: StepCostModel, *, clock: VirtualClock | None = None,
-                 token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None) -> None:
+                 token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None,
+                 spec_acceptance: SpecAcceptance | None = None, seed: int = 0) -> None:
         self.cost_model = cost_model
+        self.spec_acceptance = spec_acceptance
+        self._rng = random.Random(seed)
         self.clock = clock
         self.token_id = token_id
         self._kv_bytes_per_token = kv_bytes_per_token or cost_model.kv_bytes_per_token
@@ -298,7 +346,30 @@ class SimExecutor:
         pt, ps, ds, dc, dmax, pa, sm, sampled = scan_rows(scheduler_output.scheduled, self.token_id)
         cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, sm, dc, ds * dmax, pa)
         self._charge(cost)
-        return ModelOutput(sampled_token_ids=sampled)
+        if self.spec_acceptance is None:
+            if sm != len(sampled):
+                raise ValueError("a verification row reached a SimExecutor without spec_acceptance")
+            return ModelOutput(sampled_token_ids=sampled)
+        return self._speculating(scheduler_output)
+
+    def _speculating(self, out: SchedulerOutput) -> ModelOutput:
+        """The answer of an engine that speculates: output i is `token_id + i % SPEC_CYCLE`; a
+        verification row keeps the drafts `spec_acceptance` accepts, then the next output."""
+        acc = self.spec_acceptance
+        assert acc is not None
+        draw, base = self._rng.random, self.token_id
+        sampled, verified = {}, {}
+        for r in out.scheduled:
+            if not r.sample:
+                continue
+            k, m = r.num_draft_tokens, 0
+            while m < k and draw() < acc.conditional(m):
+                m += 1
+            token = base + (r.num_output_tokens + m) % SPEC_CYCLE
+            sampled[r.request_id] = token
+            if k:
+                verified[r.request_id] = (*r.draft_token_ids[:m], token)
+        return ModelOutput(sampled_token_ids=sampled, verified_token_ids=verified)
 
     def _cost(self, pt: int, ps: int, ds: int, sm: int, dc: int, pad: int, pa: int) -> float:
         """One step's cost from its features (the names of `StepFeatures`, in `bases()` order)."""
