@@ -125,3 +125,21 @@ def test_a_request_whose_drafts_are_never_accepted_stops_speculating() -> None:
     fixed, fixed_outputs = _run(1, FIXED, repeat=False, max_tokens=60)
     assert fixed == plain
     assert sum(1 for out in fixed_outputs for sr in out.scheduled if sr.num_draft_tokens) > 20  # drafts keep coming
+
+
+def test_the_server_prices_drafts_with_its_cost_profile_and_none_leaves_the_analytic_shape() -> None:
+    from types import SimpleNamespace
+
+    from cadence.config import ServerConfig
+    from cadence.sched.adaptive import analytic_step_cost
+    from cadence.server.app import _attach_predictor
+
+    f = StepFeatures(decode_seqs=3, sampled=3, decode_context=300, decode_padded=300)
+    for profile in (None, "none"):
+        sched = SimpleNamespace(step_cost=analytic_step_cost)
+        engine = SimpleNamespace(predictor=None, core=SimpleNamespace(scheduler=sched), model_name="m")
+        _attach_predictor(engine, ServerConfig(cost_profile=profile))
+        if profile is None:  # the shipped profile, in seconds
+            assert sched.step_cost(f) == engine.predictor.cost_model.predict(f) != analytic_step_cost(f)
+        else:
+            assert sched.step_cost is analytic_step_cost
