@@ -115,16 +115,17 @@ def test_fixed_k_speculates_whatever_the_load() -> None:
 
 
 def test_a_request_whose_drafts_are_never_accepted_stops_speculating() -> None:
-    plain, _ = _run(1, None, repeat=False, max_tokens=60)
-    got, outputs = _run(1, ADAPTIVE, repeat=False, max_tokens=60)
+    plain, _ = _run(1, None, repeat=False, max_tokens=200)
+    got, outputs = _run(1, ADAPTIVE, repeat=False, max_tokens=200)
     assert got == plain
     rows = [sr for out in outputs for sr in out.scheduled if sr.start_pos >= 21]
     tried = [i for i, sr in enumerate(rows) if sr.num_draft_tokens]
-    assert tried, "it tries its drafts at first"
-    assert tried[-1] < 10 and len(rows) > 40  # then k is 0 for the rest of its 60 tokens
-    fixed, fixed_outputs = _run(1, FIXED, repeat=False, max_tokens=60)
+    assert tried[:1] == [0], "it tries its drafts at first"
+    # Then k is 0 but for a rare row that tests the estimate again (its evidence fades while idle).
+    assert len(tried) < len(rows) / 10, (len(tried), len(rows))
+    fixed, fixed_outputs = _run(1, FIXED, repeat=False, max_tokens=200)
     assert fixed == plain
-    assert sum(1 for out in fixed_outputs for sr in out.scheduled if sr.num_draft_tokens) > 20  # drafts keep coming
+    assert sum(1 for out in fixed_outputs for sr in out.scheduled if sr.num_draft_tokens) > len(rows) / 4
 
 
 def test_the_server_prices_drafts_with_its_cost_profile_and_none_leaves_the_analytic_shape() -> None:

@@ -10,7 +10,8 @@ requests' decodes) or with drafts that are rarely accepted, k is 0.
 
 Each request's acceptance rate is measured: an exponentially weighted count of its accepted and
 rejected drafts, started from an optimistic prior so that a new request tries its drafts once
-(a request never tried would never be measured).
+(a request never tried would never be measured). While a request verifies no drafts its evidence
+fades slowly back towards the prior, so a low estimate is tested again now and then.
 
 Pure Python: the cost is any callable from a step's `StepFeatures` to seconds (or any unit);
 the engine builds it from the calibrated profile, else `analytic_step_cost`.
@@ -27,7 +28,11 @@ StepCost = Callable[[StepFeatures], float]
 
 PRIOR_RATE = 0.8  # acceptance assumed before a request has verified anything
 PRIOR_WEIGHT = 2.0  # worth that many observed drafts
-DECAY = 0.9  # per verification row: older rows' weight in the estimate
+DECAY = 0.95  # per verification row: older rows' weight in the estimate
+# Per step in which a request had drafts but verified none: its evidence fades towards the prior,
+# so that a request whose estimate fell (a bad stretch, or text that starts repeating only later)
+# is tried again: from the lowest estimate, after one to two hundred such steps.
+IDLE_DECAY = 0.98
 
 
 def analytic_step_cost(f: StepFeatures) -> float:
@@ -61,6 +66,11 @@ class Acceptance:
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.accepted = self.accepted * DECAY + num_accepted
         self.judged = self.judged * DECAY + num_accepted + (num_accepted < num_drafts)
+
+    def idle(self) -> None:
+        """A step where the request had drafts and verified none of them."""
+        self.accepted *= IDLE_DECAY
+        self.judged *= IDLE_DECAY
 
 
 @dataclass(frozen=True, slots=True)

@@ -274,12 +274,18 @@ class Scheduler(SchedulerIntrospection):
             return
         pt, ps, ds, dc, dmax, pa, sm, _ = scan_rows(tuple(rows.values()), 0)
         base = StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa)
-        for rid, k in choose_ks(base, cands, self.step_cost, plan.budget).items():
+        ks = choose_ks(base, cands, self.step_cost, plan.budget)
+        for rid, k in ks.items():
             req = self.requests[rid]
             if k > plan.budget or not self._allocate_drafts(req, k):
                 continue
             rows[rid] = verification_request(req, proposals[rid][:k], self.kv.block_tables.get(rid, ()))
             plan.budget -= k
+        for c in cands:
+            if c.request_id not in ks:
+                est = self._acceptance.get(c.request_id)
+                if est is not None:
+                    est.idle()
 
     def _propose(self, req: Request, k: int, spec: SpeculativeConfig) -> tuple[int, ...]:
         """Up to k n-gram drafts from the request's context, packed once and extended as it grows."""
