@@ -2,9 +2,9 @@
 
 A verification row of 1 + k tokens yields, when each draft is accepted with probability a given
 the drafts before it were, (1 - a^(k+1)) / (1 - a) tokens on average instead of one; it costs
-what the step-cost model says the step costs with those k tokens more. The step's throughput is
-its expected tokens over its cost, so drafts are worth verifying only while they raise that
-ratio: at low load (a memory-bound step, where k more tokens add little time) and high acceptance
+what the step-cost model says the step costs with those k tokens more. Drafts are worth verifying
+only while the tokens they add per second of step time they add beat the tokens per second the
+step's decodes make without them (`choose_ks`): at low load (a memory-bound step, where k more tokens add little time) and high acceptance
 k rises to its cap; in a large batch (compute-bound: k more tokens cost as much as k more
 requests' decodes) or with drafts that are rarely accepted, k is 0.
 
@@ -87,18 +87,23 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
     """k for each candidate that should speculate (the others: 0), given the planned step `base`
     (every candidate in it as a plain decode) and at most `budget` draft tokens in all.
 
-    Candidates are taken best acceptance first; each gets the k that maximises the step's
-    expected tokens per unit of cost. The first row of drafts may put the step on a dearer path
-    (a CPU step with a chunk runs differently): it is kept tentatively, and the set kept in the
-    end is the leading run of candidates with the best ratio overall. Once a step already has a
-    chunk, a candidate that does not improve the ratio ends the search (those after it accept
-    less)."""
+    A second of step time is worth what the step's decodes alone make of it: their tokens over
+    the cost of a step of just them (a prompt chunk in the step is work that time would do anyway;
+    counting it in would make any drafts look cheap beside it). Drafts are worth their expected
+    extra tokens less the time they add at that rate. Candidates are taken best acceptance first;
+    each gets the k of the largest net gain. The first row of drafts may put the step on a dearer
+    path (a CPU step with a chunk runs differently) and lose on its own while later rows gain: it is
+    kept tentatively, and the set kept in the end is the leading run of candidates with the largest
+    total gain. Once the step has a chunk, a candidate that gains nothing ends the search (those
+    after it accept less)."""
     pt, ps, ds, sm = base.prefill_tokens, base.prefill_seqs, base.decode_seqs, base.sampled
     dc, pa = base.decode_context, base.prefill_attention
-    dmax = base.decode_padded // ds if ds else 0
-    tokens = float(sm)  # every sampled position of the base step yields one token
+    if ds == 0:
+        return {}
+    dmax = base.decode_padded // ds
+    per_second = ds / cost(StepFeatures(decode_seqs=ds, sampled=ds, decode_context=dc, decode_padded=base.decode_padded))
     t = cost(base)
-    best_ratio, best_len = tokens / t, 0
+    gain, best_gain, best_len = 0.0, 0.0, 0
     chosen: list[tuple[str, int]] = []
     for c in sorted(candidates, key=lambda c: -c.rate):
         if budget <= 0:
@@ -109,20 +114,21 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
         for k in range(1, min(c.max_k, budget) + 1):
             n = 1 + k
             f = StepFeatures(pt + n, ps + 1, ds1, sm + k, dc1, ds1 * dmax, pa + n * c.start + n * (n + 1) // 2)
-            got = tokens - 1 + expected_tokens(k, c.rate)
             ct = cost(f)
-            if pick is not None and got / ct <= pick[1] / pick[2]:
-                break  # past the best k: the ratio falls from here on
-            pick = (k, got, ct, f)
+            net = expected_tokens(k, c.rate) - 1 - per_second * (ct - t)
+            if pick is not None and net <= pick[1]:
+                break  # past the best k: the gain falls from here on
+            pick = (k, net, ct, f)
         if pick is None:
             continue
-        k, got, ct, f = pick
-        if got / ct <= tokens / t and pt > 0:
+        k, net, ct, f = pick
+        if net <= 0 and pt > 0:
             break
         chosen.append((c.request_id, k))
         budget -= k
-        tokens, t = got, ct
+        gain += net
+        t = ct
         pt, ps, ds, sm, dc, pa = f.prefill_tokens, f.prefill_seqs, ds1, f.sampled, dc1, f.prefill_attention
-        if tokens / t > best_ratio:
-            best_ratio, best_len = tokens / t, len(chosen)
+        if gain > best_gain:
+            best_gain, best_len = gain, len(chosen)
     return dict(chosen[:best_len])
