@@ -85,6 +85,15 @@ def test_k_is_cut_to_the_budget_and_the_best_accepting_requests_go_first() -> No
     assert sum(got.values()) <= 5 and got.get("high") == 4 and "low" not in got
 
 
+def test_a_prompt_chunk_beside_a_large_batch_does_not_make_drafts_look_cheap() -> None:
+    # 32 decodes beside a 400-token chunk: the drafts' time is what matters, not the chunk's.
+    cands = [Candidate(f"c{i}", 100, 4, 0.9) for i in range(32)]
+    beside = StepFeatures(prefill_tokens=400, prefill_seqs=1, decode_seqs=32, sampled=32)
+    assert choose_ks(beside, cands, fake_cost, 512) == {}
+    alone = StepFeatures(prefill_tokens=400, prefill_seqs=1, decode_seqs=1, sampled=1)
+    assert choose_ks(alone, cands[:1], fake_cost, 512) == {"c0": 4}  # one decode: its drafts pay
+
+
 def test_acceptance_falls_from_its_prior_with_rejections_and_rises_with_acceptances() -> None:
     bad, good = Acceptance(), Acceptance()
     prior = bad.rate
