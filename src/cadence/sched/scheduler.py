@@ -261,8 +261,12 @@ class Scheduler(SchedulerIntrospection):
         cands = []
         for req in candidates:
             rid = req.request_id
-            if req.status is not _RUNNING or rid not in rows:
-                continue  # preempted while the waiting requests were admitted
+            row = rows.get(rid)
+            # Preempted while the waiting requests were admitted (and perhaps admitted again, to
+            # recompute): its row, if any, is no longer the decode it was planned as.
+            if req.status is not _RUNNING or row is None or len(row.token_ids) != 1 \
+                    or req.num_computed_tokens < len(req.prompt_token_ids):
+                continue
             k = self._max_drafts(req, spec, plan.budget)
             drafts = self._propose(req, k, spec) if k else ()
             if drafts:
