@@ -172,6 +172,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    # cadence's own: choose k per request per step from its measured acceptance and the step's
+    # cost (0 under load); False: always up to num_speculative_tokens.
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig:

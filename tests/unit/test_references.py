@@ -80,7 +80,8 @@ class PlainScheduler(Scheduler):
             if self._decode_ids and decode and len(deltas) == before + 1 and deltas[-1].finish_reason is None:
                 self.last_decoded.append(deltas.pop().request_id)
 
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan, candidates: list[Request]) -> None:
+        # (`candidates` collects decodes that could verify drafts: these engines do not speculate.)
         for req in list(self.running):
             if plan.budget <= 0:
                 break

@@ -237,15 +237,6 @@ def test_engine_without_speculation_schedules_no_drafts() -> None:
     assert not any(sr.num_draft_tokens for out in executor.outputs for sr in out.scheduled)
 
 
-def test_the_simulator_refuses_speculation_it_does_not_model() -> None:
-    from cadence.executor.cost_model import StepCostModel
-    from cadence.sim.simulator import Simulator
-
-    config = EngineConfig.from_options(speculative_config=NGRAM)
-    with pytest.raises(ValueError, match="speculative_config: cadence sim does not model"):
-        Simulator(config, StepCostModel("tokens", {"const": 0.1}, {"max_model_len": 4096}))
-
-
 def test_blocks_published_after_rejections_hold_only_kept_tokens() -> None:
     """A request whose drafts are often rejected publishes its full blocks; a later request whose
     prompt is its whole text hits them, and reads (through the fake's KV) exactly that text."""

@@ -25,24 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from cadence.boundary import ModelOutput, ScheduledRequest, SchedulerOutput
+from cadence.boundary import ModelOutput, SchedulerOutput
 from cadence.clock import VirtualClock
 from cadence.host_load import cpu_model
+from cadence.sched.features import BASES, KNEE_1, KNEE_2, KNEE_3, KNEES, StepFeatures, scan_rows
 
 PROFILE_FORMAT = 1
-# Base quantities every feature set is linear in; the fitted model folds into one weight per base.
-BASES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context",
-         "decode_padded", "decode_over_16k", "decode_over_32k", "decode_over_64k", "prefill_attention",
-         "prefill_step", "decode_seqs_beside_prefill")
-# The two paths of a CPU step (model/llama.py): an all-decode step runs every layer in one kernel
-# call; a step with a prompt chunk runs them one by one from Python, at a fixed cost more
-# ("prefill_step": 1 for such a step), and its decode rows go through the same matmuls as the
-# chunk's tokens, so they cost what a prompt token does, not what a row of the one-call path does
-# ("decode_seqs_beside_prefill": the decode rows of such a step).
-# Where the gathered decode context outgrows the CPU's caches, each key costs more: hinges at a few
-# candidate knees (keys read by the decode batch) let the fit find the bend on this machine.
-KNEES = {"decode_over_16k": 16384, "decode_over_32k": 32768, "decode_over_64k": 65536}
-_K1, _K2, _K3 = KNEES.values()  # in BASES order, for the two places that evaluate the hinges
 
 
 def _cols(*names: str) -> dict[str, dict[str, float]]:
@@ -71,71 +59,8 @@ _STEPS = np.arange(1024, dtype=np.int64)  # step indices of a decode run, sliced
 _STEPS.flags.writeable = False
 _FEW_STEPS = 14  # decode runs this short are costed step by step (SimExecutor.decode_run_costs): about
 # 1.1 us a step in Python against 15-18 us for the numpy pass (a microbenchmark of the two)
+SPEC_CYCLE = 8  # with speculation, the simulator's outputs cycle through this many token ids
 DEFAULT_SIM_TOKEN = 13  # the scripted output token: any id works, the simulator has no EOS
-
-
-def scan_rows(rows: Sequence[ScheduledRequest], token: int) -> tuple[int, int, int, int, int, int, dict[str, int]]:
-    """One pass over a step's rows: its prefill tokens, prefill rows, decode rows, decode keys, longest
-    decode context and prefill (query, key) pairs (see `StepFeatures`), and each row that samples,
-    mapped to `token`. Shared by `StepFeatures.from_output` and `SimExecutor.execute`, which needs
-    both in one pass (it runs once per simulated step)."""
-    pt = ps = ds = dc = dmax = pa = 0
-    sampled: dict[str, int] = {}
-    for r in rows:
-        n = len(r.token_ids)
-        if n == 1:
-            ds += 1
-            ctx = r.start_pos + 1
-            dc += ctx
-            if ctx > dmax:
-                dmax = ctx
-        else:
-            pt += n
-            ps += 1
-            pa += n * r.start_pos + n * (n + 1) // 2
-        if r.sample:
-            sampled[r.request_id] = token
-    return pt, ps, ds, dc, dmax, pa, sampled
-
-
-@dataclass(frozen=True, slots=True)
-class StepFeatures:
-    """The shape of one step. A scheduled request with one token is a decode row (the runner lays
-    it out with the decodes, whatever its phase); more tokens make a prefill chunk."""
-
-    prefill_tokens: int = 0
-    prefill_seqs: int = 0
-    decode_seqs: int = 0
-    sampled: int = 0  # rows whose logits go through the LM head and the sampler
-    decode_context: int = 0  # keys attended by decode rows: sum of their context lengths
-    decode_padded: int = 0  # decode rows x the longest decode context: keys a padded batch reads
-    prefill_attention: int = 0  # (query, key) pairs of the chunks: n * start + n * (n + 1) / 2 each
-
-    @classmethod
-    def from_output(cls, out: SchedulerOutput) -> StepFeatures:
-        pt, ps, ds, dc, dmax, pa, sampled = scan_rows(out.scheduled, 0)
-        return cls(pt, ps, ds, len(sampled), dc, ds * dmax, pa)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.prefill_tokens + self.decode_seqs
-
-    @property
-    def num_seqs(self) -> int:
-        return self.prefill_seqs + self.decode_seqs
-
-    def bases(self) -> tuple[float, ...]:
-        pad = self.decode_padded
-        return (1.0, self.prefill_tokens, self.prefill_seqs, self.decode_seqs, self.sampled, self.decode_context,
-                pad, max(0, pad - _K1), max(0, pad - _K2), max(0, pad - _K3), self.prefill_attention,
-                float(self.prefill_tokens > 0), self.decode_seqs if self.prefill_tokens else 0)
-
-    def to_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in _FIELDS}
-
-
-_FIELDS = ("prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context", "decode_padded",
-           "prefill_attention")
 
 
 def default_profile_path() -> Path:
@@ -318,6 +243,43 @@ class StepCostModel:
 
 
 @dataclass(frozen=True)
+class SpecAcceptance:
+    """How the simulator accepts speculative drafts: `rates[i]` is the fraction of verification
+    rows that accept draft i (and so every draft before it), as a real run's counters give it:
+    `cadence:spec_decode_num_accepted_tokens_per_pos_total{position="i"}` over
+    `cadence:spec_decode_num_drafts_total` (of a run with fixed k, where every row carries them
+    all). Past the list, each further draft is accepted with the last ratio of successive rates;
+    one rate a is the geometric model (each draft accepted with probability a given the ones
+    before it were)."""
+
+    rates: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        r = self.rates
+        if not r or any(not (math.isfinite(x) and 0.0 <= x <= 1.0) for x in r):
+            raise ValueError(f"spec_acceptance_rate: rates must be in [0, 1], got {list(r)}")
+        if any(b > a for a, b in zip(r, r[1:], strict=False)):
+            raise ValueError(f"spec_acceptance_rate: per-position rates cannot rise (a draft is accepted only "
+                             f"after the ones before it), got {list(r)}")
+        # P(draft i accepted | drafts before it were): the ratio of successive rates.
+        cond = [r[0]] + [b / a if a > 0 else 0.0 for a, b in zip(r, r[1:], strict=False)]
+        object.__setattr__(self, "_conditional", tuple(cond))
+
+    @classmethod
+    def parse(cls, text: str) -> SpecAcceptance:
+        """From "0.7" or "0.8,0.6,0.45" (the command line's spelling)."""
+        try:
+            rates = tuple(float(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"spec_acceptance_rate: expected a rate or comma-separated rates, got {text!r}") from None
+        return cls(rates)
+
+    def conditional(self, i: int) -> float:
+        c = self._conditional  # type: ignore[attr-defined]
+        return c[i] if i < len(c) else c[-1]
+
+
+@dataclass(frozen=True)
 class DecodeRun:
     """`num_steps` consecutive steps that each schedule the same `num_seqs` plain decodes and, with
     `chunk`, one prompt chunk of `chunk` tokens after them that samples nothing (with `sampled`, its
@@ -343,11 +305,21 @@ class SimExecutor:
 
     It also costs a `DecodeRun` (steps of the same plain decodes) in one call: the simulator
     fast-forwards such stretches without building a step each (see sim/fast_forward.py).
-    Every plain decode samples `token_id`."""
+    Every plain decode samples `token_id`.
+
+    With `spec_acceptance` (an engine that speculates), output i of every request is instead
+    `token_id + i % SPEC_CYCLE`: text that repeats, where the n-gram lookup finds drafts (a constant
+    token would leave it one draft at a time). A verification row is priced as what it is, a chunk
+    of 1 + k tokens whose every position goes through the LM head; its drafts are accepted by
+    `spec_acceptance` (`SpecAcceptance`), drawn from a generator seeded with `seed`, whatever they
+    are, and the token after the accepted ones is the one of its output index."""
 
     def __init__(self, cost_model: StepCostModel, *, clock: VirtualClock | None = None,
-                 token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None) -> None:
+                 token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None,
+                 spec_acceptance: SpecAcceptance | None = None, seed: int = 0) -> None:
         self.cost_model = cost_model
+        self.spec_acceptance = spec_acceptance
+        self._rng = random.Random(seed)
         self.clock = clock
         self.token_id = token_id
         self._kv_bytes_per_token = kv_bytes_per_token or cost_model.kv_bytes_per_token
@@ -371,18 +343,41 @@ class SimExecutor:
         # StepCostModel.predict (measured: going through them made a 5,000-request trace
         # simulation 8% slower). It must stay the same sum as StepFeatures.bases() . weights;
         # tests/unit/test_cost_model.py compares the two past every knee.
-        pt, ps, ds, dc, dmax, pa, sampled = scan_rows(scheduler_output.scheduled, self.token_id)
-        cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, len(sampled), dc, ds * dmax, pa)
+        pt, ps, ds, dc, dmax, pa, sm, sampled = scan_rows(scheduler_output.scheduled, self.token_id)
+        cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, sm, dc, ds * dmax, pa)
         self._charge(cost)
-        return ModelOutput(sampled_token_ids=sampled)
+        if self.spec_acceptance is None:
+            if sm != len(sampled):
+                raise ValueError("a verification row reached a SimExecutor without spec_acceptance")
+            return ModelOutput(sampled_token_ids=sampled)
+        return self._speculating(scheduler_output)
+
+    def _speculating(self, out: SchedulerOutput) -> ModelOutput:
+        """The answer of an engine that speculates: output i is `token_id + i % SPEC_CYCLE`; a
+        verification row keeps the drafts `spec_acceptance` accepts, then the next output."""
+        acc = self.spec_acceptance
+        assert acc is not None
+        draw, base = self._rng.random, self.token_id
+        sampled, verified = {}, {}
+        for r in out.scheduled:
+            if not r.sample:
+                continue
+            k, m = r.num_draft_tokens, 0
+            while m < k and draw() < acc.conditional(m):
+                m += 1
+            token = base + (r.num_output_tokens + m) % SPEC_CYCLE
+            sampled[r.request_id] = token
+            if k:
+                verified[r.request_id] = (*r.draft_token_ids[:m], token)
+        return ModelOutput(sampled_token_ids=sampled, verified_token_ids=verified)
 
     def _cost(self, pt: int, ps: int, ds: int, sm: int, dc: int, pad: int, pa: int) -> float:
         """One step's cost from its features (the names of `StepFeatures`, in `bases()` order)."""
         w = self._w
         cost = (w[0] + w[1] * pt + w[2] * ps + w[3] * ds + w[4] * sm + w[5] * dc + w[6] * pad + w[10] * pa
                 + w[11] * (pt > 0) + w[12] * (ds if pt else 0))
-        if pad > _K1:  # the hinges (see KNEES)
-            cost += w[7] * (pad - _K1) + w[8] * max(0, pad - _K2) + w[9] * max(0, pad - _K3)
+        if pad > KNEE_1:  # the hinges (see KNEES)
+            cost += w[7] * (pad - KNEE_1) + w[8] * max(0, pad - KNEE_2) + w[9] * max(0, pad - KNEE_3)
         return max(cost, self._min_cost)
 
     def _charge(self, cost: float) -> None:
@@ -424,9 +419,9 @@ class SimExecutor:
             cost += w[10] * pa
             cost += w[11]  # w[11] * (c > 0)
             cost += w[12] * n
-        if pad[-1] > _K1:  # the hinges (see KNEES); pad grows with the step, so past K1 is a tail
-            knee = pad > _K1
-            hinge = w[7] * (pad - _K1) + w[8] * np.maximum(0, pad - _K2) + w[9] * np.maximum(0, pad - _K3)
+        if pad[-1] > KNEE_1:  # the hinges (see KNEES); pad grows with the step, so past K1 is a tail
+            knee = pad > KNEE_1
+            hinge = w[7] * (pad - KNEE_1) + w[8] * np.maximum(0, pad - KNEE_2) + w[9] * np.maximum(0, pad - KNEE_3)
             cost = np.where(knee, cost + hinge, cost)
         return np.maximum(cost, self._min_cost).tolist()
 

@@ -39,7 +39,9 @@ from cadence.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from cadence.errors import AdmissionError
 from cadence.kv.manager import KVCacheManager
 from cadence.request import DECODE_LEG, Request, RequestStatus
+from cadence.sched.adaptive import Acceptance, Candidate, StepCost, analytic_step_cost, choose_ks
 from cadence.sched.admission import AdmissionControl, check_ids
+from cadence.sched.features import StepFeatures, scan_rows
 from cadence.sched.introspect import SchedulerIntrospection
 from cadence.sched.ngram import PackedTokens
 from cadence.sched.plan import StepPlan
@@ -75,6 +77,10 @@ class Scheduler(SchedulerIntrospection):
         self.is_static = config.scheduler == "static"
         self.speculative: SpeculativeConfig | None = config.speculative_config
         self._packed: dict[str, PackedTokens] = {}  # speculating requests' contexts, for the n-gram lookup
+        self._acceptance: dict[str, Acceptance] = {}  # speculating requests' measured acceptance
+        # What a step of a given shape costs, for adaptive k (sched/adaptive.py); the engine sets it
+        # from its calibrated profile where it has one.
+        self.step_cost: StepCost = analytic_step_cost
         self._decode_ids = decode_ids
         # With `decode_ids`: requests whose plain decode gave one token in the last `update` and
         # went on. They get no RequestDelta; each one's new token is its last output token.
@@ -140,10 +146,13 @@ class Scheduler(SchedulerIntrospection):
         # Static batching: admit only into an empty batch, then hold it until all members finish.
         may_admit = not self.is_static or not self.running
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
-        self._schedule_running(plan)
+        candidates: list[Request] = []
+        self._schedule_running(plan, candidates)
         stop: tuple[WaitReason, str | None] | None = (
             self._schedule_waiting(plan) if may_admit else (WaitReason.STATIC_BATCH, None)
         )
+        if candidates:
+            self._adapt_drafts(plan, candidates)
         self._record_stop(stop)
         prefix = self.kv.pop_prefix_stats()
         self._stats.prefix_cache_queries += prefix.queries
@@ -163,11 +172,15 @@ class Scheduler(SchedulerIntrospection):
             return 0  # unchunked: wait for a step with room (longer ones, after a preemption, must chunk)
         return n
 
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan, candidates: list[Request]) -> None:
+        """Running requests' rows. With adaptive speculation, the decodes that could verify drafts
+        are planned as plain decodes and listed in `candidates`: their drafts are chosen once the
+        whole step is planned (`_adapt_drafts`)."""
         allocate, table = self.kv.allocate_slots, self.kv.block_tables.get
         block_size = self.kv.block_size
         rows = plan.rows
         spec = self.speculative
+        adaptive = spec is not None and spec.adaptive
         for req in list(self.running):
             if plan.budget <= 0:
                 break
@@ -182,7 +195,9 @@ class Scheduler(SchedulerIntrospection):
             if n == 0:
                 continue
             if spec is not None and remaining == 1 and start >= num_prompt:
-                drafts = self._drafts(req, spec, plan.budget)
+                if adaptive:
+                    candidates.append(req)
+                drafts = () if adaptive else self._drafts(req, spec, plan.budget)
                 if drafts:
                     rows[rid] = verification_request(req, drafts, table(rid, ()))
                     plan.budget -= 1 + len(drafts)  # a verification row counts as decode tokens
@@ -207,28 +222,74 @@ class Scheduler(SchedulerIntrospection):
             plan.budget -= n
 
     def _drafts(self, req: Request, spec: SpeculativeConfig, budget: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding request this step, their KV slots allocated; () when it
-        does not speculate (its sampling does not allow it, no n-gram match, no room). Drafts take
-        only spare blocks: a failed allocation, or one that would leave fewer free blocks than
-        running requests, drops them rather than preempting anyone for them."""
+        """Draft tokens for a decoding request this step (fixed k), their KV slots allocated; ()
+        when it does not speculate (its sampling does not allow it, no n-gram match, no room)."""
+        k = self._max_drafts(req, spec, budget - 1)
+        drafts = self._propose(req, k, spec) if k else ()
+        return drafts if drafts and self._allocate_drafts(req, len(drafts)) else ()
+
+    def _max_drafts(self, req: Request, spec: SpeculativeConfig, budget: int) -> int:
+        """The most drafts `req` may verify this step with `budget` tokens for them: 0 when its
+        sampling does not allow drafts, else no more than the budget, max_tokens or the context
+        leave room to use."""
         sp = req.sampling_params
         num_out = len(req.output_token_ids)
         if not sp.speculable or num_out < sp.min_tokens:
-            return ()
-        # Never more drafts than the budget, max_tokens or the context leave room to use.
-        k = min(spec.num_speculative_tokens, budget - 1, sp.max_tokens - num_out - 1,
-                self.max_model_len - req.num_tokens - 1)
-        if k < 1:
-            return ()
-        drafts = self._propose(req, k, spec)
-        if not drafts:
-            return ()
-        kv, n = self.kv, 1 + len(drafts)
+            return 0
+        return max(0, min(spec.num_speculative_tokens, budget, sp.max_tokens - num_out - 1,
+                          self.max_model_len - req.num_tokens - 1))
+
+    def _allocate_drafts(self, req: Request, k: int) -> bool:
+        """KV slots for the fed token and k drafts. Drafts take only spare blocks: a failed
+        allocation, or one that would leave fewer free blocks than running requests, drops them
+        rather than preempting anyone for them."""
+        kv, n = self.kv, 1 + k
         if req.num_computed_tokens + n > len(kv.block_tables.get(req.request_id, ())) * kv.block_size:
             spare = kv.num_free_blocks - kv.blocks_to_take(req, n)
             if spare < len(self.running) or kv.allocate_slots(req, n) is None:
-                return ()
-        return drafts
+                return False
+        return True
+
+    def _adapt_drafts(self, plan: StepPlan, candidates: list[Request]) -> None:
+        """Adaptive k: with the step planned, turn the candidates' decodes into verification rows
+        where the step cost model says their expected accepted tokens pay for the time they add
+        (sched/adaptive.py); the drafts take only the budget the step left."""
+        spec = self.speculative
+        assert spec is not None
+        rows = plan.rows
+        proposals: dict[str, tuple[int, ...]] = {}
+        cands = []
+        for req in candidates:
+            rid = req.request_id
+            row = rows.get(rid)
+            # Preempted while the waiting requests were admitted (and perhaps admitted again, to
+            # recompute): its row, if any, is no longer the decode it was planned as.
+            if req.status is not _RUNNING or row is None or len(row.token_ids) != 1 \
+                    or req.num_computed_tokens < len(req.prompt_token_ids):
+                continue
+            k = self._max_drafts(req, spec, plan.budget)
+            drafts = self._propose(req, k, spec) if k else ()
+            if drafts:
+                proposals[rid] = drafts
+                est = self._acceptance.get(rid)
+                cands.append(Candidate(rid, req.num_computed_tokens, len(drafts),
+                                       est.rate if est is not None else Acceptance().rate))
+        if not cands:
+            return
+        pt, ps, ds, dc, dmax, pa, sm, _ = scan_rows(tuple(rows.values()), 0)
+        base = StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa)
+        ks = choose_ks(base, cands, self.step_cost, plan.budget)
+        for rid, k in ks.items():
+            req = self.requests[rid]
+            if k > plan.budget or not self._allocate_drafts(req, k):
+                continue
+            rows[rid] = verification_request(req, proposals[rid][:k], self.kv.block_tables.get(rid, ()))
+            plan.budget -= k
+        for c in cands:
+            if c.request_id not in ks:
+                est = self._acceptance.get(c.request_id)
+                if est is not None:
+                    est.idle()
 
     def _propose(self, req: Request, k: int, spec: SpeculativeConfig) -> tuple[int, ...]:
         """Up to k n-gram drafts from the request's context, packed once and extended as it grows."""
@@ -412,6 +473,10 @@ class Scheduler(SchedulerIntrospection):
             self.finish(req, RequestStatus.FINISHED_ERROR, now, error=error)
             deltas.append(final_delta(req))
             return
+        est = self._acceptance.get(rid)
+        if est is None:
+            est = self._acceptance[rid] = Acceptance()
+        est.record(sr.num_draft_tokens, len(tokens) - 1)
         stats = self._stats
         stats.num_drafts += 1
         stats.num_draft_tokens += sr.num_draft_tokens
@@ -626,6 +691,7 @@ class Scheduler(SchedulerIntrospection):
             self.waiting.remove(req)
             self.kv.free(req)  # holds no blocks, but may hold a hash memo
         self._packed.pop(req.request_id, None)
+        self._acceptance.pop(req.request_id, None)
         req.status = status
         req.finished_time = now
         req.stop_reason = stop_reason

@@ -285,6 +285,9 @@ def _attach_predictor(engine: EngineClient, server_config: ServerConfig) -> dict
         return None
     if hasattr(engine, "predictor"):
         setattr(engine, "predictor", predictor)  # noqa: B010 (an attribute of AsyncEngine, not of the protocol)
+    core = getattr(engine, "core", None)
+    if core is not None:  # adaptive speculative decoding prices its drafts with the same profile
+        core.scheduler.step_cost = predictor.step_cost
     return predictor.describe(engine.model_name)
 
 

@@ -45,6 +45,10 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeat", type=int, default=1, help="replay the workload N times back to back (more requests)")
     g.add_argument("--replicas", type=int, default=None,
                    help="engines behind the router (default 1; `sim plan` searches the count itself)")
+    g.add_argument("--spec-acceptance-rate", default=None, metavar="RATE[,RATE...]",
+                   help="with --speculative-config: the rate drafts are accepted at, each given the ones before "
+                        "it were; or per-position rates recorded from a run (accepted tokens per position over "
+                        "verification rows, from /metrics); draws seeded by --seed")
     g.add_argument("--router", choices=ROUTERS, default="prefix-affinity",
                    help="how requests are spread (default %(default)s, as `cadence serve --replicas`); "
                         "with P/D, over the prefill replicas")
@@ -187,11 +191,14 @@ def prepare_workload(args: argparse.Namespace):
 
 
 def _sim_options(args: argparse.Namespace, cfg: Any):
+    from cadence.executor.cost_model import SpecAcceptance
     from cadence.sim.simulator import SimOptions
 
     closed = cfg.arrival == "none"
+    rate = getattr(args, "spec_acceptance_rate", None)
     return SimOptions(replicas=args.replicas, router=args.router, max_model_len=args.max_model_len,
-                      seed=args.seed, concurrency=cfg.concurrency, closed_loop=closed)
+                      seed=args.seed, concurrency=cfg.concurrency, closed_loop=closed,
+                      spec_acceptance=None if rate is None else SpecAcceptance.parse(rate))
 
 
 # -- sim ------------------------------------------------------------------------------------------
@@ -233,7 +240,7 @@ def run_sim(args: argparse.Namespace) -> int:
             "burstiness": cfg.burstiness, "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
             "duration": cfg.duration, "seed": args.seed, **cfg.workload_settings,
             "replicas": opts.replicas, "router": opts.router, "profile": _profile_line(model),
-            "notes": [*workload.notes, _sim_note(res, model)],
+            "notes": [*workload.notes, _sim_note(res, model), *res.notes],
             "replica_stats": [{"index": r.index, "requests": r.requests, "steps": r.steps, "busy_s": r.busy_s,
                                "preemptions": r.preemptions, "prefix_cache_query_tokens": r.prefix_cache_queries,
                                "prefix_cache_hit_tokens": r.prefix_cache_hits} for r in res.replicas]}

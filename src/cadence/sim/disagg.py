@@ -103,6 +103,9 @@ class PDSimulator(Simulator):
     def __init__(self, config: EngineConfig, cost_model: StepCostModel | None, options: SimOptions = SimOptions(),
                  pd: PDOptions = PDOptions(), **kwargs: Any) -> None:
         self.pd = pd.validate()
+        if config.speculative_config is not None:
+            raise ValueError("speculative_config: a simulated P/D fleet does not model speculative decoding; "
+                             "simulate a colocated fleet (--replicas) for it")
         if not config.cache.enable_prefix_caching:
             raise ValueError("enable_prefix_caching: a decode replica takes the transferred KV as prefix-cache "
                              "blocks; P/D needs prefix caching on")

@@ -35,7 +35,7 @@ from cadence.clock import VirtualClock
 from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
 from cadence.errors import HTTP_STATUS, AdmissionError
-from cadence.executor.cost_model import SimExecutor, StepCostModel
+from cadence.executor.cost_model import SimExecutor, SpecAcceptance, StepCostModel
 from cadence.kv.hashing import block_hashers
 from cadence.request import Request, SamplingParams
 from cadence.routing import DIGEST_LIMIT, STATS_PERIOD_S, Router, check_router, fingerprints
@@ -61,7 +61,11 @@ class SimOptions:
     previous one ends. Without `closed_loop`: an open loop capped at that many requests in flight.
 
     `fast_forward`: run stretches of identical decode steps in one go (the same results; off, every
-    step runs alone, which tests compare against).
+    step runs alone, which tests compare against). Off whatever it says when the engine speculates:
+    its steps are not those stretches.
+
+    `spec_acceptance`: how drafts are accepted when the engine speculates (`SpecAcceptance`; the
+    draws are seeded by `seed`); required then.
     """
 
     replicas: int = 1
@@ -71,6 +75,7 @@ class SimOptions:
     concurrency: int | None = None
     closed_loop: bool = False
     fast_forward: bool = True
+    spec_acceptance: SpecAcceptance | None = None
 
     def validate(self) -> SimOptions:
         if self.replicas < 1:
@@ -92,6 +97,9 @@ class ReplicaStats:
     preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_drafts: int = 0  # verification rows (speculative decoding)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -191,13 +199,16 @@ class Simulator:
                  on_step: Callable[[int, EngineCore, float], None] | None = None) -> None:
         self.config = config.validate()
         self.options = options.validate()
-        if config.speculative_config is not None:
-            raise ValueError("speculative_config: cadence sim does not model speculative decoding (its steps "
-                             "accept no drafts); leave it off")
+        speculates = config.speculative_config is not None
+        if speculates and options.spec_acceptance is None and executor_factory is None:
+            raise ValueError("spec_acceptance_rate (--spec-acceptance-rate): required with speculative_config (the simulator has no model "
+                             "to verify drafts: give the rate it accepts them at)")
         if executor_factory is None:
             if cost_model is None:
                 raise ValueError("cost_model: required unless an executor factory is given")
-            executor_factory = lambda clock: SimExecutor(cost_model, clock=clock)  # noqa: E731
+            seeds = iter(range(options.seed, options.seed + options.replicas))
+            executor_factory = lambda clock: SimExecutor(  # noqa: E731
+                cost_model, clock=clock, spec_acceptance=options.spec_acceptance, seed=next(seeds))
         max_len = options.max_model_len or int((cost_model.metadata if cost_model else {}).get("max_model_len", 0)) or 8192
         self.max_model_len = max_len
         self._request_delay = cost_model.request_delay if cost_model is not None and cost_model.request_path else None
@@ -212,13 +223,19 @@ class Simulator:
             ex = executor_factory(clock)
             core = EngineCore(config, ex, clock=clock, max_model_len=max_len, eos_token_ids=frozenset(),
                               snapshot_gauges=False, decode_ids=True)
+            if cost_model is not None:  # adaptive speculation prices drafts with the same model
+                core.scheduler.step_cost = cost_model.predict
             self.replicas.append(SimReplica(i, core, clock, ex))
         self._params: dict[int, SamplingParams] = {}
         self._live: dict[str, tuple[RequestRecord, SimReplica]] = {}
         self._times: dict[str, MutableSequence[float]] = {}  # each live request's token times (its record's array)
+        # Tokens beyond one per step (speculative decoding): each step's tokens get one time, as the
+        # chunk a server streams them in does.
+        self._extra_tokens: dict[str, int] = {}
         self._steps = 0
         # A step hook must see every step, so it turns the fast-forward off.
-        self._fast_forward = options.fast_forward and on_step is None
+        # Speculating steps are not stretches of plain decodes (drafts come and go): stepped one by one.
+        self._fast_forward = options.fast_forward and on_step is None and not speculates
         self.fast_forwarded_steps = 0  # steps applied as parts of stretches
         self.stretches_cut = 0  # stretches cut short by an arrival
         self.finished_mid_stretch = 0  # requests that finished in a stretch that went on without them
@@ -317,9 +334,13 @@ class Simulator:
         st.preemptions += ls.num_preemptions
         st.prefix_cache_queries += ls.prefix_cache_queries
         st.prefix_cache_hits += ls.prefix_cache_hits
+        if ls.num_drafts:
+            st.spec_drafts += ls.num_drafts
+            st.spec_draft_tokens += ls.num_draft_tokens
+            st.spec_accepted_tokens += ls.num_accepted_tokens
         rel = t - self._t0
-        # The engine streams one token per request per step: one time each, and the token count
-        # is the number of times (set when the request ends). Plain decodes that went on come as
+        # The engine streams one chunk per request per step: one time each, and the token count is
+        # the number of times (set when the request ends), plus the extra tokens of verification rows. Plain decodes that went on come as
         # ids (most tokens of a run), the rest as deltas.
         times = self._times
         decoded = rep.core.last_decoded
@@ -329,10 +350,11 @@ class Simulator:
         for d in deltas:
             rec = live[d.request_id][0]
             if d.new_token_ids:
-                assert len(d.new_token_ids) == 1, "one token per request per step"
                 if rec.first_token_time is None:
                     rec.first_token_time = rel
                 rec.token_times.append(rel)
+                if len(d.new_token_ids) > 1:  # a verification row's: one chunk, as a server streams them
+                    self._extra_tokens[d.request_id] = self._extra_tokens.get(d.request_id, 0) + len(d.new_token_ids) - 1
             if d.finish_reason is not None:
                 self._finish(d, rec, rep, rel)
         if self.on_step is not None:
@@ -492,7 +514,7 @@ class Simulator:
     def _end(self, rid: str, rec: RequestRecord, rep: SimReplica, rel: float, reason: str, queue_time: float | None,
              error: str | None) -> None:
         del self._live[rid], self._times[rid]
-        rec.output_tokens = len(rec.token_times)
+        rec.output_tokens = len(rec.token_times) + self._extra_tokens.pop(rid, 0)
         rec.finish_reason = reason
         rec.end_time = rel
         if queue_time is not None:
@@ -533,8 +555,21 @@ class Simulator:
                 rep.busy_from = None
         records = sorted(self._records, key=lambda r: r.index)
         end = max((r.clock.now() for r in self.replicas), default=t0)
-        return SimResult(records, [r.stats for r in self.replicas], time.perf_counter() - wall0, end - t0,
-                         self._steps, t0)
+        stats = [r.stats for r in self.replicas]
+        return SimResult(records, stats, time.perf_counter() - wall0, end - t0, self._steps, t0,
+                         notes=self._spec_notes(stats))
+
+    def _spec_notes(self, stats: list[ReplicaStats]) -> list[str]:
+        """A line on speculation, when the engine speculates (as /metrics would count it)."""
+        if self.config.speculative_config is None:
+            return []
+        rows = sum(s.spec_drafts for s in stats)
+        drafted = sum(s.spec_draft_tokens for s in stats)
+        accepted = sum(s.spec_accepted_tokens for s in stats)
+        if not rows:
+            return ["speculative decoding: no drafts verified (k was 0 at every step)"]
+        return [f"speculative decoding: {rows} verification rows, {drafted} draft tokens (mean k {drafted / rows:.2f}), "
+                f"{accepted} accepted (acceptance {accepted / drafted:.1%})"]
 
     def _loop(self, client: _Client, t0: float) -> None:
         """Step replicas and send requests in virtual-time order until nothing is left to do."""
@@ -559,7 +594,7 @@ class Simulator:
         """Requests left when nothing can run any more never finish: report them as errors."""
         for rid, (rec, _rep) in list(self._live.items()):
             rec.status, rec.error = 503, "stalled: the engine could not schedule it"
-            rec.output_tokens = len(rec.token_times)
+            rec.output_tokens = len(rec.token_times) + self._extra_tokens.pop(rid, 0)
             del self._live[rid], self._times[rid]
 
 

@@ -1,0 +1,134 @@
+"""Adaptive k for speculative decoding: how many drafts each request verifies this step.
+
+A verification row of 1 + k tokens yields, when each draft is accepted with probability a given
+the drafts before it were, (1 - a^(k+1)) / (1 - a) tokens on average instead of one; it costs
+what the step-cost model says the step costs with those k tokens more. Drafts are worth verifying
+only while the tokens they add per second of step time they add beat the tokens per second the
+step's decodes make without them (`choose_ks`): at low load (a memory-bound step, where k more tokens add little time) and high acceptance
+k rises to its cap; in a large batch (compute-bound: k more tokens cost as much as k more
+requests' decodes) or with drafts that are rarely accepted, k is 0.
+
+Each request's acceptance rate is measured: an exponentially weighted count of its accepted and
+rejected drafts, started from an optimistic prior so that a new request tries its drafts once
+(a request never tried would never be measured). While a request verifies no drafts its evidence
+fades slowly back towards the prior, so a low estimate is tested again now and then.
+
+Pure Python: the cost is any callable from a step's `StepFeatures` to seconds (or any unit);
+the engine builds it from the calibrated profile, else `analytic_step_cost`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cadence.sched.features import StepFeatures
+
+StepCost = Callable[[StepFeatures], float]
+
+PRIOR_RATE = 0.8  # acceptance assumed before a request has verified anything
+PRIOR_WEIGHT = 2.0  # worth that many observed drafts
+DECAY = 0.95  # per verification row: older rows' weight in the estimate
+# Per step in which a request had drafts but verified none: its evidence fades towards the prior,
+# so that a request whose estimate fell (a bad stretch, or text that starts repeating only later)
+# is tried again: from the lowest estimate, after one to two hundred such steps.
+IDLE_DECAY = 0.98
+
+
+def analytic_step_cost(f: StepFeatures) -> float:
+    """A step's cost in units of one weight read, when no calibrated profile is given: every step
+    reads the weights once; a token through the matmuls costs 1/32 of that (a batch of 32 tokens
+    is where the arithmetic catches up with the memory traffic), a position's logits 1/128, a key
+    attended 1/16384 (its K/V bytes against the weights')."""
+    return (1.0 + (f.prefill_tokens + f.decode_seqs) / 32 + f.sampled / 128
+            + (f.decode_context + f.prefill_attention) / 16384)
+
+
+def expected_tokens(k: int, a: float) -> float:
+    """Tokens a row of k drafts yields on average: the accepted drafts and the token after them."""
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """A request's measured acceptance: decayed counts of accepted drafts and of drafts judged
+    (accepted ones, plus the one rejection that ends a row short of its k)."""
+
+    accepted: float = 0.0
+    judged: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.judged + PRIOR_WEIGHT)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.accepted = self.accepted * DECAY + num_accepted
+        self.judged = self.judged * DECAY + num_accepted + (num_accepted < num_drafts)
+
+    def idle(self) -> None:
+        """A step where the request had drafts and verified none of them."""
+        self.accepted *= IDLE_DECAY
+        self.judged *= IDLE_DECAY
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A request planned as a plain decode at `start` that could verify up to `max_k` drafts."""
+
+    request_id: str
+    start: int
+    max_k: int
+    rate: float
+
+
+def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCost, budget: int) -> dict[str, int]:
+    """k for each candidate that should speculate (the others: 0), given the planned step `base`
+    (every candidate in it as a plain decode) and at most `budget` draft tokens in all.
+
+    A second of step time is worth what the step's decodes alone make of it: their tokens over
+    the cost of a step of just them (a prompt chunk in the step is work that time would do anyway;
+    counting it in would make any drafts look cheap beside it). Drafts are worth their expected
+    extra tokens less the time they add at that rate. Candidates are taken best acceptance first;
+    each gets the k of the largest net gain. The first row of drafts may put the step on a dearer
+    path (a CPU step with a chunk runs differently) and lose on its own while later rows gain: it is
+    kept tentatively, and the set kept in the end is the leading run of candidates with the largest
+    total gain. Once the step has a chunk, a candidate that gains nothing ends the search (those
+    after it accept less)."""
+    pt, ps, ds, sm = base.prefill_tokens, base.prefill_seqs, base.decode_seqs, base.sampled
+    dc, pa = base.decode_context, base.prefill_attention
+    if ds == 0:
+        return {}
+    dmax = base.decode_padded // ds
+    per_second = ds / cost(StepFeatures(decode_seqs=ds, sampled=ds, decode_context=dc, decode_padded=base.decode_padded))
+    t = cost(base)
+    gain, best_gain, best_len = 0.0, 0.0, 0
+    chosen: list[tuple[str, int]] = []
+    for c in sorted(candidates, key=lambda c: -c.rate):
+        if budget <= 0:
+            break
+        # The candidate's decode row leaves; a chunk of 1 + k at the same position takes its place.
+        ds1, dc1 = ds - 1, dc - (c.start + 1)
+        pick = None
+        for k in range(1, min(c.max_k, budget) + 1):
+            n = 1 + k
+            f = StepFeatures(pt + n, ps + 1, ds1, sm + k, dc1, ds1 * dmax, pa + n * c.start + n * (n + 1) // 2)
+            ct = cost(f)
+            net = expected_tokens(k, c.rate) - 1 - per_second * (ct - t)
+            if pick is not None and net <= pick[1]:
+                break  # past the best k: the gain falls from here on
+            pick = (k, net, ct, f)
+        if pick is None:
+            continue
+        k, net, ct, f = pick
+        if net <= 0 and pt > 0:
+            break
+        chosen.append((c.request_id, k))
+        budget -= k
+        gain += net
+        t = ct
+        pt, ps, ds, sm, dc, pa = f.prefill_tokens, f.prefill_seqs, ds1, f.sampled, dc1, f.prefill_attention
+        if gain > best_gain:
+            best_gain, best_len = gain, len(chosen)
+    return dict(chosen[:best_len])

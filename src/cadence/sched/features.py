@@ -1,0 +1,92 @@
+"""A step's shape (`StepFeatures`): what the step-cost model is linear in.
+
+Pure Python (no numpy): the scheduler prices the steps it plans with it (speculative decoding's
+adaptive k), the simulator and calibration measure and fit it (cost_model.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cadence.boundary import ScheduledRequest, SchedulerOutput
+
+# Base quantities every feature set is linear in; the fitted model folds into one weight per base.
+BASES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context",
+         "decode_padded", "decode_over_16k", "decode_over_32k", "decode_over_64k", "prefill_attention",
+         "prefill_step", "decode_seqs_beside_prefill")
+# The two paths of a CPU step (model/llama.py): an all-decode step runs every layer in one kernel
+# call; a step with a prompt chunk runs them one by one from Python, at a fixed cost more
+# ("prefill_step": 1 for such a step), and its decode rows go through the same matmuls as the
+# chunk's tokens, so they cost what a prompt token does, not what a row of the one-call path does
+# ("decode_seqs_beside_prefill": the decode rows of such a step).
+# Where the gathered decode context outgrows the CPU's caches, each key costs more: hinges at a few
+# candidate knees (keys read by the decode batch) let the fit find the bend on this machine.
+KNEES = {"decode_over_16k": 16384, "decode_over_32k": 32768, "decode_over_64k": 65536}
+KNEE_1, KNEE_2, KNEE_3 = KNEES.values()  # in BASES order, for the places that evaluate the hinges
+
+
+def scan_rows(rows: Sequence[ScheduledRequest], token: int) -> tuple[int, int, int, int, int, int, int, dict[str, int]]:
+    """One pass over a step's rows: its prefill tokens, prefill rows, decode rows, decode keys, longest
+    decode context, prefill (query, key) pairs, positions whose logits are computed (a verification
+    row of speculative drafts computes 1 + k) (see `StepFeatures`), and each row that samples,
+    mapped to `token`. Shared by `StepFeatures.from_output` and `SimExecutor.execute`, which needs
+    both in one pass (it runs once per simulated step)."""
+    pt = ps = ds = dc = dmax = pa = sm = 0
+    sampled: dict[str, int] = {}
+    for r in rows:
+        n = len(r.token_ids)
+        if n == 1:
+            ds += 1
+            ctx = r.start_pos + 1
+            dc += ctx
+            if ctx > dmax:
+                dmax = ctx
+        else:
+            pt += n
+            ps += 1
+            pa += n * r.start_pos + n * (n + 1) // 2
+        if r.sample:
+            sampled[r.request_id] = token
+            sm += 1 + r.num_draft_tokens
+    return pt, ps, ds, dc, dmax, pa, sm, sampled
+
+
+@dataclass(frozen=True, slots=True)
+class StepFeatures:
+    """The shape of one step. A scheduled request with one token is a decode row (the runner lays
+    it out with the decodes, whatever its phase); more tokens make a prefill chunk."""
+
+    prefill_tokens: int = 0
+    prefill_seqs: int = 0
+    decode_seqs: int = 0
+    sampled: int = 0  # positions whose logits go through the LM head and the sampler
+    decode_context: int = 0  # keys attended by decode rows: sum of their context lengths
+    decode_padded: int = 0  # decode rows x the longest decode context: keys a padded batch reads
+    prefill_attention: int = 0  # (query, key) pairs of the chunks: n * start + n * (n + 1) / 2 each
+
+    @classmethod
+    def from_output(cls, out: SchedulerOutput) -> StepFeatures:
+        pt, ps, ds, dc, dmax, pa, sm, _ = scan_rows(out.scheduled, 0)
+        return cls(pt, ps, ds, sm, dc, ds * dmax, pa)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+    @property
+    def num_seqs(self) -> int:
+        return self.prefill_seqs + self.decode_seqs
+
+    def bases(self) -> tuple[float, ...]:
+        pad = self.decode_padded
+        return (1.0, self.prefill_tokens, self.prefill_seqs, self.decode_seqs, self.sampled, self.decode_context,
+                pad, max(0, pad - KNEE_1), max(0, pad - KNEE_2), max(0, pad - KNEE_3), self.prefill_attention,
+                float(self.prefill_tokens > 0), self.decode_seqs if self.prefill_tokens else 0)
+
+    def to_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in _FIELDS}
+
+
+_FIELDS = ("prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context", "decode_padded",
+           "prefill_attention")

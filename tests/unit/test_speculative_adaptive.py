@@ -1,0 +1,155 @@
+"""Adaptive k (sched/adaptive.py) on the pure scheduler, a fake executor and a fake step cost: k
+rises with acceptance, falls to 0 as the batch grows or for drafts that are never accepted, and
+the tokens stay those of plain decoding."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from fakes import FakeExecutor, make_engine, make_request, tokens_of
+
+from cadence.request import SamplingParams
+from cadence.sched.adaptive import Acceptance, Candidate, choose_ks, expected_tokens
+from cadence.sched.features import StepFeatures
+from cadence.sched.ngram import propose
+
+PERIOD = [11, 12, 13, 14, 15, 16, 17]
+ADAPTIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+FIXED = {**ADAPTIVE, "adaptive": False}
+
+
+def fake_cost(f: StepFeatures) -> float:
+    """A step: 10 units of weight reads, 1 per token through the matmuls, 3 more per chunk (a
+    verification row is one): a batch of 10 decodes is as dear in arithmetic as in memory."""
+    return 10.0 + f.prefill_tokens + f.decode_seqs + 3.0 * f.prefill_seqs
+
+
+def _contrary(prompt: list[int], n: int) -> list[int]:
+    """n outputs, each a token of PERIOD other than the first draft the n-gram lookup proposes
+    for it: drafts are always there, and always rejected."""
+    context = list(prompt)
+    for _ in range(n):
+        guess = propose(context, 1, ADAPTIVE["prompt_lookup_min"], ADAPTIVE["prompt_lookup_max"])
+        context.append(next(t for t in PERIOD if (t,) != guess))
+    return context[len(prompt):]
+
+
+def _prompt(i: int) -> list[int]:
+    return PERIOD * 3 + [PERIOD[i % len(PERIOD)]]
+
+
+def _run(n: int, spec: dict | None, *, repeat: bool = True, max_tokens: int = 40):
+    """n greedy requests at once; outputs repeat PERIOD (drafts from the context are right) or,
+    without `repeat`, contradict every draft. Returns the tokens per request and the step outputs."""
+    script = {f"r{i}": list(itertools.islice(itertools.cycle(PERIOD), 64)) if repeat else _contrary(_prompt(i), 64)
+              for i in range(n)}
+    engine, executor, _ = make_engine(executor=FakeExecutor(script=script), speculative_config=spec,
+                                      num_kv_blocks=1024, max_num_seqs=64, max_num_batched_tokens=512)
+    engine.scheduler.step_cost = fake_cost
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(make_request(rid=f"r{i}", prompt=_prompt(i), params=params))
+    deltas: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            deltas.setdefault(d.request_id, []).append(d)
+    assert not executor.violations, executor.violations
+    return {rid: tokens_of(ds) for rid, ds in deltas.items()}, executor.outputs
+
+
+def _draft_counts(outputs) -> list[int]:
+    """Drafts per decode row over the steps where every row decodes."""
+    return [sr.num_draft_tokens for out in outputs if all(sr.start_pos >= 21 for sr in out.scheduled)
+            for sr in out.scheduled]
+
+
+def test_expected_tokens_is_the_geometric_sum() -> None:
+    assert expected_tokens(0, 0.5) == 1.0
+    assert expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(4, 1.0) == 5.0 and expected_tokens(4, 0.0) == 1.0
+
+
+def test_k_rises_with_acceptance() -> None:
+    base = StepFeatures(decode_seqs=4, sampled=4)
+    ks = [choose_ks(base, [Candidate("a", 100, 8, rate)], fake_cost, 64).get("a", 0)
+          for rate in (0.1, 0.4, 0.6, 0.8, 0.95)]
+    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 8, ks
+    assert len(set(ks)) >= 3, ks  # it rises through values between, not as a switch
+
+
+def test_k_is_cut_to_the_budget_and_the_best_accepting_requests_go_first() -> None:
+    base = StepFeatures(decode_seqs=3, sampled=3)
+    cands = [Candidate("low", 10, 4, 0.5), Candidate("high", 10, 4, 0.99), Candidate("mid", 10, 4, 0.9)]
+    got = choose_ks(base, cands, fake_cost, 5)
+    assert sum(got.values()) <= 5 and got.get("high") == 4 and "low" not in got
+
+
+def test_a_prompt_chunk_beside_a_large_batch_does_not_make_drafts_look_cheap() -> None:
+    # 32 decodes beside a 400-token chunk: the drafts' time is what matters, not the chunk's.
+    cands = [Candidate(f"c{i}", 100, 4, 0.9) for i in range(32)]
+    beside = StepFeatures(prefill_tokens=400, prefill_seqs=1, decode_seqs=32, sampled=32)
+    assert choose_ks(beside, cands, fake_cost, 512) == {}
+    alone = StepFeatures(prefill_tokens=400, prefill_seqs=1, decode_seqs=1, sampled=1)
+    assert choose_ks(alone, cands[:1], fake_cost, 512) == {"c0": 4}  # one decode: its drafts pay
+
+
+def test_acceptance_falls_from_its_prior_with_rejections_and_rises_with_acceptances() -> None:
+    bad, good = Acceptance(), Acceptance()
+    prior = bad.rate
+    for _ in range(5):
+        bad.record(4, 0)
+        good.record(4, 4)
+    assert bad.rate < 0.3 < prior < good.rate
+
+
+def test_k_falls_to_zero_as_running_requests_rise_and_tokens_stay_the_same() -> None:
+    mean_k = {}
+    for n in (1, 4, 32):
+        plain, _ = _run(n, None)
+        got, outputs = _run(n, ADAPTIVE)
+        assert got == plain  # greedy output is that of plain decoding
+        counts = _draft_counts(outputs)
+        mean_k[n] = sum(counts) / len(counts)
+    assert mean_k[1] > 3.0  # alone, with drafts that are right: k at its cap, 4, nearly every step
+    assert mean_k[1] > mean_k[4] > mean_k[32] == 0.0, mean_k
+
+
+def test_fixed_k_speculates_whatever_the_load() -> None:
+    got, outputs = _run(32, FIXED)
+    plain, _ = _run(32, None)
+    assert got == plain
+    counts = _draft_counts(outputs)
+    assert sum(counts) / len(counts) > 3.0
+
+
+def test_a_request_whose_drafts_are_never_accepted_stops_speculating() -> None:
+    plain, _ = _run(1, None, repeat=False, max_tokens=200)
+    got, outputs = _run(1, ADAPTIVE, repeat=False, max_tokens=200)
+    assert got == plain
+    rows = [sr for out in outputs for sr in out.scheduled if sr.start_pos >= 21]
+    tried = [i for i, sr in enumerate(rows) if sr.num_draft_tokens]
+    assert tried[:1] == [0], "it tries its drafts at first"
+    # Then k is 0 but for a rare row that tests the estimate again (its evidence fades while idle).
+    assert len(tried) < len(rows) / 10, (len(tried), len(rows))
+    fixed, fixed_outputs = _run(1, FIXED, repeat=False, max_tokens=200)
+    assert fixed == plain
+    assert sum(1 for out in fixed_outputs for sr in out.scheduled if sr.num_draft_tokens) > len(rows) / 4
+
+
+def test_the_server_prices_drafts_with_its_cost_profile_and_none_leaves_the_analytic_shape() -> None:
+    from types import SimpleNamespace
+
+    from cadence.config import ServerConfig
+    from cadence.sched.adaptive import analytic_step_cost
+    from cadence.server.app import _attach_predictor
+
+    f = StepFeatures(decode_seqs=3, sampled=3, decode_context=300, decode_padded=300)
+    for profile in (None, "none"):
+        sched = SimpleNamespace(step_cost=analytic_step_cost)
+        engine = SimpleNamespace(predictor=None, core=SimpleNamespace(scheduler=sched), model_name="m")
+        _attach_predictor(engine, ServerConfig(cost_profile=profile))
+        if profile is None:  # the shipped profile, in seconds
+            assert sched.step_cost(f) == engine.predictor.cost_model.predict(f) != analytic_step_cost(f)
+        else:
+            assert sched.step_cost is analytic_step_cost
