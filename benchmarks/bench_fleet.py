@@ -133,8 +133,7 @@ def one_run(name: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     rp = StepCostModel.load(profile).request_path
     return {"router": name, "seed": seed, "hit_rate": json.loads((real / "hit.json").read_text())["hit_rate"],
             "real": _summary(real)["overall"], "sim": _summary(sim)["overall"], "sim_hit_rate": _sim_hit_rate(sim),
-            "request_path_ms": 1000 * (rp["per_request"] + rp["per_prompt_token"] * (args.prefix_tokens
-                                                                                    + args.suffix_tokens))}
+            "request_path_ms": 1000 * rp["per_request"]}
 
 
 def serve_and_bench(name: str, seed: int, args: argparse.Namespace, load: list[str], real: Path, out: Path) -> None:

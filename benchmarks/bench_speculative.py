@@ -47,9 +47,11 @@ MODES = ("off", "fixed", "adaptive")
 # with every Python).
 GROUNDED_SOURCES = ("textwrap.TextWrapper._wrap_chunks", "textwrap.dedent", "textwrap.indent", "shlex.split",
                     "shlex.quote", "fnmatch.translate", "fnmatch.filter", "string.capwords", "glob.glob",
-                    "posixpath.normpath", "posixpath.relpath", "json.encoder.py_encode_basestring",
-                    "csv.Sniffer._guess_quote_and_delimiter", "heapq.merge", "bisect.insort_right",
-                    "difflib.get_close_matches")
+                    "difflib.SequenceMatcher.find_longest_match", "calendar.monthrange",
+                    "json.encoder.py_encode_basestring", "csv.Sniffer._guess_quote_and_delimiter", "heapq.merge",
+                    "heapq.nsmallest", "difflib.get_close_matches")
+# (Python source only: functions written in C, and the modules the interpreter freezes into itself
+# such as posixpath, have none for `inspect.getsource` to read.)
 SPEC_COUNTERS = ("cadence:spec_decode_num_drafts_total", "cadence:spec_decode_num_draft_tokens_total",
                  "cadence:spec_decode_num_accepted_tokens_total")
 

@@ -122,8 +122,8 @@ class StepCostModel:
     overhead: dict[str, float] = field(default_factory=dict)
     # What a request costs before the engine sees it and after its tokens leave (HTTP parsing,
     # chat template, tokenization, the hand-offs to and from the engine thread), measured through a
-    # real server at idle: {"per_request": s, "per_prompt_token": s}. Not a step's cost: the
-    # simulator delays each request's arrival at its engine by it.
+    # real server at idle: {"per_request": s}. Not a step's cost: the simulator delays each
+    # request's arrival at its engine by it.
     request_path: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -141,9 +141,9 @@ class StepCostModel:
         unknown = set(self.overhead) - {"per_step", "per_seq"}
         if unknown:
             raise ValueError(f"overhead: unknown terms {sorted(unknown)} (per_step, per_seq)")
-        unknown = set(self.request_path) - {"per_request", "per_prompt_token"}
+        unknown = set(self.request_path) - {"per_request"}
         if unknown:
-            raise ValueError(f"request_path: unknown terms {sorted(unknown)} (per_request, per_prompt_token)")
+            raise ValueError(f"request_path: unknown terms {sorted(unknown)} (per_request)")
         if any(not (math.isfinite(v) and v >= 0) for v in (*self.overhead.values(), *self.request_path.values())):
             raise ValueError("overhead, request_path: terms must be finite and >= 0 seconds")
         w[0] += self.overhead.get("per_step", 0.0)
@@ -151,11 +151,11 @@ class StepCostModel:
         w[BASES.index("decode_seqs")] += self.overhead.get("per_seq", 0.0)
         self._w = tuple(w)
 
-    def request_delay(self, prompt_tokens: int) -> float:
-        """Seconds between a client sending a request of `prompt_tokens` and its engine seeing it
-        (the whole request path, the way back included: see `request_path`)."""
-        rp = self.request_path
-        return rp.get("per_request", 0.0) + rp.get("per_prompt_token", 0.0) * prompt_tokens
+    @property
+    def request_delay(self) -> float:
+        """Seconds between a client sending a request and its engine seeing it (the whole request
+        path, the way back included: see `request_path`)."""
+        return self.request_path.get("per_request", 0.0)
 
     def predict(self, f: StepFeatures) -> float:
         return max(self.min_cost, sum(a * b for a, b in zip(self._w, f.bases(), strict=True)))

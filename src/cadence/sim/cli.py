@@ -449,7 +449,7 @@ def _report_fit(model: Any, path: Path) -> int:
     rp = model.request_path
     if rp:
         print(f"request path ({model.metadata.get('request_path_source', 'measured')}): "
-              f"{rp['per_request'] * 1e3:.2f} ms a request + {rp['per_prompt_token'] * 1e6:.1f} us a prompt token")
+              f"{rp['per_request'] * 1e3:.2f} ms a request")
     print(f"wrote {path}")
     return 0
 

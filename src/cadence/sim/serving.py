@@ -132,11 +132,12 @@ def _first_token(client: httpx.Client, text: str) -> tuple[float, int]:
     return first, prompt_tokens
 
 
-def probe_request_path(url: str, *, words: tuple[int, ...] = (8, 160), repeats: int = 8,
+def probe_request_path(url: str, *, words: tuple[int, ...] = (8,), repeats: int = 12,
                        seed: int = 0) -> list[dict[str, float]]:
     """Time to first token of one request at a time through a server at idle: text prompts of
     `words` words, one token out, streamed as `cadence bench` streams. Each prompt is new, so none
-    finds another's blocks in the prefix cache."""
+    finds another's blocks in the prefix cache. Short prompts by default: their prefill step, which
+    the fit subtracts as the cost model prices it, is small, and so is the model's error on it."""
     rng = random.Random(seed)
     runs = []
     with httpx.Client(base_url=url, timeout=120) as client:
@@ -151,20 +152,22 @@ def probe_request_path(url: str, *, words: tuple[int, ...] = (8, 160), repeats: 
 def fit_request_path(runs: list[dict[str, float]], model: StepCostModel) -> dict[str, float]:
     """The request path from a probe's runs: the client's time to its first token less the cost
     model's price of the one prefill step that made it is what the request paid outside the
-    engine's steps (HTTP, tokenization, the hand-offs to and from the engine thread). Fitted as a
-    constant per request plus a cost per prompt token through the medians at each prompt length
-    (one request delayed by something else on the machine does not move the line), both clipped
-    at 0."""
-    groups: dict[int, list[tuple[int, float]]] = {}  # prompts within 32 tokens of each other: one length
+    engine's steps (HTTP, the chat template and tokenization, the hand-offs to and from the engine
+    thread), over the probe's shortest prompts. Their median (one request held up by something
+    else on the machine does not move it), clipped at 0. A constant per request: tokenizing is microseconds a token, and a term per prompt
+    token fitted this way would mostly learn the cost model's error on prefill steps instead."""
+    if not runs:
+        raise ValueError("request path: no probe runs to fit")
+    shortest = min(int(r["prompt_tokens"]) for r in runs)
+    excess = []
     for r in runs:
+        if int(r["prompt_tokens"]) > shortest + 16:  # a longer prompt's prefill carries more model error
+            continue
         n = int(r["prompt_tokens"])
         step = model.predict(StepFeatures(prefill_tokens=n, prefill_seqs=1, sampled=1,
                                           prefill_attention=n * (n + 1) // 2))
-        groups.setdefault(n // 32, []).append((n, r["ttft_s"] - step))
-    x = [float(statistics.median(n for n, _ in g)) for g in groups.values()]
-    y = [statistics.median(e for _, e in g) for g in groups.values()]
-    per_token, per_request = _line(x, y) if len(x) > 1 else (0.0, max(y[0], 0.0))
-    return {"per_request": per_request, "per_prompt_token": per_token}
+        excess.append(r["ttft_s"] - step)
+    return {"per_request": max(statistics.median(excess), 0.0)}
 
 
 def _line(x: list[float], y: list[float]) -> tuple[float, float]:

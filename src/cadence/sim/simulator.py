@@ -143,30 +143,27 @@ class SimReplica:
 class _Client:
     """The load generator's side: when each request is sent (open loop, capped, or closed loop)."""
 
-    def __init__(self, reqs: tuple[WorkloadRequest, ...], opts: SimOptions,
-                 delay: Callable[[int], float] | None = None) -> None:
+    def __init__(self, reqs: tuple[WorkloadRequest, ...], opts: SimOptions, delay: float = 0.0) -> None:
         self._reqs = reqs
         self._cap = opts.concurrency if not opts.closed_loop else None
         self._closed = opts.closed_loop
-        # A request reaches its engine `delay(prompt tokens)` after it is sent (the request path).
-        self.delays = [delay(r.prompt_tokens) if delay else 0.0 for r in reqs]
+        self.delay = delay  # a request reaches its engine this long after it is sent (the request path)
         self._heap: list[tuple[float, int]] = []  # (time it reaches the engine, index)
         self._held: deque[int] = deque()  # arrived while the open-loop cap was reached
         self.in_flight = 0
-        d = self.delays
         if self._closed:
             self._next = min(opts.concurrency or 1, len(reqs))
-            self._heap = [(d[i], i) for i in range(self._next)]
+            self._heap = [(delay, i) for i in range(self._next)]
         else:
             self._next = len(reqs)
-            self._heap = [((r.arrival_time or 0.0) + d[i], i) for i, r in enumerate(reqs)]
+            self._heap = [((r.arrival_time or 0.0) + delay, i) for i, r in enumerate(reqs)]
             heapq.heapify(self._heap)
 
     def next_time(self) -> float:
         return self._heap[0][0] if self._heap else _INF
 
     def pop_due(self, now: float) -> list[int]:
-        """Indices that reach the engine at `now` (sent `delays[i]` earlier)."""
+        """Indices that reach the engine at `now` (sent `delay` earlier)."""
         out = []
         while self._heap and self._heap[0][0] <= now:
             _, i = heapq.heappop(self._heap)
@@ -181,11 +178,10 @@ class _Client:
         """A request ended (or was refused) at `now`: free its slot for the next one."""
         self.in_flight -= 1
         if self._closed and self._next < len(self._reqs):
-            heapq.heappush(self._heap, (now + self.delays[self._next], self._next))
+            heapq.heappush(self._heap, (now + self.delay, self._next))
             self._next += 1
         elif self._held:
-            i = self._held.popleft()
-            heapq.heappush(self._heap, (now + self.delays[i], i))
+            heapq.heappush(self._heap, (now + self.delay, self._held.popleft()))
 
 
 ExecutorFactory = Callable[[Any], Any]  # clock -> Executor
@@ -211,7 +207,7 @@ class Simulator:
                 cost_model, clock=clock, spec_acceptance=options.spec_acceptance, seed=next(seeds))
         max_len = options.max_model_len or int((cost_model.metadata if cost_model else {}).get("max_model_len", 0)) or 8192
         self.max_model_len = max_len
-        self._request_delay = cost_model.request_delay if cost_model is not None and cost_model.request_path else None
+        self._request_delay = cost_model.request_delay if cost_model is not None else 0.0
         # The fleet's router, fed what a real fleet's would see (see `_route`).
         self.router = Router(options.router)
         self._hash_chain = block_hashers(config.cache.prefix_caching_hash_algo)[1]
@@ -258,7 +254,7 @@ class Simulator:
         wr = self._workload.requests[i]
         rec = RequestRecord(index=i, tenant=wr.tenant, priority=wr.priority, deadline=wr.deadline,
                             prompt_tokens=wr.prompt_tokens, output_tokens_asked=wr.output_tokens,
-                            scheduled_time=wr.arrival_time, send_time=t - self._t0 - self._client.delays[i],
+                            scheduled_time=wr.arrival_time, send_time=t - self._t0 - self._client.delay,
                             output_count_source="usage",
                             token_times=array("d"))
         self._records.append(rec)
