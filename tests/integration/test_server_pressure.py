@@ -371,7 +371,7 @@ def test_prefix_cache_is_isolated_between_tenants(server_factory):
 # -- SIGTERM ------------------------------------------------------------------------------------------
 
 
-def _start_cli_server(port: int, shutdown_timeout: float) -> subprocess.Popen:
+def _start_cli_server(port: int, shutdown_timeout: float, sigint_ignored: bool = False) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -400,6 +400,8 @@ def _start_cli_server(port: int, shutdown_timeout: float) -> subprocess.Popen:
         cwd=Path(__file__).resolve().parents[2],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        # As a script's `cmd &` starts it: SIGINT ignored from the start (Python then installs no handler).
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
     )
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 120
@@ -469,3 +471,15 @@ def test_sigterm_drains_then_exits_zero():
     assert json.loads(long["events"][-2])["error"]["code"] == "unavailable"
     tokens = long["events"][:-2]
     assert len(tokens) < LONG_DRAINED
+
+
+def test_sigint_exits_130_even_when_the_process_started_with_sigint_ignored():
+    port = _free_port()
+    proc = _start_cli_server(port, shutdown_timeout=1.0, sigint_ignored=True)
+    try:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -418,6 +418,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task | None = None
         self._stop_task: asyncio.Task | None = None
         self._phase = "serving"  # -> "draining" -> "stopping"; set in the signal handler itself
+        self.interrupted = False  # a SIGINT arrived: exit status 130
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -429,6 +430,7 @@ class DrainingServer(uvicorn.Server):
             return
         if sig == signal.SIGINT:
             self._captured_signals.append(sig)  # uvicorn raises it again on the way out: exit status 130
+            self.interrupted = True  # (and where SIGINT was ignored when the process started, that does nothing)
         if sig == signal.SIGTERM and self._phase == "serving":
             self._phase = "draining"
             self._loop.call_soon_threadsafe(self._start_drain)
@@ -516,4 +518,6 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, *, tiny
         engine.shutdown(timeout=5.0)
         if app.state.tracer is not None:
             app.state.tracer.shutdown()
-    return 0
+    # A SIGINT normally comes back out of run() as KeyboardInterrupt (130 in cli.main); a process
+    # started with SIGINT ignored (`nohup ... &` in a script) gets no such exception.
+    return 130 if server.interrupted else 0
