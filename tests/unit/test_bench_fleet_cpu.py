@@ -3,21 +3,18 @@ counted by role, the way Ray titles its workers."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmark_scripts import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_fleet", ROOT / "benchmarks" / "bench_fleet.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_fleet")
 
 
 def test_roles_follow_ray_process_titles():

@@ -4,21 +4,16 @@ C, and modules the interpreter freezes into itself, have none)."""
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
+
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_speculative", ROOT / "benchmarks" / "bench_speculative.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up while being made)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_speculative")
 
 
 def test_every_grounded_source_has_source_text(tmp_path):

@@ -8,7 +8,6 @@ their formatters get what each script's own JSON helper builds from sample figur
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -19,21 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fig = _load("figures")
+fig = load_benchmark("figures")
 
 
 def _block(name: str) -> str:
@@ -259,7 +250,7 @@ def test_served_table_from_bench_serve_results(tmp_path: Path) -> None:
 
 def test_predicted_ttft_table_from_the_scripts_own_summary(tmp_path: Path) -> None:
     """bench_predicted_ttft.py's summarize() over rows as its run makes them, one rate per entry."""
-    bench = _load("bench_predicted_ttft")
+    bench = load_benchmark("bench_predicted_ttft")
     rows = [{"predicted": 0.2, "real": 0.1, "state_at_admission": "waiting"},
             {"predicted": 0.3, "real": 0.3, "state_at_admission": "decoding"},
             {"predicted": None, "real": 0.5}]
@@ -284,20 +275,20 @@ def _write(out: Path, *docs: dict) -> Path:
 
 
 def test_model_benchmark_tables(tmp_path: Path) -> None:
-    q4 = _load("bench_q4").result_json({"1": {"bf16": 100.0, "q4_1": 176.0}, "8": {"bf16": 500.0, "q4_1": 540.0},
+    q4 = load_benchmark("bench_q4").result_json({"1": {"bf16": 100.0, "q4_1": 176.0}, "8": {"bf16": 500.0, "q4_1": 540.0},
                                          "32": {"bf16": 900.0, "q4_1": 900.0}}, {"bf16": 1000.0, "q4_1": 880.0})
     table = fig.fmt_q4(_write(tmp_path / "q4", q4))
     assert _head(table) == _head(_block("q4-vs-bf16")) and _first_column(table) == _first_column(_block("q4-vs-bf16"))
     assert "| decode, 1 stream | 1.76x |" in table and "| prefill, 4 x 128 tokens | 0.88x |" in table
 
-    runner = _load("bench_runner")
+    runner = load_benchmark("bench_runner")
     rows = [runner.row_json(d, w, 2.0 * k, 1.0 * k, 400.0) for d in ("bfloat16", "float32")
             for k, w in enumerate(("decode x1", "decode x32", "prefill 512"), 1)]
     table = fig.fmt_runner(_write(tmp_path / "runner", {"load_average": 0.1, "rows": rows}))
     doc = _block("runner-vs-transformers")
     assert _head(table) == _head(doc) and _first_column(table) == _first_column(doc)
 
-    kernels = _load("bench_kernels")
+    kernels = load_benchmark("bench_kernels")
     runs = [kernels.result_json("6e4b3e4", "q4_1", {"prefill 1 x 512": {"this tree": [2.0, 3.0], "6e4b3e4": [2.0, 2.0]},
                                                     f"decode x1 (context {c})": {"this tree": [1.0], "6e4b3e4": [1.1]}})
             for c in (256, 1024)]
@@ -306,7 +297,7 @@ def test_model_benchmark_tables(tmp_path: Path) -> None:
     assert "| prefill 1 x 512 | 1.250 / 1.250 | 1.000 .. 1.500 | 2 |" in table
     assert "| decode x1, 1,024-token context | 0.909 |" in table
 
-    step = _load("profile_step")
+    step = load_benchmark("profile_step")
     runs = []
     for c in (64, 512, 1024):
         r = step.result_json(c, "q4_1", "bfloat16", 2)
@@ -316,7 +307,7 @@ def test_model_benchmark_tables(tmp_path: Path) -> None:
     doc = _block("decode-step-context")
     assert _head(table) == _head(doc) and _first_column(table) == _first_column(doc)
 
-    sched = _load("bench_scheduling")
+    sched = load_benchmark("bench_scheduling")
     b = sched.batching_json(16, 384, {"continuous": 451.5, "static": 286.9}, {"continuous": 1.0, "static": 2.0},
                             {"continuous": 46.4, "static": 76.6}, [1.48, 1.69])
     table = fig.fmt_batching(_write(tmp_path / "batching", {"omp_env": {"GOMP_SPINCOUNT": "1000"}, "batching": b},

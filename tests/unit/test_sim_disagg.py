@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 from cadence.config import EngineConfig
 from cadence.executor.cost_model import StepCostModel
@@ -309,13 +310,7 @@ def test_cli_plan_disaggregate_prints_both(tmp_path: Path) -> None:
 
 
 def test_sim_pd_figure_runs_and_makes_the_docs_table(tmp_path: Path) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("figures_for_pd", ROOT / "benchmarks" / "figures.py")
-    assert spec is not None and spec.loader is not None
-    fig = importlib.util.module_from_spec(spec)
-    sys.modules["figures_for_pd"] = fig  # (its dataclasses look their module up)
-    spec.loader.exec_module(fig)
+    fig = load_benchmark("figures", "figures_for_pd")
     out = tmp_path / "sim_pd"
     proc = subprocess.run([sys.executable, "benchmarks/sim_pd.py", "--out", str(out), "--sizes", "2",
                            "--requests-per-replica", "10", "--trace-requests", "20"], cwd=ROOT, capture_output=True,

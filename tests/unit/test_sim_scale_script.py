@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from pathlib import Path
+
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("sim_scale", ROOT / "benchmarks" / "sim_scale.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("sim_scale")
 
 
 def test_side_by_side_against_head(capsys) -> None:
