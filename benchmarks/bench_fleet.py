@@ -108,14 +108,15 @@ def sim_cmd(name: str, args: argparse.Namespace, load: list[str], out: Path, pro
             "--profile", profile, "--out", str(out)]
 
 
-def with_request_path(args: argparse.Namespace, real: Path, out: Path) -> str:
+def with_request_path(args: argparse.Namespace, real: Path, out: Path) -> StepCostModel:
     """--profile with the request path this server was probed at (a fleet's crosses Serve's proxy,
-    the ingress and a Ray call), so the simulation pays what this server's requests paid."""
+    the ingress and a Ray call), so the simulation pays what this server's requests paid; saved
+    as `out`/profile.json."""
     model = StepCostModel.load(args.profile)
     probe = json.loads((real / "request_path_probe.json").read_text())
-    path = out / "profile.json"
-    dataclasses.replace(model, request_path=fit_request_path(probe, model)).save(path)
-    return str(path)
+    probed = dataclasses.replace(model, request_path=fit_request_path(probe, model))
+    probed.save(out / "profile.json")
+    return probed
 
 
 def one_run(name: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
@@ -128,12 +129,11 @@ def one_run(name: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     if not args.sim_only:
         serve_and_bench(name, seed, args, load, real, out)
     sim.mkdir(parents=True, exist_ok=True)
-    profile = with_request_path(args, real, sim)
-    _run(sim_cmd(name, args, load, sim, profile))
-    rp = StepCostModel.load(profile).request_path
+    probed = with_request_path(args, real, sim)
+    _run(sim_cmd(name, args, load, sim, str(sim / "profile.json")))
     return {"router": name, "seed": seed, "hit_rate": json.loads((real / "hit.json").read_text())["hit_rate"],
             "real": _summary(real)["overall"], "sim": _summary(sim)["overall"], "sim_hit_rate": _sim_hit_rate(sim),
-            "request_path_ms": 1000 * rp["per_request"]}
+            "request_path_ms": 1000 * probed.request_delay}
 
 
 def serve_and_bench(name: str, seed: int, args: argparse.Namespace, load: list[str], real: Path, out: Path) -> None:
