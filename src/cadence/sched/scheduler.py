@@ -41,7 +41,7 @@ from cadence.kv.manager import KVCacheManager
 from cadence.request import DECODE_LEG, Request, RequestStatus
 from cadence.sched.adaptive import Acceptance, Candidate, StepCost, analytic_step_cost, choose_ks
 from cadence.sched.admission import AdmissionControl, check_ids
-from cadence.sched.features import StepFeatures, scan_rows
+from cadence.sched.features import StepFeatures, scan_rows, shared_keys_by_row
 from cadence.sched.introspect import SchedulerIntrospection
 from cadence.sched.ngram import PackedTokens
 from cadence.sched.plan import StepPlan
@@ -259,6 +259,10 @@ class Scheduler(SchedulerIntrospection):
         rows = plan.rows
         proposals: dict[str, tuple[int, ...]] = {}
         cands = []
+        # Each decode row's shared keys (sched/features.py), for the step cost: one pass over the tables.
+        decodes = [r for r in rows.values() if len(r.token_ids) == 1]
+        shared = dict(zip((r.request_id for r in decodes), shared_keys_by_row(
+            ((r.start_pos + 1, r.block_table) for r in decodes), self.kv.block_size), strict=True))
         for req in candidates:
             rid = req.request_id
             row = rows.get(rid)
@@ -273,11 +277,11 @@ class Scheduler(SchedulerIntrospection):
                 proposals[rid] = drafts
                 est = self._acceptance.get(rid)
                 cands.append(Candidate(rid, req.num_computed_tokens, len(drafts),
-                                       est.rate if est is not None else Acceptance().rate))
+                                       est.rate if est is not None else Acceptance().rate, shared[rid]))
         if not cands:
             return
         pt, ps, ds, dc, dmax, pa, sm, _ = scan_rows(tuple(rows.values()), 0)
-        base = StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa)
+        base = StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa, sum(shared.values()))
         ks = choose_ks(base, cands, self.step_cost, plan.budget)
         for rid, k in ks.items():
             req = self.requests[rid]
