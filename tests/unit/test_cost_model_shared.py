@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.clock import VirtualClock
@@ -188,3 +189,16 @@ def test_adaptive_k_prices_the_step_with_its_shared_keys() -> None:
     assert seen[0].decode_context_shared == 160 and seen[1].decode_context_shared == 160
     assert {f.decode_context_shared for f in seen[2:]} == {80}
     assert features.BASES[-1] == "decode_context_shared"
+
+
+def test_the_benchmark_times_steps_that_differ_only_in_shared_keys() -> None:
+    bench = load_benchmark("shared_context")
+    rng = random.Random(0)
+    first = bench.blocks_needed(16, 1024, 0, BS)
+    distinct = bench.decode_step(16, 1024, 0, BS, 0, rng, 100)
+    shared = bench.decode_step(16, 1024, 960, BS, first, rng, 100)
+    assert max(b for r in distinct.scheduled for b in r.block_table) < first  # the two steps share no block
+    assert max(b for r in shared.scheduled for b in r.block_table) < first + bench.blocks_needed(16, 1024, 960, BS)
+    a, b = StepFeatures.from_output(distinct, BS), StepFeatures.from_output(shared, BS)
+    assert (a.decode_context_shared, b.decode_context_shared) == (0, 15 * 960)
+    assert a.to_dict() | {"decode_context_shared": 0} == b.to_dict() | {"decode_context_shared": 0}
