@@ -8,8 +8,8 @@ Recording the steps a served run really made, with their measured durations, let
 
 One line per step: `{"step": N, "duration": seconds, "prefill_tokens": ..., ...}` (the fields of
 `StepFeatures`, `decode_context_shared` included, so that a refit on served traffic whose rows
-share a prompt prefix can learn what re-reading shared blocks costs). Lines are written as steps end (line-buffered), so the file is complete up to the
-last step even if the server is killed.
+share a prompt prefix can learn what re-reading shared blocks costs). Lines are written as steps
+end (line-buffered), so the file is complete up to the last step even if the server is killed.
 """
 
 from __future__ import annotations
