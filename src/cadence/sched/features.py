@@ -73,12 +73,14 @@ def shared_keys_by_row(contexts: Iterable[tuple[int, Sequence[int]]], block_size
     seen: set[int] = set()
     out = []
     for ctx, table in contexts:
-        table = table[: -(-ctx // block_size)]
+        full, part = divmod(ctx, block_size)  # whole blocks, then the tokens of a partial last one
+        table = table[: full + (part > 0)]
         shared = 0
         if seen and not seen.isdisjoint(table):
-            for k, b in enumerate(table):
-                if b in seen:
-                    shared += min(block_size, ctx - k * block_size)
+            # (Counted by C-level calls: the simulator runs this once a step for such a profile.)
+            shared = block_size * sum(map(seen.__contains__, table[:full]))
+            if part and len(table) > full and table[full] in seen:
+                shared += part
         seen.update(table)
         out.append(shared)
     return out
