@@ -106,6 +106,15 @@ def test_fit_recovers_the_shared_weight() -> None:
     assert cands["padded+context"]["heldout_mape"] > 10 * max(cands["padded+context+shared"]["heldout_mape"], 1e-9)
 
 
+def test_without_shared_steps_the_fit_offers_no_set_pricing_them() -> None:
+    """A sweep whose rows never share a block cannot measure a re-read key: the set pricing them
+    apart would tie with the one without them, and is not a candidate."""
+    samples = [(f, s) for f, s in _synthetic(200, 4) if not f.decode_context_shared]
+    model = StepCostModel.fit(samples, seed=0)
+    assert "padded+context+shared" not in model.fit_report["candidates"]
+    assert "padded+context" in model.fit_report["candidates"] and not model.prices_shared_context
+
+
 def test_sim_executor_prices_shared_keys_as_the_model_does() -> None:
     model = StepCostModel("padded+context+shared", TRUTH)
     assert model.prices_shared_context

@@ -101,6 +101,10 @@ def _design(feats: Sequence[StepFeatures], feature_set: str) -> np.ndarray:
     return base @ mix
 
 
+def _prices_shared(feature_set: str) -> bool:
+    return any("decode_context_shared" in col for col in FEATURE_SETS[feature_set].values())
+
+
 def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares on relative error (rows weighted by 1/y, since step times span two orders of
     magnitude and MAPE is what we report), with no negative weight: more work never makes a step
@@ -205,7 +209,12 @@ class StepCostModel:
         feats = [f for f, _ in samples]
         y = np.array([s for _, s in samples], dtype=np.float64)
         candidates: dict[str, dict[str, float]] = {}
+        # Without a step whose rows shared blocks, a set pricing them is the set without them plus a
+        # column of zeros: left out, so that it cannot win on rounding with a weight nothing measured.
+        shared_seen = any(f.decode_context_shared for f in feats)
         for fs in feature_sets:
+            if not shared_seen and _prices_shared(fs):
+                continue
             x = _design(feats, fs)
             coef = _fit_nonneg(x[train], y[train])
             pred = np.maximum(x @ coef, 1e-6)
