@@ -38,12 +38,17 @@ MODEL = StepCostModel("padded+knee16k", {"const": 0.004, "prefill_tokens": 2e-5,
                                          "sampled": 1e-4, "decode_padded": 1e-7, "decode_over_16k": 3e-7,
                                          "prefill_attention": 1e-9}, META)
 
+# Decode keys in blocks an earlier row of the step read priced apart (prompts sharing a prefix).
+SHARED_MODEL = StepCostModel("padded+context+shared", {
+    "const": 0.004, "prefill_tokens": 2e-5, "prefill_seqs": 1e-4, "decode_seqs": 3e-4, "sampled": 1e-4,
+    "decode_context_own": 3e-6, "decode_context_shared": 1e-6, "decode_padded": 1e-7, "prefill_attention": 1e-9}, META)
+
 
 # ----------------------------------------------------------------------------- the engine
-def _engine(**options) -> EngineCore:
+def _engine(model: StepCostModel = MODEL, **options) -> EngineCore:
     clock = VirtualClock()
     config = EngineConfig.from_options(**options)
-    return EngineCore(config, SimExecutor(MODEL, clock=clock), clock=clock, max_model_len=256, decode_ids=True)
+    return EngineCore(config, SimExecutor(model, clock=clock), clock=clock, max_model_len=256, decode_ids=True)
 
 
 _FAST_FORWARDS: dict[int, FastForward] = {}
@@ -108,8 +113,19 @@ NO_DEADLINES = {"fcfs-joins"}  # (a pending deadline ends a stretch before a pro
 @pytest.mark.parametrize("name", sorted(ENGINES))
 @pytest.mark.parametrize("seed", [1, 2])
 def test_applied_stretches_equal_single_steps(name: str, seed: int) -> None:
+    _compare_stretches_with_single_steps(name, seed, MODEL)
+
+
+@pytest.mark.parametrize("name", ["fcfs", "fcfs-chunked", "fcfs-joins", "priority"])
+def test_applied_stretches_price_shared_keys_as_single_steps(name: str) -> None:
+    """With a model pricing shared decode keys, the stretches' costs (in `_state`: the clock and
+    the executor's totals) are what single steps charge, prompts sharing a prefix among them."""
+    _compare_stretches_with_single_steps(name, 3, SHARED_MODEL)
+
+
+def _compare_stretches_with_single_steps(name: str, seed: int, model: StepCostModel) -> None:
     rng = random.Random(seed)
-    ref, ff = _engine(**ENGINES[name]), _engine(**ENGINES[name])
+    ref, ff = _engine(model, **ENGINES[name]), _engine(model, **ENGINES[name])
     shared = [rng.randrange(1, 999) for _ in range(24)]
     applied = cut = finished = chunked = went_on = joined = 0
     for i in range(MOVES.get(name, 400)):
@@ -401,9 +417,10 @@ def test_the_queue_is_stable_unless_its_order_follows_service_between_tenants() 
 
 
 # ----------------------------------------------------------------------------- the simulator
-def _run(workload: Workload, fast_forward: bool, opts: dict, **engine) -> tuple[SimResult, Simulator]:
+def _run(workload: Workload, fast_forward: bool, opts: dict, model: StepCostModel = MODEL,
+         **engine) -> tuple[SimResult, Simulator]:
     config = EngineConfig.from_options(**{"num_kv_blocks": 2048, **engine})
-    sim = Simulator(config, MODEL, SimOptions(fast_forward=fast_forward, **opts))
+    sim = Simulator(config, model, SimOptions(fast_forward=fast_forward, **opts))
     return sim.run(workload), sim
 
 
@@ -447,6 +464,22 @@ def test_simulations_match_with_and_without_fast_forward(name: str) -> None:
     assert fast.replicas == single.replicas  # steps, busy time, preemptions, prefix-cache hits
     assert (fast.steps, fast.virtual_s) == (single.steps, single.virtual_s)
     assert sim.fast_forwarded_steps > fast.steps // 10  # the fast path carried a fair share
+
+
+@pytest.mark.parametrize("name", ["shared-prefix", "shared-prefix-tight", "prefix-affinity", "chunked-joins"])
+def test_simulations_price_shared_keys_alike_with_and_without_fast_forward(name: str) -> None:
+    make, opts, engine = SIMS[name]
+    workload = make()
+    single, _ = _run(workload, False, opts, SHARED_MODEL, **engine)
+    fast, sim = _run(workload, True, opts, SHARED_MODEL, **engine)
+    assert fast.records == single.records
+    assert fast.replicas == single.replicas
+    assert (fast.steps, fast.virtual_s) == (single.steps, single.virtual_s)
+    assert sim.fast_forwarded_steps > fast.steps // 10
+    if name.startswith("shared-prefix"):  # the shared prompt's blocks were priced as shared
+        own = StepCostModel("padded+context+shared", {**SHARED_MODEL.coefficients, "decode_context_shared":
+                                                      SHARED_MODEL.coefficients["decode_context_own"]}, META)
+        assert _run(workload, True, opts, own, **engine)[0].virtual_s > fast.virtual_s
 
 
 def test_the_simulations_reach_what_they_compare() -> None:

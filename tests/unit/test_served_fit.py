@@ -120,3 +120,25 @@ def test_calibrate_from_served_takes_several_breakdowns(tmp_path, capsys):
     assert new.metadata["served_refit"]["loads"] == [0.3, 0.6]
     assert 0.3 < new.request_path["per_request"] < 0.5  # half a second less the priced prefill
     assert "request path" in capsys.readouterr().out
+
+
+def test_a_refit_on_served_shared_prefix_steps_learns_a_cheaper_re_read_key(tmp_path):
+    """Served decode batches whose rows share a prefix, each re-read key a third cheaper than the
+    base prices it: the refit takes the feature set that prices them apart, and finds them cheaper."""
+    base = StepCostModel.load(default_profile_path())
+    per_key = base.coefficients["decode_context"]
+    rng = random.Random(2)
+    with (tmp_path / "steps_1_0.850.jsonl").open("w") as f:
+        for i in range(400):
+            b, ctx = rng.randint(2, 24), rng.randint(200, 1500)
+            shared = (b - 1) * (rng.randint(0, ctx // 16 - 1) * 16) if rng.random() < 0.7 else 0
+            feat = StepFeatures(decode_seqs=b, sampled=b, decode_context=b * ctx, decode_padded=b * ctx,
+                                decode_context_shared=shared)
+            seconds = base.predict(feat) - _overhead(base, feat) - per_key / 3 * shared
+            f.write(json.dumps({"step": i, "duration": seconds, **feat.to_dict()}) + "\n")
+    (tmp_path / "breakdown.json").write_text(json.dumps(
+        {"workload": "shared-prefix", "runs": [_run(1000, 3000, 5e-4, 2e-4, 0.3), _run(800, 6000, 5e-4, 2e-4, 0.85)]}))
+    new = refit(base, tmp_path)
+    assert new.feature_set == "padded+context+shared" and new.prices_shared_context
+    c = new.coefficients
+    assert 0.5 < c["decode_context_shared"] / c["decode_context_own"] < 0.8  # about 2/3

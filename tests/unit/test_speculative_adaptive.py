@@ -151,5 +151,34 @@ def test_the_server_prices_drafts_with_its_cost_profile_and_none_leaves_the_anal
         _attach_predictor(engine, ServerConfig(cost_profile=profile))
         if profile is None:  # the shipped profile, in seconds
             assert sched.step_cost(f) == engine.predictor.cost_model.predict(f) != analytic_step_cost(f)
+            assert sched.step_cost_prices_shared is False  # its feature set prices no shared keys
         else:
             assert sched.step_cost is analytic_step_cost
+
+
+@pytest.mark.parametrize("prices_shared", [True, False])
+def test_the_step_priced_for_drafts_counts_shared_keys_when_its_cost_does(prices_shared: bool) -> None:
+    """Requests sharing a prompt prefix hold its blocks in common: the planned step handed to the
+    step cost carries the keys re-read from them, where the cost prices them (else none are counted)."""
+    seen: list[StepFeatures] = []
+
+    def cost(f: StepFeatures) -> float:
+        seen.append(f)
+        return fake_cost(f)
+
+    script = {f"r{i}": list(itertools.islice(itertools.cycle(PERIOD), 64)) for i in range(4)}
+    engine, _, _ = make_engine(executor=FakeExecutor(script=script), speculative_config=ADAPTIVE, block_size=4,
+                               num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=512)
+    engine.scheduler.step_cost = cost
+    engine.scheduler.step_cost_prices_shared = prices_shared
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    # The same 21 leading tokens: the first prompt's 5 whole blocks of 4, once computed, are the
+    # others' prefix-cache hit.
+    engine.add_request(make_request(rid="r0", prompt=_prompt(0), params=params))
+    engine.step()
+    for i in range(1, 4):
+        engine.add_request(make_request(rid=f"r{i}", prompt=_prompt(i), params=params))
+    while engine.has_unfinished_requests():
+        engine.step()
+    shared = [f.decode_context_shared for f in seen]
+    assert seen and (max(shared) >= 3 * 20 if prices_shared else max(shared) == 0)

@@ -142,7 +142,7 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
     core = EngineCore(config, runner, clock=clock, max_model_len=max_len, eos_token_ids=tokenizer.eos_token_ids,
                       structured=structured)
     if config.model.record_steps:
-        core.step_observer = StepLog(config.model.record_steps)
+        core.step_observer = StepLog(config.model.record_steps, config.cache.block_size)
     name = config.model.served_model_name or (arch.name if tiny else _model_name(path))
     log.info("model %s (%s) on %s in %s, max_model_len %d", name, path.name, device, dtype, max_len)
     return Engine(core, tokenizer, name, max_len, arch.vocab_size, config, device, dtype)

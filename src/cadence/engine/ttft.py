@@ -281,6 +281,8 @@ class _Play:
             pa += n * p.computed + n * (n + 1) // 2
             sampled += n == p.remaining
         dmax = self.decodes.max_context(self.step) if rows else 0
+        # No shared decode keys (decode_context_shared 0): the estimate tracks the decodes' context
+        # lengths, not their block tables, so a shared prompt prefix is priced as keys read once.
         f = StepFeatures(pt, ps, rows, sampled + rows, self.decodes.context_sum if rows else 0, rows * dmax, pa)
         return f, admitted
 

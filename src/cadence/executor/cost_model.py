@@ -28,9 +28,19 @@ import numpy as np
 from cadence.boundary import ModelOutput, SchedulerOutput
 from cadence.clock import VirtualClock
 from cadence.host_load import cpu_model
-from cadence.sched.features import BASES, KNEE_1, KNEE_2, KNEE_3, KNEES, StepFeatures, scan_rows
+from cadence.sched.features import (
+    BASES,
+    KNEE_1,
+    KNEE_2,
+    KNEE_3,
+    KNEES,
+    StepFeatures,
+    scan_rows,
+    shared_decode_keys,
+)
 
 PROFILE_FORMAT = 1
+SHARED = BASES.index("decode_context_shared")  # its weight in `StepCostModel._w`
 
 
 def _cols(*names: str) -> dict[str, dict[str, float]]:
@@ -40,7 +50,9 @@ def _cols(*names: str) -> dict[str, dict[str, float]]:
 # Candidate feature sets, as weights on the bases. The simplest ("tokens") ignores attention; the
 # others separate prefill from decode and charge attention by the keys it reads: summed over the
 # decode rows ("phases"), or padded to the longest row ("padded"), as a batched decode kernel over
-# a rectangular batch does; "padded+context" keeps both.
+# a rectangular batch does; "padded+context" keeps both. "padded+context+shared" prices the decode
+# keys in blocks an earlier row of the step read (a shared prompt prefix) apart from the others:
+# both columns non-negative, so the fit can find a re-read key cheaper without a negative weight.
 FEATURE_SETS: dict[str, dict[str, dict[str, float]]] = {
     "tokens": {"const": {"const": 1.0}, "num_tokens": {"prefill_tokens": 1.0, "decode_seqs": 1.0},
                "num_seqs": {"prefill_seqs": 1.0, "decode_seqs": 1.0}},
@@ -48,6 +60,9 @@ FEATURE_SETS: dict[str, dict[str, dict[str, float]]] = {
     "padded": _cols("const", "prefill_tokens", "decode_seqs", "sampled", "decode_padded", "prefill_attention"),
     "padded+context": _cols("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context",
                             "decode_padded", "prefill_attention"),
+    "padded+context+shared": {**_cols("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled"),
+                              "decode_context_own": {"decode_context": 1.0, "decode_context_shared": -1.0},
+                              **_cols("decode_context_shared", "decode_padded", "prefill_attention")},
     **{f"padded+knee{k.removeprefix('decode_over_')}": _cols(
         "const", "prefill_tokens", "decode_seqs", "sampled", "decode_padded", k, "prefill_attention") for k in KNEES},
     "paths": {**_cols("const", "prefill_step"),
@@ -84,6 +99,10 @@ def _design(feats: Sequence[StepFeatures], feature_set: str) -> np.ndarray:
     base = np.array([f.bases() for f in feats], dtype=np.float64)
     mix = np.array([[spec[c].get(b, 0.0) for c in spec] for b in BASES])  # bases x columns
     return base @ mix
+
+
+def _prices_shared(feature_set: str) -> bool:
+    return any("decode_context_shared" in col for col in FEATURE_SETS[feature_set].values())
 
 
 def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -160,8 +179,15 @@ class StepCostModel:
     def predict(self, f: StepFeatures) -> float:
         return max(self.min_cost, sum(a * b for a, b in zip(self._w, f.bases(), strict=True)))
 
-    def cost(self, out: SchedulerOutput) -> float:
-        return self.predict(StepFeatures.from_output(out))
+    @property
+    def prices_shared_context(self) -> bool:
+        """Whether a decode key re-read from a block shared with an earlier row is priced apart
+        (`decode_context_shared`): only then need callers count those keys."""
+        return self._w[SHARED] != 0.0
+
+    def cost(self, out: SchedulerOutput, block_size: int = 0) -> float:
+        """The step's predicted seconds; shared decode keys are counted with `block_size` only."""
+        return self.predict(StepFeatures.from_output(out, block_size if self.prices_shared_context else 0))
 
     def predict_many(self, feats: Sequence[StepFeatures]) -> np.ndarray:
         base = np.array([f.bases() for f in feats], dtype=np.float64)
@@ -183,7 +209,12 @@ class StepCostModel:
         feats = [f for f, _ in samples]
         y = np.array([s for _, s in samples], dtype=np.float64)
         candidates: dict[str, dict[str, float]] = {}
+        # Without a step whose rows shared blocks, a set pricing them is the set without them plus a
+        # column of zeros: left out, so that it cannot win on rounding with a weight nothing measured.
+        shared_seen = any(f.decode_context_shared for f in feats)
         for fs in feature_sets:
+            if not shared_seen and _prices_shared(fs):
+                continue
             x = _design(feats, fs)
             coef = _fit_nonneg(x[train], y[train])
             pred = np.maximum(x @ coef, 1e-6)
@@ -295,6 +326,9 @@ class DecodeRun:
     chunk: int = 0
     chunk_start: int = 0
     sampled: int = 0  # 1: the chunk is its prompt's last and samples (one step: a prompt joining a stretch)
+    # Keys the rows read from blocks an earlier row of the step read (`shared_decode_keys`), the same
+    # in every step of the run: the blocks a decode row takes during it are its own.
+    shared: int = 0
 
 
 
@@ -325,6 +359,7 @@ class SimExecutor:
         self._kv_bytes_per_token = kv_bytes_per_token or cost_model.kv_bytes_per_token
         self._w = cost_model._w
         self._min_cost = cost_model.min_cost
+        self.prices_shared_context = cost_model.prices_shared_context
         self.num_blocks: int | None = None
         self.block_size: int | None = None
         self.last_step_cost = 0.0
@@ -343,8 +378,11 @@ class SimExecutor:
         # StepCostModel.predict (measured: going through them made a 5,000-request trace
         # simulation 8% slower). It must stay the same sum as StepFeatures.bases() . weights;
         # tests/unit/test_cost_model.py compares the two past every knee.
-        pt, ps, ds, dc, dmax, pa, sm, sampled = scan_rows(scheduler_output.scheduled, self.token_id)
-        cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, sm, dc, ds * dmax, pa)
+        rows = scheduler_output.scheduled
+        pt, ps, ds, dc, dmax, pa, sm, sampled = scan_rows(rows, self.token_id)
+        # Shared keys need a second pass over the tables: only for a model that prices them.
+        sh = shared_decode_keys(rows, self._block_size()) if self.prices_shared_context and ds > 1 else 0
+        cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, sm, dc, ds * dmax, pa, sh)
         self._charge(cost)
         if self.spec_acceptance is None:
             if sm != len(sampled):
@@ -371,11 +409,19 @@ class SimExecutor:
                 verified[r.request_id] = (*r.draft_token_ids[:m], token)
         return ModelOutput(sampled_token_ids=sampled, verified_token_ids=verified)
 
-    def _cost(self, pt: int, ps: int, ds: int, sm: int, dc: int, pad: int, pa: int) -> float:
-        """One step's cost from its features (the names of `StepFeatures`, in `bases()` order)."""
+    def _block_size(self) -> int:
+        if self.block_size is None:
+            raise RuntimeError("the cost model prices shared decode keys: initialize_kv_cache must give the block size")
+        return self.block_size
+
+    def _cost(self, pt: int, ps: int, ds: int, sm: int, dc: int, pad: int, pa: int, sh: int = 0) -> float:
+        """One step's cost from its features (the names of `StepFeatures`, in `bases()` order; `sh`
+        its shared decode keys)."""
         w = self._w
         cost = (w[0] + w[1] * pt + w[2] * ps + w[3] * ds + w[4] * sm + w[5] * dc + w[6] * pad + w[10] * pa
                 + w[11] * (pt > 0) + w[12] * (ds if pt else 0))
+        if sh:  # (a model without the feature adds nothing: the same sum as before it existed)
+            cost += w[SHARED] * sh
         if pad > KNEE_1:  # the hinges (see KNEES)
             cost += w[7] * (pad - KNEE_1) + w[8] * max(0, pad - KNEE_2) + w[9] * max(0, pad - KNEE_3)
         return max(cost, self._min_cost)
@@ -396,7 +442,7 @@ class SimExecutor:
         Step j decodes `run.num_seqs` rows, each at its first step's position plus j, and feeds the
         run's prompt chunk (if any) at its start plus j chunks: the features of `execute`, from the
         run's totals instead of the columns, for all steps at once. Each cost is
-        `_cost(c, ps, n, n + sampled, dc, pad, pa)` (c the chunk, ps 1 with a chunk): the same additions in
+        `_cost(c, ps, n, n + sampled, dc, pad, pa, shared)` (c the chunk, ps 1 with a chunk): the same additions in
         the same order, element by element (numpy neither reorders nor fuses them), so the same
         rounding."""
         w, n, c = self._w, run.num_seqs, run.chunk
@@ -404,7 +450,8 @@ class SimExecutor:
         sm = n + run.sampled  # rows that sample: the decodes, and a prompt's last chunk
         if run.num_steps <= _FEW_STEPS:  # numpy's fixed cost is more than a few `_cost` calls
             return [self._cost(c, ps, n, sm, run.start_sum + n + n * j, n * (run.start_max + 1 + j),
-                               c * (run.chunk_start + c * j) + c * (c + 1) // 2) for j in range(run.num_steps)]
+                               c * (run.chunk_start + c * j) + c * (c + 1) // 2, run.shared)
+                    for j in range(run.num_steps)]
         head = w[0] + w[1] * c + w[2] * ps + w[3] * n + w[4] * sm  # the terms no step changes
         step = _STEPS[: run.num_steps] if run.num_steps <= len(_STEPS) else np.arange(run.num_steps, dtype=np.int64)
         # Integers, exact: dc = start_sum + n + n * step (keys read: every row's context is its
@@ -419,6 +466,8 @@ class SimExecutor:
             cost += w[10] * pa
             cost += w[11]  # w[11] * (c > 0)
             cost += w[12] * n
+        if run.shared:
+            cost += w[SHARED] * run.shared
         if pad[-1] > KNEE_1:  # the hinges (see KNEES); pad grows with the step, so past K1 is a tail
             knee = pad > KNEE_1
             hinge = w[7] * (pad - KNEE_1) + w[8] * np.maximum(0, pad - KNEE_2) + w[9] * np.maximum(0, pad - KNEE_3)

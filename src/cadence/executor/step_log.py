@@ -7,8 +7,9 @@ Recording the steps a served run really made, with their measured durations, let
 `benchmarks/serving_breakdown.py` compare each one with its prediction, by kind of step and by load.
 
 One line per step: `{"step": N, "duration": seconds, "prefill_tokens": ..., ...}` (the fields of
-`StepFeatures`). Lines are written as steps end (line-buffered), so the file is complete up to the
-last step even if the server is killed.
+`StepFeatures`, `decode_context_shared` included, so that a refit on served traffic whose rows
+share a prompt prefix can learn what re-reading shared blocks costs). Lines are written as steps
+end (line-buffered), so the file is complete up to the last step even if the server is killed.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ from cadence.executor.cost_model import StepFeatures
 class StepLog:
     """Appends one JSON line per executed step to `path` (see the module docstring)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, block_size: int = 0) -> None:
         self.path = Path(path)
+        self.block_size = block_size  # of the tables' blocks: counts shared decode keys (0: none counted)
         self._file: TextIO | None = self.path.open("a", buffering=1, encoding="utf-8")
 
     def __call__(self, out: SchedulerOutput, duration: float) -> None:
         if self._file is None:
             return
-        f = StepFeatures.from_output(out)
+        f = StepFeatures.from_output(out, self.block_size)
         self._file.write(json.dumps({"step": out.step, "duration": round(duration, 7), **f.to_dict()}) + "\n")
 
     def close(self) -> None:

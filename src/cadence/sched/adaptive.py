@@ -81,6 +81,10 @@ class Candidate:
     start: int
     max_k: int
     rate: float
+    # Its row's keys in blocks an earlier decode row of the step read (`shared_keys_by_row`): they
+    # leave the step's `decode_context_shared` with the row. (Where the row is the first reader of
+    # blocks later rows share, those rows' keys are left as shared: one reader of them remains.)
+    shared: int = 0
 
 
 def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCost, budget: int) -> dict[str, int]:
@@ -97,11 +101,12 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
     total gain. Once the step has a chunk, a candidate that gains nothing ends the search (those
     after it accept less)."""
     pt, ps, ds, sm = base.prefill_tokens, base.prefill_seqs, base.decode_seqs, base.sampled
-    dc, pa = base.decode_context, base.prefill_attention
+    dc, pa, sh = base.decode_context, base.prefill_attention, base.decode_context_shared
     if ds == 0:
         return {}
     dmax = base.decode_padded // ds
-    per_second = ds / cost(StepFeatures(decode_seqs=ds, sampled=ds, decode_context=dc, decode_padded=base.decode_padded))
+    per_second = ds / cost(StepFeatures(decode_seqs=ds, sampled=ds, decode_context=dc, decode_padded=base.decode_padded,
+                                        decode_context_shared=sh))
     t = cost(base)
     gain, best_gain, best_len = 0.0, 0.0, 0
     chosen: list[tuple[str, int]] = []
@@ -109,11 +114,11 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
         if budget <= 0:
             break
         # The candidate's decode row leaves; a chunk of 1 + k at the same position takes its place.
-        ds1, dc1 = ds - 1, dc - (c.start + 1)
+        ds1, dc1, sh1 = ds - 1, dc - (c.start + 1), sh - c.shared
         pick = None
         for k in range(1, min(c.max_k, budget) + 1):
             n = 1 + k
-            f = StepFeatures(pt + n, ps + 1, ds1, sm + k, dc1, ds1 * dmax, pa + n * c.start + n * (n + 1) // 2)
+            f = StepFeatures(pt + n, ps + 1, ds1, sm + k, dc1, ds1 * dmax, pa + n * c.start + n * (n + 1) // 2, sh1)
             ct = cost(f)
             net = expected_tokens(k, c.rate) - 1 - per_second * (ct - t)
             if pick is not None and net <= pick[1]:
@@ -128,7 +133,7 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
         budget -= k
         gain += net
         t = ct
-        pt, ps, ds, sm, dc, pa = f.prefill_tokens, f.prefill_seqs, ds1, f.sampled, dc1, f.prefill_attention
+        pt, ps, ds, sm, dc, pa, sh = f.prefill_tokens, f.prefill_seqs, ds1, f.sampled, dc1, f.prefill_attention, sh1
         if gain > best_gain:
             best_gain, best_len = gain, len(chosen)
     return dict(chosen[:best_len])

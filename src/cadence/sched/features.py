@@ -6,7 +6,7 @@ adaptive k), the simulator and calibration measure and fit it (cost_model.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cadence.boundary import ScheduledRequest, SchedulerOutput
@@ -14,12 +14,15 @@ from cadence.boundary import ScheduledRequest, SchedulerOutput
 # Base quantities every feature set is linear in; the fitted model folds into one weight per base.
 BASES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context",
          "decode_padded", "decode_over_16k", "decode_over_32k", "decode_over_64k", "prefill_attention",
-         "prefill_step", "decode_seqs_beside_prefill")
+         "prefill_step", "decode_seqs_beside_prefill", "decode_context_shared")
 # The two paths of a CPU step (model/llama.py): an all-decode step runs every layer in one kernel
 # call; a step with a prompt chunk runs them one by one from Python, at a fixed cost more
 # ("prefill_step": 1 for such a step), and its decode rows go through the same matmuls as the
 # chunk's tokens, so they cost what a prompt token does, not what a row of the one-call path does
 # ("decode_seqs_beside_prefill": the decode rows of such a step).
+# Decode rows whose tables share blocks (a common prompt prefix from the prefix cache) read those
+# blocks again while they are still in the CPU's caches: each re-read key costs about a third less
+# than a key read once ("decode_context_shared": see `shared_decode_keys`).
 # Where the gathered decode context outgrows the CPU's caches, each key costs more: hinges at a few
 # candidate knees (keys read by the decode batch) let the fit find the bend on this machine.
 KNEES = {"decode_over_16k": 16384, "decode_over_32k": 32768, "decode_over_64k": 65536}
@@ -52,6 +55,37 @@ def scan_rows(rows: Sequence[ScheduledRequest], token: int) -> tuple[int, int, i
     return pt, ps, ds, dc, dmax, pa, sm, sampled
 
 
+def shared_decode_keys(rows: Sequence[ScheduledRequest], block_size: int) -> int:
+    """Keys the step's decode rows read from blocks that an earlier decode row of the step already
+    read: for each decode row, its context tokens lying in blocks of the earlier rows' contexts."""
+    return shared_keys(((r.start_pos + 1, r.block_table) for r in rows if len(r.token_ids) == 1), block_size)
+
+
+def shared_keys(contexts: Iterable[tuple[int, Sequence[int]]], block_size: int) -> int:
+    """`shared_decode_keys` of decode rows given as (context length, block table), in step order."""
+    return sum(shared_keys_by_row(contexts, block_size))
+
+
+def shared_keys_by_row(contexts: Iterable[tuple[int, Sequence[int]]], block_size: int) -> list[int]:
+    """Each row's part of `shared_keys`: its keys in blocks an earlier row's context covers. One
+    pass with a set of the block ids seen, over only the blocks covering each row's context; a row
+    sharing nothing costs a set test (`isdisjoint`)."""
+    seen: set[int] = set()
+    out = []
+    for ctx, table in contexts:
+        full, part = divmod(ctx, block_size)  # whole blocks, then the tokens of a partial last one
+        table = table[: full + (part > 0)]
+        shared = 0
+        if seen and not seen.isdisjoint(table):
+            # (Counted by C-level calls: the simulator runs this once a step for such a profile.)
+            shared = block_size * sum(map(seen.__contains__, table[:full]))
+            if part and len(table) > full and table[full] in seen:
+                shared += part
+        seen.update(table)
+        out.append(shared)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class StepFeatures:
     """The shape of one step. A scheduled request with one token is a decode row (the runner lays
@@ -64,11 +98,16 @@ class StepFeatures:
     decode_context: int = 0  # keys attended by decode rows: sum of their context lengths
     decode_padded: int = 0  # decode rows x the longest decode context: keys a padded batch reads
     prefill_attention: int = 0  # (query, key) pairs of the chunks: n * start + n * (n + 1) / 2 each
+    # Of `decode_context`, the keys in blocks an earlier decode row of the step read (shared_decode_keys)
+    decode_context_shared: int = 0
 
     @classmethod
-    def from_output(cls, out: SchedulerOutput) -> StepFeatures:
+    def from_output(cls, out: SchedulerOutput, block_size: int = 0) -> StepFeatures:
+        """The step's shape; its shared decode keys only with `block_size` (the tables' blocks' size),
+        else 0."""
         pt, ps, ds, dc, dmax, pa, sm, _ = scan_rows(out.scheduled, 0)
-        return cls(pt, ps, ds, sm, dc, ds * dmax, pa)
+        shared = shared_decode_keys(out.scheduled, block_size) if block_size else 0
+        return cls(pt, ps, ds, sm, dc, ds * dmax, pa, shared)
 
     @property
     def num_tokens(self) -> int:
@@ -82,11 +121,12 @@ class StepFeatures:
         pad = self.decode_padded
         return (1.0, self.prefill_tokens, self.prefill_seqs, self.decode_seqs, self.sampled, self.decode_context,
                 pad, max(0, pad - KNEE_1), max(0, pad - KNEE_2), max(0, pad - KNEE_3), self.prefill_attention,
-                float(self.prefill_tokens > 0), self.decode_seqs if self.prefill_tokens else 0)
+                float(self.prefill_tokens > 0), self.decode_seqs if self.prefill_tokens else 0,
+                self.decode_context_shared)
 
     def to_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in _FIELDS}
 
 
 _FIELDS = ("prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context", "decode_padded",
-           "prefill_attention")
+           "prefill_attention", "decode_context_shared")

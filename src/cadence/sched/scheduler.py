@@ -41,7 +41,7 @@ from cadence.kv.manager import KVCacheManager
 from cadence.request import DECODE_LEG, Request, RequestStatus
 from cadence.sched.adaptive import Acceptance, Candidate, StepCost, analytic_step_cost, choose_ks
 from cadence.sched.admission import AdmissionControl, check_ids
-from cadence.sched.features import StepFeatures, scan_rows
+from cadence.sched.features import StepFeatures, scan_rows, shared_keys_by_row
 from cadence.sched.introspect import SchedulerIntrospection
 from cadence.sched.ngram import PackedTokens
 from cadence.sched.plan import StepPlan
@@ -81,6 +81,9 @@ class Scheduler(SchedulerIntrospection):
         # What a step of a given shape costs, for adaptive k (sched/adaptive.py); the engine sets it
         # from its calibrated profile where it has one.
         self.step_cost: StepCost = analytic_step_cost
+        # Whether `step_cost` prices decode keys re-read from shared blocks: only then are the
+        # planned step's tables scanned for them (sched/features.py).
+        self.step_cost_prices_shared = False
         self._decode_ids = decode_ids
         # With `decode_ids`: requests whose plain decode gave one token in the last `update` and
         # went on. They get no RequestDelta; each one's new token is its last output token.
@@ -259,6 +262,13 @@ class Scheduler(SchedulerIntrospection):
         rows = plan.rows
         proposals: dict[str, tuple[int, ...]] = {}
         cands = []
+        # Each decode row's shared keys (sched/features.py), for a step cost that prices them: one
+        # pass over the tables.
+        shared: dict[str, int] = {}
+        if self.step_cost_prices_shared:
+            decodes = [r for r in rows.values() if len(r.token_ids) == 1]
+            shared = dict(zip((r.request_id for r in decodes), shared_keys_by_row(
+                ((r.start_pos + 1, r.block_table) for r in decodes), self.kv.block_size), strict=True))
         for req in candidates:
             rid = req.request_id
             row = rows.get(rid)
@@ -273,11 +283,11 @@ class Scheduler(SchedulerIntrospection):
                 proposals[rid] = drafts
                 est = self._acceptance.get(rid)
                 cands.append(Candidate(rid, req.num_computed_tokens, len(drafts),
-                                       est.rate if est is not None else Acceptance().rate))
+                                       est.rate if est is not None else Acceptance().rate, shared.get(rid, 0)))
         if not cands:
             return
         pt, ps, ds, dc, dmax, pa, sm, _ = scan_rows(tuple(rows.values()), 0)
-        base = StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa)
+        base = StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa, sum(shared.values()))
         ks = choose_ks(base, cands, self.step_cost, plan.budget)
         for rid, k in ks.items():
             req = self.requests[rid]

@@ -288,6 +288,7 @@ def _attach_predictor(engine: EngineClient, server_config: ServerConfig) -> dict
     core = getattr(engine, "core", None)
     if core is not None:  # adaptive speculative decoding prices its drafts with the same profile
         core.scheduler.step_cost = predictor.step_cost
+        core.scheduler.step_cost_prices_shared = predictor.cost_model.prices_shared_context
     return predictor.describe(engine.model_name)
 
 

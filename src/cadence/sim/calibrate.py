@@ -3,7 +3,7 @@
 Two phases:
 1. A sweep of step shapes run straight through the model runner with synthetic
    `ScheduledRequest`s: prefill chunks at several context offsets, decode batches at several
-   context lengths, and mixed steps (one chunk beside a decode batch), each warmed up once and
+   context lengths (some with a prefix their rows share), and mixed steps (one chunk beside a decode batch), each warmed up once and
    timed as the median of repeats, taken in rounds over all shapes. The cost model is fitted on these (held-out error printed).
 2. The engine's own overhead per step (scheduling, KV bookkeeping, detokenization): a short real
    run of the engine core; the step wall time minus the runner's time, fitted as a constant plus
@@ -44,11 +44,20 @@ class Shape:
 
     chunks: tuple[tuple[int, int, bool], ...] = ()
     decode_contexts: tuple[int, ...] = ()
+    # Leading tokens of every decode context held in the same blocks (whole blocks of it): a prompt
+    # prefix the rows share through the prefix cache.
+    shared_prefix: int = 0
 
     @property
     def max_context(self) -> int:
         ends = [n + s for n, s, _ in self.chunks] + list(self.decode_contexts)
         return max(ends, default=1)
+
+
+# Decode batches whose rows share a prefix: (rows, context, shared tokens), as served traffic with a
+# common system prompt makes them; beside the sweep's equal-context batches of the same sizes.
+SHARED_DECODES = ((8, 2048, 1920), (16, 1024, 960), (32, 640, 512), (64, 256, 192))
+SHARED_DECODES_QUICK = ((16, 1024, 960), (64, 256, 192))
 
 
 def sweep_shapes(max_seqs: int, max_tokens: int, max_len: int, *, quick: bool = False, seed: int = 0) -> list[Shape]:
@@ -77,6 +86,9 @@ def sweep_shapes(max_seqs: int, max_tokens: int, max_len: int, *, quick: bool = 
             n = min(rng.choice((48, 160)), max_tokens - b + 1)
             if n >= 2:
                 shapes.append(Shape(chunks=((n, 0, True),), decode_contexts=dec))
+    # Last, so that the shapes above (and their tables in `time_shapes`) draw what they drew before.
+    shapes += [Shape(decode_contexts=(c,) * b, shared_prefix=sh) for b, c, sh in
+               (SHARED_DECODES_QUICK if quick else SHARED_DECODES) if b <= max_seqs and c <= max_len]
     return shapes
 
 
@@ -84,8 +96,11 @@ def _output(shape: Shape, block_size: int, num_blocks: int, vocab: int, rng: ran
     """The step as the scheduler would send it. Each request gets its own run of consecutive blocks,
     the runs placed at random in a cache of the served size, as a block pool hands out blocks in
     order from its free queue: re-reading the same few hot blocks for every request would make
-    attention look cheaper than it is, and scattering every block at random, dearer."""
-    need = [-(-(st + n) // block_size) for n, st, _ in shape.chunks] + [-(-c // block_size) for c in shape.decode_contexts]
+    attention look cheaper than it is, and scattering every block at random, dearer. A shape's
+    shared prefix is one more run, at the head of every decode row's table."""
+    common = shape.shared_prefix // block_size  # whole blocks only: the prefix cache shares no partial one
+    need = [-(-(st + n) // block_size) for n, st, _ in shape.chunks] + [
+        -(-c // block_size) - common for c in shape.decode_contexts] + ([common] if common else [])
     spare = num_blocks - sum(need)
     # Random gaps between the runs: sorted cut points over the spare blocks, in a shuffled order.
     cuts = sorted(rng.randint(0, spare) for _ in need)
@@ -96,6 +111,9 @@ def _output(shape: Shape, block_size: int, num_blocks: int, vocab: int, rng: ran
         starts[i] = at + cuts[k]
         at += need[i]
     tables = [tuple(range(st, st + k)) for st, k in zip(starts, need, strict=True)]
+    if common:
+        head = tables.pop()
+        tables[len(shape.chunks):] = [head + t for t in tables[len(shape.chunks):]]
     rows = []
     for i, (n, start, sample) in enumerate(shape.chunks):
         ids = tuple(rng.randrange(vocab) for _ in range(n))
@@ -109,7 +127,8 @@ def _output(shape: Shape, block_size: int, num_blocks: int, vocab: int, rng: ran
 def fits(shape: Shape, block_size: int, num_blocks: int) -> bool:
     """Whether the engine's KV cache could hold this step at all (larger shapes never occur)."""
     need = sum(-(-(st + n) // block_size) for n, st, _ in shape.chunks)
-    return need + sum(-(-c // block_size) for c in shape.decode_contexts) <= num_blocks
+    common = shape.shared_prefix // block_size
+    return need + sum(-(-c // block_size) - common for c in shape.decode_contexts) + common <= num_blocks
 
 
 def time_shapes(runner: Any, shapes: list[Shape], block_size: int, num_blocks: int, vocab: int, repeats: int,
@@ -139,7 +158,7 @@ def time_shapes(runner: Any, shapes: list[Shape], block_size: int, num_blocks: i
                 times[k].append(timed(out))
         if progress:
             print(f"  round {r + 1}/{repeats}: {len(shapes)} shapes timed", flush=True)
-    return [(StepFeatures.from_output(out), statistics.median(t)) for out, t in zip(outs, times, strict=True)]
+    return [(StepFeatures.from_output(out, block_size), statistics.median(t)) for out, t in zip(outs, times, strict=True)]
 
 
 def measure_overhead(engine: Engine, num_requests: int, prompt: int, output: int) -> dict[str, float]:

@@ -73,6 +73,7 @@ from cadence.engine.core import EngineCore
 from cadence.executor.cost_model import DecodeRun
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, RequestStatus
+from cadence.sched.features import shared_keys
 from cadence.sched.preempt import PreemptionPolicy
 from cadence.sched.queue import RequestQueue
 from cadence.sched.records import final_delta, token_delta
@@ -95,6 +96,9 @@ class DecodeRunExecutor(Protocol):
     def decode_run_costs(self, run: DecodeRun) -> list[float]: ...
 
     def charge_decode_run(self, costs: Sequence[float], end: float | None = None) -> None: ...
+
+    @property
+    def prices_shared_context(self) -> bool: ...
 
 
 class StretchScheduler(Protocol):
@@ -171,6 +175,10 @@ class FastForward:
         self._planned = None
         if stretch is None:
             return None
+        if self.executor.prices_shared_context:  # its runs then count their rows' shared keys
+            tables = sched.kv.block_tables
+            stretch.tables = tuple(tables.get(r.request_id, ()) for r in stretch.requests)
+            stretch.block_size = sched.kv.block_size
         runs = stretch.runs  # (more than one where requests leave mid-stretch, and no deadline is pending)
         costs = self.executor.decode_run_costs(runs[0])
         # Clock readings after each step: one addition per step, as the clock advances by each
@@ -612,6 +620,19 @@ class DecodeStretch:
     # Runs not costed yet: past the first finishes, steps are costed a run at a time as they are
     # needed (FastForward.cost), so that a stretch cut short costs little more than it ran.
     pending_runs: list[DecodeRun] = field(default_factory=list)
+    # With `block_size` (an executor that prices shared decode keys), each row's block table at
+    # planning: the blocks a row takes during the stretch are fresh, so these hold every block two
+    # rows can share, and a run's shared keys are the same in each of its steps.
+    tables: tuple[tuple[int, ...], ...] = ()
+    block_size: int = 0
+
+    def _shared(self, rows: Sequence[int], step: int) -> int:
+        """The shared decode keys (`shared_keys`) of step `step` when `rows` (ascending: scheduling
+        order) decode in it."""
+        if not self.block_size:
+            return 0
+        starts, tables = self.starts, self.tables
+        return shared_keys(((starts[i] + step + 1, tables[i]) for i in rows), self.block_size)
 
     def finish_groups(self) -> dict[int, list[int]]:
         """The steps in which requests finish, in order, each with its rows in scheduling order."""
@@ -637,9 +658,10 @@ class DecodeStretch:
             return self._runs_from(0, self.chunk, self.prefill_start)
         decodes = self.starts[:-1]  # (all of them decode through the join step: see the module doc)
         n, total, top = len(decodes), sum(decodes), max(decodes, default=0)
-        out = [DecodeRun(n, total, top, join, self.chunk, self.prefill_start)] if join else []
+        shared = self._shared(range(n), 0)
+        out = [DecodeRun(n, total, top, join, self.chunk, self.prefill_start, shared=shared)] if join else []
         out.append(DecodeRun(n, total + join * n, top + join, 1, self.join_chunk,
-                             self.prefill_start + join * self.chunk, sampled=1))
+                             self.prefill_start + join * self.chunk, sampled=1, shared=shared))
         return out + self._runs_from(join + 1, 0, 0)
 
     def _runs_from(self, a: int, chunk: int, chunk_start: int) -> list[DecodeRun]:
@@ -650,7 +672,7 @@ class DecodeStretch:
             return []
         if not last or min(last) >= n - 1:  # every row decodes in every step
             return [DecodeRun(len(starts), sum(starts) + a * len(starts), max(starts) + a if starts else 0, n - a, chunk,
-                              chunk_start)]
+                              chunk_start, shared=self._shared(range(len(starts)), a))]
         # Rows by their last step; the rows of a run are a suffix of that order (its sums and maxima
         # taken from the back), and a run ends after each step in which some leave.
         order = sorted(range(len(starts)), key=last.__getitem__)
@@ -667,7 +689,8 @@ class DecodeStretch:
             assert p < size, "every row left before the stretch's last step"
             b = min(last[order[p]] + 1, n)  # the run ends after the next rows' last step
             rows = size - p
-            out.append(DecodeRun(rows, suffix_sum[p] + a * rows, suffix_max[p] + a, b - a, chunk, chunk_start + a * chunk))
+            out.append(DecodeRun(rows, suffix_sum[p] + a * rows, suffix_max[p] + a, b - a, chunk, chunk_start + a * chunk,
+                                 shared=self._shared(sorted(order[p:]), a)))
             while p < size and last[order[p]] < b:
                 p += 1
             a = b

@@ -221,6 +221,7 @@ class Simulator:
                               snapshot_gauges=False, decode_ids=True)
             if cost_model is not None:  # adaptive speculation prices drafts with the same model
                 core.scheduler.step_cost = cost_model.predict
+                core.scheduler.step_cost_prices_shared = cost_model.prices_shared_context
             self.replicas.append(SimReplica(i, core, clock, ex))
         self._params: dict[int, SamplingParams] = {}
         self._live: dict[str, tuple[RequestRecord, SimReplica]] = {}
