@@ -17,7 +17,8 @@ that go on come back from `update` as ids in `last_decoded` instead of a `Reques
 Every decision is the same either way: `update` walks the step in scheduling order (the order
 requests finish in is the order their blocks return to the pool).
 
-What is not a decision lives in the base, `introspect.py` (why requests wait, snapshots, gauges).
+What is not a decision lives in the base, `introspect.py` (why requests wait, snapshots, gauges);
+speculative decoding's decisions in `speculation.py`, which the scheduler owns and calls.
 """
 
 from __future__ import annotations
@@ -35,15 +36,13 @@ from cadence.boundary import (
     TokenLogprobs,
     WaitReason,
 )
-from cadence.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from cadence.config import CacheConfig, SchedulerConfig
 from cadence.errors import AdmissionError
 from cadence.kv.manager import KVCacheManager
 from cadence.request import DECODE_LEG, Request, RequestStatus
-from cadence.sched.adaptive import Acceptance, Candidate, StepCost, analytic_step_cost, choose_ks
+from cadence.sched.adaptive import StepCost, analytic_step_cost
 from cadence.sched.admission import AdmissionControl, check_ids
-from cadence.sched.features import StepFeatures, scan_rows
 from cadence.sched.introspect import SchedulerIntrospection
-from cadence.sched.ngram import PackedTokens
 from cadence.sched.plan import StepPlan
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
@@ -55,6 +54,7 @@ from cadence.sched.records import (
     tokens_delta,
     verification_request,
 )
+from cadence.sched.speculation import Speculation
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -75,9 +75,8 @@ class Scheduler(SchedulerIntrospection):
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.last_iteration_stats = IterationStats()
         self.is_static = config.scheduler == "static"
-        self.speculative: SpeculativeConfig | None = config.speculative_config
-        self._packed: dict[str, PackedTokens] = {}  # speculating requests' contexts, for the n-gram lookup
-        self._acceptance: dict[str, Acceptance] = {}  # speculating requests' measured acceptance
+        spec = config.speculative_config
+        self.speculation = Speculation(spec, kv, max_model_len) if spec is not None else None
         # What a step of a given shape costs, for adaptive k (sched/adaptive.py); the engine sets it
         # from its calibrated profile where it has one.
         self.step_cost: StepCost = analytic_step_cost
@@ -151,8 +150,8 @@ class Scheduler(SchedulerIntrospection):
         stop: tuple[WaitReason, str | None] | None = (
             self._schedule_waiting(plan) if may_admit else (WaitReason.STATIC_BATCH, None)
         )
-        if candidates:
-            self._adapt_drafts(plan, candidates)
+        if candidates and self.speculation is not None:
+            self.speculation.adapt(plan, candidates, self.step_cost, len(self.running))
         self._record_stop(stop)
         prefix = self.kv.pop_prefix_stats()
         self._stats.prefix_cache_queries += prefix.queries
@@ -175,11 +174,11 @@ class Scheduler(SchedulerIntrospection):
     def _schedule_running(self, plan: StepPlan, candidates: list[Request]) -> None:
         """Running requests' rows. With adaptive speculation, the decodes that could verify drafts
         are planned as plain decodes and listed in `candidates`: their drafts are chosen once the
-        whole step is planned (`_adapt_drafts`)."""
+        whole step is planned (`Speculation.adapt`)."""
         allocate, table = self.kv.allocate_slots, self.kv.block_tables.get
         block_size = self.kv.block_size
         rows = plan.rows
-        spec = self.speculative
+        spec = self.speculation
         adaptive = spec is not None and spec.adaptive
         for req in list(self.running):
             if plan.budget <= 0:
@@ -197,7 +196,7 @@ class Scheduler(SchedulerIntrospection):
             if spec is not None and remaining == 1 and start >= num_prompt:
                 if adaptive:
                     candidates.append(req)
-                drafts = () if adaptive else self._drafts(req, spec, plan.budget)
+                drafts = () if adaptive else spec.drafts(req, plan.budget, len(self.running))
                 if drafts:
                     rows[rid] = verification_request(req, drafts, table(rid, ()))
                     plan.budget -= 1 + len(drafts)  # a verification row counts as decode tokens
@@ -220,88 +219,6 @@ class Scheduler(SchedulerIntrospection):
             if n != 1 or start < num_prompt:
                 plan.num_prefill += n
             plan.budget -= n
-
-    def _drafts(self, req: Request, spec: SpeculativeConfig, budget: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding request this step (fixed k), their KV slots allocated; ()
-        when it does not speculate (its sampling does not allow it, no n-gram match, no room)."""
-        k = self._max_drafts(req, spec, budget - 1)
-        drafts = self._propose(req, k, spec) if k else ()
-        return drafts if drafts and self._allocate_drafts(req, len(drafts)) else ()
-
-    def _max_drafts(self, req: Request, spec: SpeculativeConfig, budget: int) -> int:
-        """The most drafts `req` may verify this step with `budget` tokens for them: 0 when its
-        sampling does not allow drafts, else no more than the budget, max_tokens or the context
-        leave room to use."""
-        sp = req.sampling_params
-        num_out = len(req.output_token_ids)
-        if not sp.speculable or num_out < sp.min_tokens:
-            return 0
-        return max(0, min(spec.num_speculative_tokens, budget, sp.max_tokens - num_out - 1,
-                          self.max_model_len - req.num_tokens - 1))
-
-    def _allocate_drafts(self, req: Request, k: int) -> bool:
-        """KV slots for the fed token and k drafts. Drafts take only spare blocks: a failed
-        allocation, or one that would leave fewer free blocks than running requests, drops them
-        rather than preempting anyone for them."""
-        kv, n = self.kv, 1 + k
-        if req.num_computed_tokens + n > len(kv.block_tables.get(req.request_id, ())) * kv.block_size:
-            spare = kv.num_free_blocks - kv.blocks_to_take(req, n)
-            if spare < len(self.running) or kv.allocate_slots(req, n) is None:
-                return False
-        return True
-
-    def _adapt_drafts(self, plan: StepPlan, candidates: list[Request]) -> None:
-        """Adaptive k: with the step planned, turn the candidates' decodes into verification rows
-        where the step cost model says their expected accepted tokens pay for the time they add
-        (sched/adaptive.py); the drafts take only the budget the step left."""
-        spec = self.speculative
-        assert spec is not None
-        rows = plan.rows
-        proposals: dict[str, tuple[int, ...]] = {}
-        cands = []
-        for req in candidates:
-            rid = req.request_id
-            row = rows.get(rid)
-            # Preempted while the waiting requests were admitted (and perhaps admitted again, to
-            # recompute): its row, if any, is no longer the decode it was planned as.
-            if req.status is not _RUNNING or row is None or len(row.token_ids) != 1 \
-                    or req.num_computed_tokens < len(req.prompt_token_ids):
-                continue
-            k = self._max_drafts(req, spec, plan.budget)
-            drafts = self._propose(req, k, spec) if k else ()
-            if drafts:
-                proposals[rid] = drafts
-                est = self._acceptance.get(rid)
-                cands.append(Candidate(rid, req.num_computed_tokens, len(drafts),
-                                       est.rate if est is not None else Acceptance().rate))
-        if not cands:
-            return
-        pt, ps, ds, dc, dmax, pa, sm, _ = scan_rows(tuple(rows.values()), 0)
-        base = StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa)
-        ks = choose_ks(base, cands, self.step_cost, plan.budget)
-        for rid, k in ks.items():
-            req = self.requests[rid]
-            if k > plan.budget or not self._allocate_drafts(req, k):
-                continue
-            rows[rid] = verification_request(req, proposals[rid][:k], self.kv.block_tables.get(rid, ()))
-            plan.budget -= k
-        for c in cands:
-            if c.request_id not in ks:
-                est = self._acceptance.get(c.request_id)
-                if est is not None:
-                    est.idle()
-
-    def _propose(self, req: Request, k: int, spec: SpeculativeConfig) -> tuple[int, ...]:
-        """Up to k n-gram drafts from the request's context, packed once and extended as it grows."""
-        rid, num = req.request_id, req.num_tokens
-        packed = self._packed.get(rid)
-        if packed is None:
-            packed = self._packed[rid] = PackedTokens()
-        if packed.num_tokens < num:
-            packed.extend(req.token_ids_slice(packed.num_tokens, num))
-        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        follow = packed.continuation(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return () if follow is None else tuple(req.token_ids_slice(follow, min(follow + k, num)))
 
     def eligible(self) -> Callable[[Request], bool] | None:
         """Which waiting requests may be admitted now (None: all): the per-tenant running cap."""
@@ -460,32 +377,14 @@ class Scheduler(SchedulerIntrospection):
         """A verification row's result: the accepted drafts and the token after them join the
         outputs, one at a time, until one ends the request (the rest are dropped); the KV of the
         fed token and of the accepted drafts is kept, the rejected drafts' slots are given back."""
-        rid, start = req.request_id, sr.start_pos
-        assert req.num_computed_tokens == start, f"{rid}: progress out of step"
-        tokens = model_output.verified_token_ids.get(rid)
-        if tokens is None and rid in model_output.sampled_token_ids:
-            tokens = (model_output.sampled_token_ids[rid],)  # an executor that does not verify: none accepted
-        # The K/V written is that of the drafts: the tokens kept before the last must be drafts.
-        error = "the executor returned no verified tokens" if not tokens else \
-            "the executor's verified tokens are not the drafts" \
-            if len(tokens) > sr.num_draft_tokens + 1 or tokens[:-1] != sr.draft_token_ids[: len(tokens) - 1] else None
-        if error is not None or not tokens:
+        start, spec = sr.start_pos, self.speculation
+        assert req.num_computed_tokens == start and spec is not None, f"{req.request_id}: progress out of step"
+        tokens, error = spec.accept(sr, model_output, self._stats)
+        if error is not None:
             self.finish(req, RequestStatus.FINISHED_ERROR, now, error=error)
             deltas.append(final_delta(req))
             return
-        est = self._acceptance.get(rid)
-        if est is None:
-            est = self._acceptance[rid] = Acceptance()
-        est.record(sr.num_draft_tokens, len(tokens) - 1)
         stats = self._stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += sr.num_draft_tokens
-        stats.num_accepted_tokens += len(tokens) - 1
-        per_pos = stats.num_accepted_tokens_per_pos
-        for i in range(len(tokens) - 1):
-            if i == len(per_pos):
-                per_pos.append(0)
-            per_pos[i] += 1
         outputs, sp = req.output_token_ids, req.sampling_params
         status, stop_reason, taken = None, None, 0
         for token in tokens:
@@ -690,8 +589,8 @@ class Scheduler(SchedulerIntrospection):
         else:
             self.waiting.remove(req)
             self.kv.free(req)  # holds no blocks, but may hold a hash memo
-        self._packed.pop(req.request_id, None)
-        self._acceptance.pop(req.request_id, None)
+        if self.speculation is not None:
+            self.speculation.forget(req.request_id)
         req.status = status
         req.finished_time = now
         req.stop_reason = stop_reason
