@@ -17,8 +17,10 @@ that go on come back from `update` as ids in `last_decoded` instead of a `Reques
 Every decision is the same either way: `update` walks the step in scheduling order (the order
 requests finish in is the order their blocks return to the pool).
 
-What is not a decision lives in the base, `introspect.py` (why requests wait, snapshots, gauges);
-speculative decoding's decisions in `speculation.py`, which the scheduler owns and calls.
+Two parts the scheduler owns and calls: `StepResults` (results.py) applies a step's results to
+its requests and decides when one stops; `Speculation` (speculation.py), with
+`speculative_config`, decides which decodes verify drafts and how many. What is not a decision
+lives in the base, `introspect.py` (why requests wait, snapshots, gauges).
 """
 
 from __future__ import annotations
@@ -27,33 +29,19 @@ import heapq
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from cadence.boundary import (
-    IterationStats,
-    ModelOutput,
-    RequestDelta,
-    ScheduledRequest,
-    SchedulerOutput,
-    TokenLogprobs,
-    WaitReason,
-)
+from cadence.boundary import IterationStats, ModelOutput, RequestDelta, SchedulerOutput, WaitReason
 from cadence.config import CacheConfig, SchedulerConfig
 from cadence.errors import AdmissionError
 from cadence.kv.manager import KVCacheManager
-from cadence.request import DECODE_LEG, Request, RequestStatus
+from cadence.request import Request, RequestStatus
 from cadence.sched.adaptive import StepCost, analytic_step_cost
 from cadence.sched.admission import AdmissionControl, check_ids
 from cadence.sched.introspect import SchedulerIntrospection
 from cadence.sched.plan import StepPlan
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
-from cadence.sched.records import (
-    final_delta,
-    finished_stats,
-    scheduled_request,
-    token_delta,
-    tokens_delta,
-    verification_request,
-)
+from cadence.sched.records import final_delta, finished_stats, scheduled_request, verification_request
+from cadence.sched.results import StepResults
 from cadence.sched.speculation import Speculation
 
 _RUNNING = RequestStatus.RUNNING
@@ -100,6 +88,7 @@ class Scheduler(SchedulerIntrospection):
         self.revision = 0
         # Told of each preemption before it happens (request, tokens it loses, reason); None: nobody.
         self.on_preempt: Callable[[Request, int, str], None] | None = None
+        self.results = StepResults(self.requests, kv, self.waiting, max_model_len, self.speculation, self.finish)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, request: Request, now: float, *, evict: bool = True) -> None:
@@ -330,151 +319,12 @@ class Scheduler(SchedulerIntrospection):
         listed in `last_decoded` rather than returned as deltas."""
         deltas, self._pending_deltas = self._pending_deltas, []
         self.last_decoded = []
-        self._update_rows(out.scheduled, model_output, now, deltas)
+        went_on = self.last_decoded if self._decode_ids else None
+        # Added after the call: a request ended in it already took its updated tokens off the total.
+        computed = self.results.apply(out.scheduled, model_output, now, self._stats, deltas, went_on)
+        self._num_live_tokens += computed
         self._close_stats()
         return deltas
-
-    def _update_record(self, sr: ScheduledRequest, model_output: ModelOutput, now: float,
-                       deltas: list[RequestDelta]) -> None:
-        """One scheduled record's result: its progress, and its sampled token if it samples."""
-        rid = sr.request_id
-        req = self.requests.get(rid)
-        if req is None or req.status is not _RUNNING:
-            return  # ended between schedule and update
-        if sr.num_draft_tokens:
-            self._update_verified(req, sr, model_output, now, deltas)
-            return
-        start, n = sr.start_pos, len(sr.token_ids)
-        assert req.num_computed_tokens == start, f"{rid}: progress out of step"
-        req.num_computed_tokens = start + n
-        # Added before a possible finish below, which takes the request's (updated) tokens off.
-        self._num_live_tokens += n
-        # Blocks fill only where a step crosses a block boundary (every `block_size` decodes):
-        # the KV manager has published every block full before this step, so skip the call otherwise.
-        if start % self.kv.block_size + n >= self.kv.block_size:
-            self.kv.cache_computed_blocks(req)
-        prompt_tokens = 0 if n == 1 and start >= len(req.prompt_token_ids) else n  # decode: 0
-        if req.handoff is None or req.handoff.leg != DECODE_LEG:  # (a decode leg's prompt was counted by its prefill)
-            self._stats.num_prompt_tokens += prompt_tokens
-        account = self.waiting.account if self.waiting.tracks_service else None  # a no-op call otherwise
-        if not sr.sample:
-            if account is not None:
-                account(req, prompt_tokens, 0)
-            return
-        token = model_output.sampled_token_ids.get(rid)
-        if token is None:
-            self.finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
-            deltas.append(final_delta(req))
-            return
-        if account is not None:
-            account(req, prompt_tokens, 1)
-        self._stats.num_generation_tokens += 1
-        logprobs = model_output.logprobs
-        deltas.append(self._append_token(req, token, logprobs.get(rid) if logprobs else None, now))
-
-    def _update_verified(self, req: Request, sr: ScheduledRequest, model_output: ModelOutput, now: float,
-                         deltas: list[RequestDelta]) -> None:
-        """A verification row's result: the accepted drafts and the token after them join the
-        outputs, one at a time, until one ends the request (the rest are dropped); the KV of the
-        fed token and of the accepted drafts is kept, the rejected drafts' slots are given back."""
-        start, spec = sr.start_pos, self.speculation
-        assert req.num_computed_tokens == start and spec is not None, f"{req.request_id}: progress out of step"
-        tokens, error = spec.accept(sr, model_output, self._stats)
-        if error is not None:
-            self.finish(req, RequestStatus.FINISHED_ERROR, now, error=error)
-            deltas.append(final_delta(req))
-            return
-        stats = self._stats
-        outputs, sp = req.output_token_ids, req.sampling_params
-        status, stop_reason, taken = None, None, 0
-        for token in tokens:
-            outputs.append(token)
-            taken += 1
-            if not (len(outputs) < sp.max_tokens and req.num_tokens < self.max_model_len
-                    and token not in req.eos_token_ids and token not in sp.stop_token_ids):
-                status, stop_reason = self.stop_status(req, token)
-                if status is not None:
-                    break
-        # Positions start .. start + taken - 1 hold the fed token and the drafts now confirmed.
-        req.num_computed_tokens = start + taken
-        self._num_live_tokens += taken
-        self.kv.release_tail(req)
-        self.kv.cache_computed_blocks(req)
-        if self.waiting.tracks_service:
-            self.waiting.account(req, 0, taken)
-        stats.num_generation_tokens += taken
-        if req.last_token_time is not None:  # one latency per step, as for a plain decode step
-            stats.token_latencies.append((req.tenant, now - req.last_token_time))
-        req.last_token_time = now
-        new = tuple(outputs[len(outputs) - taken :])
-        if status is None:
-            deltas.append(tokens_delta(req, new))
-            return
-        self.finish(req, status, now, stop_reason=stop_reason)
-        deltas.append(final_delta(req, new))
-
-    def _update_rows(self, rows: tuple[ScheduledRequest, ...], model_output: ModelOutput, now: float,
-                     deltas: list[RequestDelta]) -> None:
-        """`_update_record` for each row, but for a plain decode (one token, sampled, past the
-        prompt, of a request with plain sampling) what it and `_append_token` do written flat (it
-        runs for nearly every token); with `decode_ids`, the ids of the plain decodes that go on
-        are collected in `last_decoded` instead of a delta each."""
-        requests, cache, block_size = self.requests, self.kv.cache_computed_blocks, self.kv.block_size
-        account = self.waiting.account if self.waiting.tracks_service else None
-        latencies = self._stats.token_latencies
-        max_len = self.max_model_len
-        went_on = self.last_decoded if self._decode_ids else None
-        sampled = model_output.sampled_token_ids
-        update_record = self._update_record
-        num_computed = num_sampled = 0
-        for sr in rows:
-            rid = sr.request_id
-            req = requests.get(rid)
-            if req is None or req.status is not _RUNNING:
-                continue  # ended between schedule and update
-            start = sr.start_pos
-            if len(sr.token_ids) != 1 or not sr.sample or start < len(req.prompt_token_ids) \
-                    or not sr.sampling_params.plain_decode:
-                update_record(sr, model_output, now, deltas)
-                continue
-            assert req.num_computed_tokens == start, f"{rid}: progress out of step"
-            req.num_computed_tokens = start + 1
-            num_computed += 1
-            if (start + 1) % block_size == 0:
-                cache(req)
-            token = sampled.get(rid)
-            if token is None:
-                self.finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
-                deltas.append(final_delta(req))
-                continue
-            if account is not None:
-                account(req, 0, 1)
-            num_sampled += 1
-            last = req.last_token_time
-            if last is None:  # not for a decode (it feeds a sampled token); kept exact all the same
-                deltas.append(self._append_token(req, token, None, now))
-                continue
-            outputs = req.output_token_ids
-            outputs.append(token)
-            latencies.append((req.tenant, now - last))
-            req.last_token_time = now
-            sp = req.sampling_params
-            # Context after this token: start + 2 (the token fed, then the one just sampled).
-            status, stop_reason = None, None
-            if not (len(outputs) < sp.max_tokens and start + 2 < max_len and token not in req.eos_token_ids
-                    and token not in sp.stop_token_ids):  # (most tokens end nothing: decided cheaply)
-                status, stop_reason = self.stop_status(req, token)
-            if status is None:
-                if went_on is not None:
-                    went_on.append(rid)
-                else:
-                    deltas.append(token_delta(req, token, ()))
-                continue
-            self.finish(req, status, now, stop_reason=stop_reason)
-            deltas.append(final_delta(req, (token,)))
-        # Summed once: a request finished above took its updated tokens off, so the total is exact.
-        self._num_live_tokens += num_computed
-        self._stats.num_generation_tokens += num_sampled
 
     def fail_step(self, out: SchedulerOutput, error: str, now: float) -> list[RequestDelta]:
         """The executor raised: every request of the step ends with FINISHED_ERROR."""
@@ -487,46 +337,9 @@ class Scheduler(SchedulerIntrospection):
         self._close_stats()
         return deltas
 
-    def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> RequestDelta:
-        """Append a sampled token (the caller counts it); runs once per generated token."""
-        outputs = req.output_token_ids
-        outputs.append(token)
-        last = req.last_token_time
-        if last is None:  # the first token
-            req.first_token_time = now
-            self._stats.first_token_latencies.append((req.tenant, now - req.arrival_time))
-        else:
-            if req.first_token_time is None:  # a decode leg's first token here: the request's next one
-                req.first_token_time = now
-            self._stats.token_latencies.append((req.tenant, now - last))
-        req.last_token_time = now
-        lps = (logprobs,) if logprobs is not None else ()
-        sp = req.sampling_params
-        num_out = len(outputs)
-        # Most tokens end nothing: decide that with a few cheap tests before the full check.
-        if (
-            num_out < sp.max_tokens
-            and len(req.prompt_token_ids) + num_out < self.max_model_len
-            and token not in req.eos_token_ids
-            and token not in sp.stop_token_ids
-        ):
-            return token_delta(req, token, lps)
-        status, stop_reason = self.stop_status(req, token)
-        if status is None:
-            return token_delta(req, token, lps)
-        self.finish(req, status, now, stop_reason=stop_reason)
-        return final_delta(req, (token,), lps)
-
     def stop_status(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
-        sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED, None
-            if token in sp.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None
+        """Whether `req` stops with `token`, just appended (`StepResults.stop_status`)."""
+        return self.results.stop_status(req, token)
 
     # ------------------------------------------------------------------ ending requests
     def abort(self, request_ids: list[str] | tuple[str, ...], now: float) -> list[RequestDelta]:

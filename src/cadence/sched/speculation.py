@@ -1,10 +1,10 @@
 """Speculative decoding's decisions (`Speculation`): which decoding requests verify n-gram drafts
 this step, how many, and what a verification row's result is worth.
 
-The `Scheduler` owns one when `speculative_config` is set and calls it at three points: while it
-plans a decode (`drafts`, fixed k), once the whole step is planned (`adapt`, adaptive k: the
-drafts then take only the budget the step left), and when a verification row's result comes back
-(`accept`). Per speculating request it keeps the packed context the n-gram lookup searches
+The `Scheduler` owns one when `speculative_config` is set, called at three points: while the
+scheduler plans a decode (`drafts`, fixed k), once the whole step is planned (`adapt`, adaptive k:
+the drafts then take only the budget the step left), and when a verification row's result comes
+back (`accept`, from `StepResults`, results.py). Per speculating request it keeps the packed context the n-gram lookup searches
 (ngram.py) and the measured acceptance (adaptive.py); the scheduler's state it needs (the step's
 plan, how many requests run, the step cost, the step's stats) is passed in.
 
