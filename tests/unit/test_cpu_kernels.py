@@ -20,7 +20,13 @@ from test_model_tiny import ends_of, feed_in_chunks, hf_logits, random_tokens, t
 from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.executor.model_runner import ModelRunner
 from cadence.model import cpu_kernels as ck
-from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan, paged_attention
+from cadence.model.attention import (
+    AttentionMetadata,
+    KernelPrefillChunk,
+    PagedKVCache,
+    SeqSpan,
+    paged_attention,
+)
 from cadence.model.llama import Linear, apply_rope_, rope_tables
 from cadence.request import SamplingParams
 
@@ -282,7 +288,7 @@ def test_paged_prefill_attention_matches_float64_and_chunking(kernels, kvh, g, d
     spans = [SeqSpan(0, 21, fresh_t[: -(-21 // bs)]), SeqSpan(41, 34, cont_t), SeqSpan(4, 1, dec_t)]
     cpu = torch.device("cpu")
     meta = AttentionMetadata.build(spans, bs, cpu, num_kv_heads=kvh, kernels=kernels)
-    assert all(p.kernels is kernels and p.mask is None for p in meta.prefills)
+    assert all(isinstance(p, KernelPrefillChunk) and p.kernels is kernels for p in meta.prefills)  # no mask
     qkv = torch.randn(56, kvh * g + 2 * kvh, d, generator=gen).to(torch.bfloat16)
     q, kv_new = qkv[:, : kvh * g], qkv[:, kvh * g :].unflatten(1, (2, kvh))
     out = paged_attention(q, kv_new, cache.layer(0), meta)

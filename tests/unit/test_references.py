@@ -3,10 +3,10 @@
 - `records.scheduled_request` / `token_delta` (the instance dict filled directly) against
   `scheduled_request_reference` / `token_delta_reference` (the dataclass constructors);
 - `Scheduler._schedule_running` (`StepPlan.add` inlined, the chunk arithmetic and the
-  block allocation skipped for a decode that fits) and `Scheduler._update_rows` (a plain
-  decode's update written flat) against a scheduler whose running loop is written plainly around
-  `StepPlan.add` and whose update calls `_update_record` for every row: every step's output and
-  deltas are the same.
+  block allocation skipped for a decode that fits) and `StepResults.apply` (a plain decode's
+  update written flat) against a scheduler whose running loop is written plainly around
+  `StepPlan.add` and whose update calls `StepResults.record` for every row: every step's output
+  and deltas are the same.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fakes import FakeExecutor, make_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cadence.boundary import ModelOutput, RequestDelta, ScheduledRequest
+from cadence.boundary import IterationStats, ModelOutput, RequestDelta, ScheduledRequest
 from cadence.errors import AdmissionError
 from cadence.request import Request, RequestStatus, SamplingParams
 from cadence.sched.plan import StepPlan
@@ -28,6 +28,7 @@ from cadence.sched.records import (
     token_delta,
     token_delta_reference,
 )
+from cadence.sched.results import StepResults
 from cadence.sched.scheduler import Scheduler
 
 FAST = settings(max_examples=150, deadline=None)
@@ -64,21 +65,27 @@ def test_token_delta_equals_its_reference(req: Request, token: int) -> None:
     assert built == ref and type(built) is RequestDelta and list(vars(built)) == list(vars(ref))
 
 
-class PlainScheduler(Scheduler):
-    """The running loop written plainly: a chunk computed for every request, an allocation asked
-    for every step, and the row added through `StepPlan.add`; and every row's update through
-    `_update_record` (with `decode_ids`, a plain decode's token delta then becomes its id)."""
+class PlainResults(StepResults):
+    """Every row's update through `record` (with `decode_ids`, a plain decode's token delta then
+    becomes its id)."""
 
-    def _update_rows(self, rows: tuple[ScheduledRequest, ...], model_output: ModelOutput, now: float,
-                     deltas: list[RequestDelta]) -> None:
+    def apply(self, rows: tuple[ScheduledRequest, ...], model_output: ModelOutput, now: float,
+              stats: IterationStats, deltas: list[RequestDelta], went_on: list[str] | None) -> int:
+        num_computed = 0
         for sr in rows:
             req = self.requests.get(sr.request_id)
             decode = (req is not None and req.last_token_time is not None and len(sr.token_ids) == 1 and sr.sample
                       and sr.start_pos >= len(req.prompt_token_ids) and sr.sampling_params.plain_decode)
             before = len(deltas)
-            self._update_record(sr, model_output, now, deltas)
-            if self._decode_ids and decode and len(deltas) == before + 1 and deltas[-1].finish_reason is None:
-                self.last_decoded.append(deltas.pop().request_id)
+            num_computed += self.record(sr, model_output, now, stats, deltas)
+            if went_on is not None and decode and len(deltas) == before + 1 and deltas[-1].finish_reason is None:
+                went_on.append(deltas.pop().request_id)
+        return num_computed
+
+
+class PlainScheduler(Scheduler):
+    """The running loop written plainly: a chunk computed for every request, an allocation asked
+    for every step, and the row added through `StepPlan.add`; its update through `PlainResults`."""
 
     def _schedule_running(self, plan: StepPlan, candidates: list[Request]) -> None:
         # (`candidates` collects decodes that could verify drafts: these engines do not speculate.)
@@ -120,6 +127,7 @@ def test_the_inlined_running_loop_equals_the_plain_one(options: dict, arrivals: 
         engine, ex, _ = make_engine(executor=FakeExecutor(), decode_ids=decode_ids, **options)
         engines.append((engine, ex))
     engines[1][0].scheduler.__class__ = PlainScheduler
+    engines[1][0].scheduler.results.__class__ = PlainResults
     for k, (prompt_len, max_tokens, priority, wait) in enumerate(arrivals):
         for engine, _ in engines:
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, repetition_penalty=penalty or 1.0)

@@ -215,7 +215,7 @@ def test_stop_on_eos_after_min_tokens_and_on_stop_token_ids() -> None:
 def test_max_model_len_stops_generation() -> None:
     h = harness(max_model_len=100)
     r = h.add(make_request(prompt_len=10, max_tokens=50))
-    h.s.max_model_len = 13  # a safety net behind admission: exercise it directly
+    h.s.results.max_model_len = 13  # the stop check behind admission (StepResults): exercise it directly
     h.run()
     assert h.tokens(r) == r.output_token_ids and len(r.output_token_ids) == 3
     assert h.final(r).finish_reason == FinishReason.LENGTH

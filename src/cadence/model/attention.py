@@ -15,7 +15,9 @@ and per-token gathers move 16x more, smaller rows: both cost more than the atten
 Everything that depends only on the step's shape (slot mapping, gather indices, masks) is built once
 per step in `AttentionMetadata.build` and reused by every layer, so the per-layer work is tensor ops
 only: one `index_copy_` to write the new K/V, one `scaled_dot_product_attention` per multi-token
-chunk, and one batched attention per group of single-token (decode) rows.
+chunk, and one batched attention per group of single-token (decode) rows. Whether attention runs
+on torch ops (`TorchAttention`) or on cadence's CPU kernels (`KernelAttention`) is chosen in one
+place, `attention_backend`; the backend builds the step's parts, and each part attends by itself.
 
 Decode rows are grouped by context length. One batched matmul pads every context to the longest:
 with 32 chat streams and one 600-token answer among 100-token ones, that is 5x the work, and it was
@@ -26,7 +28,7 @@ bfloat16 on a CPU with AVX512-BF16: decode rows skip all of that. cadence's deco
 (model/cpu_kernels.py) reads each context where it lies, block by block through the block table,
 with an online softmax: no gather copy, no padding, no groups (`PagedDecode`), 1.5x the step
 throughput at 8 and 32 streams of 200-token contexts. Prefill chunks go to its prefill kernel the
-same way (`PrefillChunk.kernels`): no gather, no mask. Both kernels compute a query by one
+same way (`KernelPrefillChunk`): no gather, no mask. Both kernels compute a query by one
 arithmetic (keys in 16-position chunks from position 0, the same summation order throughout), so a
 position's attention output, and with it its hidden state, K/V and logits, are the same bits in a
 prefill, in any chunking of it, in a decode step and in a recompute after preemption.
@@ -114,20 +116,46 @@ class SeqSpan:
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """A multi-token chunk: rows `row_start .. row_end` of the flat batch. With `kernels`, cadence's
-    CPU prefill kernel reads the context in place through `ctx_blocks` (no mask is built)."""
+    """A multi-token chunk on torch ops: rows `row_start .. row_end` of the flat batch."""
 
     row_start: int
     row_end: int
     start_pos: int
-    ctx_blocks: torch.Tensor | None  # [nb] blocks holding the whole context; None when start_pos == 0 (torch path)
+    ctx_blocks: torch.Tensor | None  # [nb] blocks holding the whole context; None when start_pos == 0
     mask: torch.Tensor | None  # [num_tokens, nb * block_size] bool, True = may attend; None when start_pos == 0
-    kernels: CpuKernels | None = None
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the chunk's queries. Returns [n, H, D]."""
+        qc = q[self.row_start : self.row_end].transpose(0, 1)[None]  # [1, H, n, D]
+        if self.ctx_blocks is None:
+            # The chunk is the whole context: attend to its own fresh K/V, plain causal, no gather.
+            ctx = kv[self.row_start : self.row_end].permute(1, 2, 0, 3)  # [2, KVH, n, D]
+            o = F.scaled_dot_product_attention(qc, ctx[0][None], ctx[1][None], is_causal=True, enable_gqa=True)
+        else:
+            ctx = _gather_blocks(cache, self.ctx_blocks)  # [2, KVH, nb * bs, D]
+            o = F.scaled_dot_product_attention(qc, ctx[0][None], ctx[1][None], attn_mask=self.mask, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class KernelPrefillChunk:
+    """A multi-token chunk on cadence's CPU prefill kernel, which reads the context in place through
+    `ctx_blocks` (no gather, no mask)."""
+
+    row_start: int
+    row_end: int
+    start_pos: int
+    ctx_blocks: torch.Tensor  # [nb] blocks holding the whole context, this chunk included
+    kernels: CpuKernels
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        return self.kernels.prefill_attention(q[self.row_start : self.row_end], cache, self.ctx_blocks, self.start_pos)
 
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """A group of single-token rows, contiguous in the flat batch: rows `row_start .. + num_rows`."""
+    """A group of single-token rows on torch ops, contiguous in the flat batch: rows
+    `row_start .. + num_rows`."""
 
     row_start: int
     num_rows: int
@@ -137,6 +165,9 @@ class DecodeBatch:
     # None: nothing to mask. Fused: bool [KVH * B, 1, 1, L], True = may attend; otherwise float32
     # additive [KVH * B, 1, L] (L = nb * block_size), as each path takes it.
     mask: torch.Tensor | None
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        return _decode_attention(q[self.row_start : self.row_start + self.num_rows], cache, self)
 
 
 @dataclass(frozen=True)
@@ -151,13 +182,68 @@ class PagedDecode:
     total_len: int
     kernels: CpuKernels
 
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        rows = q[self.row_start : self.row_start + self.num_rows]
+        return self.kernels.decode_attention(rows, cache, self.tables, self.lens, self.total_len)
+
+
+class TorchAttention:
+    """Attention on torch ops: prefill chunks through `scaled_dot_product_attention` (a gathered
+    context and a mask past position 0), decode rows in groups by context length (`decode_groups`)."""
+
+    def __init__(self, block_size: int, device: torch.device, num_kv_heads: int) -> None:
+        self.block_size, self.device, self.num_kv_heads = block_size, device, num_kv_heads
+
+    def prefill(self, s: SeqSpan, row: int, table: torch.Tensor) -> PrefillChunk:
+        if s.start_pos == 0:
+            # The chunk is the whole context: attend to its own fresh K/V, plain causal, no gather.
+            return PrefillChunk(row, row + s.num_tokens, 0, None, None)
+        nb = -(-s.end_pos // self.block_size)
+        # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i (bottom-right causal);
+        # that also hides the unused tail of the last block.
+        q_pos = torch.arange(s.start_pos, s.end_pos)[:, None]
+        mask = torch.arange(nb * self.block_size)[None, :] <= q_pos
+        return PrefillChunk(
+            row, row + s.num_tokens, s.start_pos, to_device(table[:nb], self.device), to_device(mask, self.device)
+        )
+
+    def decodes(self, seqs: Sequence[SeqSpan], row: int, tables: torch.Tensor) -> tuple[DecodeBatch, ...]:
+        nbs = [-(-s.end_pos // self.block_size) for s in seqs]
+        return tuple(_decode_batch(seqs[lo:hi], row + lo, tables[lo:hi], self.block_size, self.device,
+                                   self.num_kv_heads) for lo, hi in decode_groups(nbs))
+
+
+class KernelAttention:
+    """Attention on cadence's bfloat16 CPU kernels: each prefill chunk and all decode rows at once
+    read their contexts where they lie in the paged cache."""
+
+    def __init__(self, block_size: int, kernels: CpuKernels) -> None:
+        self.block_size, self.kernels = block_size, kernels
+
+    def prefill(self, s: SeqSpan, row: int, table: torch.Tensor) -> KernelPrefillChunk:
+        nb = -(-s.end_pos // self.block_size)
+        return KernelPrefillChunk(row, row + s.num_tokens, s.start_pos, table[:nb].contiguous(), self.kernels)
+
+    def decodes(self, seqs: Sequence[SeqSpan], row: int, tables: torch.Tensor) -> tuple[PagedDecode, ...]:
+        if not seqs:
+            return ()
+        lens = [s.end_pos for s in seqs]
+        return (PagedDecode(row, len(seqs), tables.contiguous(), torch.tensor(lens), sum(lens), self.kernels),)
+
+
+def attention_backend(block_size: int, device: torch.device, num_kv_heads: int,
+                      kernels: CpuKernels | None) -> TorchAttention | KernelAttention:
+    """The one choice between cadence's kernels and torch for attention: the kernels where the
+    model was given them (bfloat16 on a CPU that has them), torch otherwise."""
+    return KernelAttention(block_size, kernels) if kernels is not None else TorchAttention(block_size, device, num_kv_heads)
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [T] position of each token of the flat batch
     slot_mapping: torch.Tensor  # [T] cache slot each new K/V is written to
-    prefills: tuple[PrefillChunk, ...]
-    decodes: tuple[DecodeBatch, ...] | tuple[PagedDecode]  # the single-token rows, in row order
+    prefills: tuple[PrefillChunk | KernelPrefillChunk, ...]  # the multi-token chunks, in row order
+    decodes: tuple[DecodeBatch, ...] | tuple[PagedDecode, ...]  # the single-token rows, in row order
 
     @classmethod
     def build(
@@ -180,35 +266,19 @@ class AttentionMetadata:
         )
         slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
 
-        prefills: list[PrefillChunk] = []
-        row = 0
-        first_decode = len(seqs)
-        for i, s in enumerate(seqs):
-            if s.num_tokens == 1:
-                first_decode = i
-                break
-            prefills.append(_prefill_chunk(s, row, tables[i], block_size, device, kernels))
+        backend = attention_backend(block_size, device, num_kv_heads, kernels)
+        first_decode = next((i for i, s in enumerate(seqs) if s.num_tokens == 1), len(seqs))
+        row, prefills = 0, []
+        for i, s in enumerate(seqs[:first_decode]):
+            prefills.append(backend.prefill(s, row, tables[i]))
             row += s.num_tokens
         decode_seqs = seqs[first_decode:]
         assert all(s.num_tokens == 1 for s in decode_seqs), "single-token spans must come last"
-        decodes: tuple[DecodeBatch, ...] | tuple[PagedDecode]
-        if kernels is not None and decode_seqs:
-            lens = [s.end_pos for s in decode_seqs]
-            decodes = (PagedDecode(row, len(decode_seqs), tables[first_decode:].contiguous(), torch.tensor(lens),
-                                   sum(lens), kernels),)
-        else:
-            nbs = [-(-s.end_pos // block_size) for s in decode_seqs]
-            batches = []
-            for lo, hi in decode_groups(nbs):
-                rows = first_decode + lo, first_decode + hi
-                batches.append(_decode_batch(seqs[rows[0] : rows[1]], row + lo, tables[rows[0] : rows[1]], block_size,
-                                             device, num_kv_heads))
-            decodes = tuple(batches)
         return cls(
             positions=to_device(positions, device),
             slot_mapping=to_device(slot_mapping, device),
             prefills=tuple(prefills),
-            decodes=decodes,
+            decodes=backend.decodes(decode_seqs, row, tables[first_decode:]),
         )
 
 
@@ -266,24 +336,6 @@ def _padded_block_tables(seqs: Sequence[SeqSpan], block_size: int) -> torch.Tens
     return tables
 
 
-def _prefill_chunk(
-    s: SeqSpan, row: int, table: torch.Tensor, block_size: int, device: torch.device, kernels: CpuKernels | None
-) -> PrefillChunk:
-    nb = -(-s.end_pos // block_size)
-    if kernels is not None:  # the CPU prefill kernel reads the context in place: the blocks, no mask
-        return PrefillChunk(row, row + s.num_tokens, s.start_pos, table[:nb].contiguous(), None, kernels)
-    if s.start_pos == 0:
-        # The chunk is the whole context: attend to its own fresh K/V, plain causal, no gather.
-        return PrefillChunk(row, row + s.num_tokens, 0, None, None)
-    # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i (bottom-right causal);
-    # that also hides the unused tail of the last block.
-    q_pos = torch.arange(s.start_pos, s.end_pos)[:, None]
-    mask = torch.arange(nb * block_size)[None, :] <= q_pos
-    return PrefillChunk(
-        row, row + s.num_tokens, s.start_pos, to_device(table[:nb], device), to_device(mask, device)
-    )
-
-
 def _decode_batch(
     seqs: Sequence[SeqSpan], row: int, tables: torch.Tensor, block_size: int, device: torch.device, kvh: int
 ) -> DecodeBatch:
@@ -307,13 +359,8 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta
     (one layer). Returns [T, H, D].
     """
     cache.flatten(2, 3).index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
-    parts = [_prefill_attention(q, kv, cache, p) for p in meta.prefills]
-    for d in meta.decodes:
-        rows = q[d.row_start : d.row_start + d.num_rows]
-        if isinstance(d, PagedDecode):
-            parts.append(d.kernels.decode_attention(rows, cache, d.tables, d.lens, d.total_len))
-        else:
-            parts.append(_decode_attention(rows, cache, d))
+    parts = [p.attend(q, kv, cache) for p in meta.prefills]
+    parts += [d.attend(q, kv, cache) for d in meta.decodes]
     # One part (a lone prefill, or decodes only) is the common case: no concatenation copy.
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -321,22 +368,6 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """[2, KVH, num_blocks, bs, D] -> [2, KVH, len(blocks) * bs, D]: contexts, contiguous per head."""
     return cache.index_select(2, blocks).flatten(2, 3)
-
-
-def _prefill_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, p: PrefillChunk) -> torch.Tensor:
-    """Causal attention of one multi-token chunk. Returns [n, H, D]."""
-    if p.kernels is not None:
-        assert p.ctx_blocks is not None
-        return p.kernels.prefill_attention(q[p.row_start : p.row_end], cache, p.ctx_blocks, p.start_pos)
-    qc = q[p.row_start : p.row_end].transpose(0, 1)[None]  # [1, H, n, D]
-    if p.ctx_blocks is None:
-        # The chunk is the whole context: attend to its own fresh K/V, plain causal, no gather.
-        ctx = kv[p.row_start : p.row_end].permute(1, 2, 0, 3)  # [2, KVH, n, D]
-        o = F.scaled_dot_product_attention(qc, ctx[0][None], ctx[1][None], is_causal=True, enable_gqa=True)
-    else:
-        ctx = _gather_blocks(cache, p.ctx_blocks)  # [2, KVH, nb * bs, D]
-        o = F.scaled_dot_product_attention(qc, ctx[0][None], ctx[1][None], attn_mask=p.mask, enable_gqa=True)
-    return o[0].transpose(0, 1)
 
 
 def _decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:

@@ -113,13 +113,22 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x)
 
+    def float32(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output in float32. On the bfloat16 kernel, the sums unrounded (the logits: a
+        bfloat16 logit moves in steps of 0.125 at 25 and would settle near-ties by rounding)."""
+        return self._float32(x)
+
     def _choose_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The layer's path, and with it (`_float32`) its float32 output: the bfloat16 kernel's
+        unrounded sums, else the path's output converted."""
         n, kernel, bias = self.shape[0], self.kernel, self.kernel_bias
+        self._float32: Callable[[torch.Tensor], torch.Tensor] = lambda x: self(x).float()
         if kernel is not None and self.q4_1 is not None:
             q4, self.path = self.q4_1, "cadence's kernel on the checkpoint's Q4_1 blocks"
             return lambda x: kernel.linear_q4_1(x, q4, n, bias)
         if kernel is not None and self.packed is not None:
             packed, self.path = self.packed, "cadence's kernel on bfloat16 weights"
+            self._float32 = lambda x: kernel.linear_f32(x, packed, n, bias)
             return lambda x: kernel.linear(x, packed, n, bias)
         if self.packed is not None:
             onednn, self.path = self.packed, "oneDNN on packed weights"
@@ -127,13 +136,6 @@ class Linear:
         weight, self.path = self.weight, "torch's linear"
         assert weight is not None
         return lambda x: F.linear(x, weight, self.bias)
-
-    def float32(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer's output in float32. On the bfloat16 kernel, the sums unrounded (the logits: a
-        bfloat16 logit moves in steps of 0.125 at 25 and would settle near-ties by rounding)."""
-        if self.kernel is not None and self.packed is not None:
-            return self.kernel.linear_f32(x, self.packed, self.shape[0], self.kernel_bias)
-        return self(x).float()
 
 
 def _pack_for_cpu(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

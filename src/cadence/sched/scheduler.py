@@ -17,7 +17,10 @@ that go on come back from `update` as ids in `last_decoded` instead of a `Reques
 Every decision is the same either way: `update` walks the step in scheduling order (the order
 requests finish in is the order their blocks return to the pool).
 
-What is not a decision lives in the base, `introspect.py` (why requests wait, snapshots, gauges).
+Two parts the scheduler owns and calls: `StepResults` (results.py) applies a step's results to
+its requests and decides when one stops; `Speculation` (speculation.py), with
+`speculative_config`, decides which decodes verify drafts and how many. What is not a decision
+lives in the base, `introspect.py` (why requests wait, snapshots, gauges).
 """
 
 from __future__ import annotations
@@ -26,35 +29,20 @@ import heapq
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from cadence.boundary import (
-    IterationStats,
-    ModelOutput,
-    RequestDelta,
-    ScheduledRequest,
-    SchedulerOutput,
-    TokenLogprobs,
-    WaitReason,
-)
-from cadence.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from cadence.boundary import IterationStats, ModelOutput, RequestDelta, SchedulerOutput, WaitReason
+from cadence.config import CacheConfig, SchedulerConfig
 from cadence.errors import AdmissionError
 from cadence.kv.manager import KVCacheManager
-from cadence.request import DECODE_LEG, Request, RequestStatus
-from cadence.sched.adaptive import Acceptance, Candidate, StepCost, analytic_step_cost, choose_ks
+from cadence.request import Request, RequestStatus
+from cadence.sched.adaptive import StepCost, analytic_step_cost
 from cadence.sched.admission import AdmissionControl, check_ids
-from cadence.sched.features import StepFeatures, scan_rows, shared_keys_by_row
 from cadence.sched.introspect import SchedulerIntrospection
-from cadence.sched.ngram import PackedTokens
 from cadence.sched.plan import StepPlan
 from cadence.sched.preempt import make_preemption_policy
 from cadence.sched.queue import make_queue
-from cadence.sched.records import (
-    final_delta,
-    finished_stats,
-    scheduled_request,
-    token_delta,
-    tokens_delta,
-    verification_request,
-)
+from cadence.sched.records import final_delta, finished_stats, scheduled_request, verification_request
+from cadence.sched.results import StepResults
+from cadence.sched.speculation import Speculation
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -75,9 +63,8 @@ class Scheduler(SchedulerIntrospection):
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.last_iteration_stats = IterationStats()
         self.is_static = config.scheduler == "static"
-        self.speculative: SpeculativeConfig | None = config.speculative_config
-        self._packed: dict[str, PackedTokens] = {}  # speculating requests' contexts, for the n-gram lookup
-        self._acceptance: dict[str, Acceptance] = {}  # speculating requests' measured acceptance
+        spec = config.speculative_config
+        self.speculation = Speculation(spec, kv, max_model_len) if spec is not None else None
         # What a step of a given shape costs, for adaptive k (sched/adaptive.py); the engine sets it
         # from its calibrated profile where it has one.
         self.step_cost: StepCost = analytic_step_cost
@@ -104,6 +91,7 @@ class Scheduler(SchedulerIntrospection):
         self.revision = 0
         # Told of each preemption before it happens (request, tokens it loses, reason); None: nobody.
         self.on_preempt: Callable[[Request, int, str], None] | None = None
+        self.results = StepResults(self.requests, kv, self.waiting, max_model_len, self.speculation, self.finish)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, request: Request, now: float, *, evict: bool = True) -> None:
@@ -154,8 +142,9 @@ class Scheduler(SchedulerIntrospection):
         stop: tuple[WaitReason, str | None] | None = (
             self._schedule_waiting(plan) if may_admit else (WaitReason.STATIC_BATCH, None)
         )
-        if candidates:
-            self._adapt_drafts(plan, candidates)
+        if candidates and self.speculation is not None:
+            self.speculation.adapt(plan, candidates, self.step_cost, len(self.running),
+                                  prices_shared=self.step_cost_prices_shared)
         self._record_stop(stop)
         prefix = self.kv.pop_prefix_stats()
         self._stats.prefix_cache_queries += prefix.queries
@@ -178,11 +167,11 @@ class Scheduler(SchedulerIntrospection):
     def _schedule_running(self, plan: StepPlan, candidates: list[Request]) -> None:
         """Running requests' rows. With adaptive speculation, the decodes that could verify drafts
         are planned as plain decodes and listed in `candidates`: their drafts are chosen once the
-        whole step is planned (`_adapt_drafts`)."""
+        whole step is planned (`Speculation.adapt`)."""
         allocate, table = self.kv.allocate_slots, self.kv.block_tables.get
         block_size = self.kv.block_size
         rows = plan.rows
-        spec = self.speculative
+        spec = self.speculation
         adaptive = spec is not None and spec.adaptive
         for req in list(self.running):
             if plan.budget <= 0:
@@ -200,7 +189,7 @@ class Scheduler(SchedulerIntrospection):
             if spec is not None and remaining == 1 and start >= num_prompt:
                 if adaptive:
                     candidates.append(req)
-                drafts = () if adaptive else self._drafts(req, spec, plan.budget)
+                drafts = () if adaptive else spec.drafts(req, plan.budget, len(self.running))
                 if drafts:
                     rows[rid] = verification_request(req, drafts, table(rid, ()))
                     plan.budget -= 1 + len(drafts)  # a verification row counts as decode tokens
@@ -223,95 +212,6 @@ class Scheduler(SchedulerIntrospection):
             if n != 1 or start < num_prompt:
                 plan.num_prefill += n
             plan.budget -= n
-
-    def _drafts(self, req: Request, spec: SpeculativeConfig, budget: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding request this step (fixed k), their KV slots allocated; ()
-        when it does not speculate (its sampling does not allow it, no n-gram match, no room)."""
-        k = self._max_drafts(req, spec, budget - 1)
-        drafts = self._propose(req, k, spec) if k else ()
-        return drafts if drafts and self._allocate_drafts(req, len(drafts)) else ()
-
-    def _max_drafts(self, req: Request, spec: SpeculativeConfig, budget: int) -> int:
-        """The most drafts `req` may verify this step with `budget` tokens for them: 0 when its
-        sampling does not allow drafts, else no more than the budget, max_tokens or the context
-        leave room to use."""
-        sp = req.sampling_params
-        num_out = len(req.output_token_ids)
-        if not sp.speculable or num_out < sp.min_tokens:
-            return 0
-        return max(0, min(spec.num_speculative_tokens, budget, sp.max_tokens - num_out - 1,
-                          self.max_model_len - req.num_tokens - 1))
-
-    def _allocate_drafts(self, req: Request, k: int) -> bool:
-        """KV slots for the fed token and k drafts. Drafts take only spare blocks: a failed
-        allocation, or one that would leave fewer free blocks than running requests, drops them
-        rather than preempting anyone for them."""
-        kv, n = self.kv, 1 + k
-        if req.num_computed_tokens + n > len(kv.block_tables.get(req.request_id, ())) * kv.block_size:
-            spare = kv.num_free_blocks - kv.blocks_to_take(req, n)
-            if spare < len(self.running) or kv.allocate_slots(req, n) is None:
-                return False
-        return True
-
-    def _adapt_drafts(self, plan: StepPlan, candidates: list[Request]) -> None:
-        """Adaptive k: with the step planned, turn the candidates' decodes into verification rows
-        where the step cost model says their expected accepted tokens pay for the time they add
-        (sched/adaptive.py); the drafts take only the budget the step left."""
-        spec = self.speculative
-        assert spec is not None
-        rows = plan.rows
-        proposals: dict[str, tuple[int, ...]] = {}
-        cands = []
-        # Each decode row's shared keys (sched/features.py), for a step cost that prices them: one
-        # pass over the tables.
-        shared: dict[str, int] = {}
-        if self.step_cost_prices_shared:
-            decodes = [r for r in rows.values() if len(r.token_ids) == 1]
-            shared = dict(zip((r.request_id for r in decodes), shared_keys_by_row(
-                ((r.start_pos + 1, r.block_table) for r in decodes), self.kv.block_size), strict=True))
-        for req in candidates:
-            rid = req.request_id
-            row = rows.get(rid)
-            # Preempted while the waiting requests were admitted (and perhaps admitted again, to
-            # recompute): its row, if any, is no longer the decode it was planned as.
-            if req.status is not _RUNNING or row is None or len(row.token_ids) != 1 \
-                    or req.num_computed_tokens < len(req.prompt_token_ids):
-                continue
-            k = self._max_drafts(req, spec, plan.budget)
-            drafts = self._propose(req, k, spec) if k else ()
-            if drafts:
-                proposals[rid] = drafts
-                est = self._acceptance.get(rid)
-                cands.append(Candidate(rid, req.num_computed_tokens, len(drafts),
-                                       est.rate if est is not None else Acceptance().rate, shared.get(rid, 0)))
-        if not cands:
-            return
-        pt, ps, ds, dc, dmax, pa, sm, _ = scan_rows(tuple(rows.values()), 0)
-        base = StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa, sum(shared.values()))
-        ks = choose_ks(base, cands, self.step_cost, plan.budget)
-        for rid, k in ks.items():
-            req = self.requests[rid]
-            if k > plan.budget or not self._allocate_drafts(req, k):
-                continue
-            rows[rid] = verification_request(req, proposals[rid][:k], self.kv.block_tables.get(rid, ()))
-            plan.budget -= k
-        for c in cands:
-            if c.request_id not in ks:
-                est = self._acceptance.get(c.request_id)
-                if est is not None:
-                    est.idle()
-
-    def _propose(self, req: Request, k: int, spec: SpeculativeConfig) -> tuple[int, ...]:
-        """Up to k n-gram drafts from the request's context, packed once and extended as it grows."""
-        rid, num = req.request_id, req.num_tokens
-        packed = self._packed.get(rid)
-        if packed is None:
-            packed = self._packed[rid] = PackedTokens()
-        if packed.num_tokens < num:
-            packed.extend(req.token_ids_slice(packed.num_tokens, num))
-        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        follow = packed.continuation(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return () if follow is None else tuple(req.token_ids_slice(follow, min(follow + k, num)))
 
     def eligible(self) -> Callable[[Request], bool] | None:
         """Which waiting requests may be admitted now (None: all): the per-tenant running cap."""
@@ -423,169 +323,12 @@ class Scheduler(SchedulerIntrospection):
         listed in `last_decoded` rather than returned as deltas."""
         deltas, self._pending_deltas = self._pending_deltas, []
         self.last_decoded = []
-        self._update_rows(out.scheduled, model_output, now, deltas)
+        went_on = self.last_decoded if self._decode_ids else None
+        # Added after the call: a request ended in it already took its updated tokens off the total.
+        computed = self.results.apply(out.scheduled, model_output, now, self._stats, deltas, went_on)
+        self._num_live_tokens += computed
         self._close_stats()
         return deltas
-
-    def _update_record(self, sr: ScheduledRequest, model_output: ModelOutput, now: float,
-                       deltas: list[RequestDelta]) -> None:
-        """One scheduled record's result: its progress, and its sampled token if it samples."""
-        rid = sr.request_id
-        req = self.requests.get(rid)
-        if req is None or req.status is not _RUNNING:
-            return  # ended between schedule and update
-        if sr.num_draft_tokens:
-            self._update_verified(req, sr, model_output, now, deltas)
-            return
-        start, n = sr.start_pos, len(sr.token_ids)
-        assert req.num_computed_tokens == start, f"{rid}: progress out of step"
-        req.num_computed_tokens = start + n
-        # Added before a possible finish below, which takes the request's (updated) tokens off.
-        self._num_live_tokens += n
-        # Blocks fill only where a step crosses a block boundary (every `block_size` decodes):
-        # the KV manager has published every block full before this step, so skip the call otherwise.
-        if start % self.kv.block_size + n >= self.kv.block_size:
-            self.kv.cache_computed_blocks(req)
-        prompt_tokens = 0 if n == 1 and start >= len(req.prompt_token_ids) else n  # decode: 0
-        if req.handoff is None or req.handoff.leg != DECODE_LEG:  # (a decode leg's prompt was counted by its prefill)
-            self._stats.num_prompt_tokens += prompt_tokens
-        account = self.waiting.account if self.waiting.tracks_service else None  # a no-op call otherwise
-        if not sr.sample:
-            if account is not None:
-                account(req, prompt_tokens, 0)
-            return
-        token = model_output.sampled_token_ids.get(rid)
-        if token is None:
-            self.finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
-            deltas.append(final_delta(req))
-            return
-        if account is not None:
-            account(req, prompt_tokens, 1)
-        self._stats.num_generation_tokens += 1
-        logprobs = model_output.logprobs
-        deltas.append(self._append_token(req, token, logprobs.get(rid) if logprobs else None, now))
-
-    def _update_verified(self, req: Request, sr: ScheduledRequest, model_output: ModelOutput, now: float,
-                         deltas: list[RequestDelta]) -> None:
-        """A verification row's result: the accepted drafts and the token after them join the
-        outputs, one at a time, until one ends the request (the rest are dropped); the KV of the
-        fed token and of the accepted drafts is kept, the rejected drafts' slots are given back."""
-        rid, start = req.request_id, sr.start_pos
-        assert req.num_computed_tokens == start, f"{rid}: progress out of step"
-        tokens = model_output.verified_token_ids.get(rid)
-        if tokens is None and rid in model_output.sampled_token_ids:
-            tokens = (model_output.sampled_token_ids[rid],)  # an executor that does not verify: none accepted
-        # The K/V written is that of the drafts: the tokens kept before the last must be drafts.
-        error = "the executor returned no verified tokens" if not tokens else \
-            "the executor's verified tokens are not the drafts" \
-            if len(tokens) > sr.num_draft_tokens + 1 or tokens[:-1] != sr.draft_token_ids[: len(tokens) - 1] else None
-        if error is not None or not tokens:
-            self.finish(req, RequestStatus.FINISHED_ERROR, now, error=error)
-            deltas.append(final_delta(req))
-            return
-        est = self._acceptance.get(rid)
-        if est is None:
-            est = self._acceptance[rid] = Acceptance()
-        est.record(sr.num_draft_tokens, len(tokens) - 1)
-        stats = self._stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += sr.num_draft_tokens
-        stats.num_accepted_tokens += len(tokens) - 1
-        per_pos = stats.num_accepted_tokens_per_pos
-        for i in range(len(tokens) - 1):
-            if i == len(per_pos):
-                per_pos.append(0)
-            per_pos[i] += 1
-        outputs, sp = req.output_token_ids, req.sampling_params
-        status, stop_reason, taken = None, None, 0
-        for token in tokens:
-            outputs.append(token)
-            taken += 1
-            if not (len(outputs) < sp.max_tokens and req.num_tokens < self.max_model_len
-                    and token not in req.eos_token_ids and token not in sp.stop_token_ids):
-                status, stop_reason = self.stop_status(req, token)
-                if status is not None:
-                    break
-        # Positions start .. start + taken - 1 hold the fed token and the drafts now confirmed.
-        req.num_computed_tokens = start + taken
-        self._num_live_tokens += taken
-        self.kv.release_tail(req)
-        self.kv.cache_computed_blocks(req)
-        if self.waiting.tracks_service:
-            self.waiting.account(req, 0, taken)
-        stats.num_generation_tokens += taken
-        if req.last_token_time is not None:  # one latency per step, as for a plain decode step
-            stats.token_latencies.append((req.tenant, now - req.last_token_time))
-        req.last_token_time = now
-        new = tuple(outputs[len(outputs) - taken :])
-        if status is None:
-            deltas.append(tokens_delta(req, new))
-            return
-        self.finish(req, status, now, stop_reason=stop_reason)
-        deltas.append(final_delta(req, new))
-
-    def _update_rows(self, rows: tuple[ScheduledRequest, ...], model_output: ModelOutput, now: float,
-                     deltas: list[RequestDelta]) -> None:
-        """`_update_record` for each row, but for a plain decode (one token, sampled, past the
-        prompt, of a request with plain sampling) what it and `_append_token` do written flat (it
-        runs for nearly every token); with `decode_ids`, the ids of the plain decodes that go on
-        are collected in `last_decoded` instead of a delta each."""
-        requests, cache, block_size = self.requests, self.kv.cache_computed_blocks, self.kv.block_size
-        account = self.waiting.account if self.waiting.tracks_service else None
-        latencies = self._stats.token_latencies
-        max_len = self.max_model_len
-        went_on = self.last_decoded if self._decode_ids else None
-        sampled = model_output.sampled_token_ids
-        update_record = self._update_record
-        num_computed = num_sampled = 0
-        for sr in rows:
-            rid = sr.request_id
-            req = requests.get(rid)
-            if req is None or req.status is not _RUNNING:
-                continue  # ended between schedule and update
-            start = sr.start_pos
-            if len(sr.token_ids) != 1 or not sr.sample or start < len(req.prompt_token_ids) \
-                    or not sr.sampling_params.plain_decode:
-                update_record(sr, model_output, now, deltas)
-                continue
-            assert req.num_computed_tokens == start, f"{rid}: progress out of step"
-            req.num_computed_tokens = start + 1
-            num_computed += 1
-            if (start + 1) % block_size == 0:
-                cache(req)
-            token = sampled.get(rid)
-            if token is None:
-                self.finish(req, RequestStatus.FINISHED_ERROR, now, error="the executor returned no token")
-                deltas.append(final_delta(req))
-                continue
-            if account is not None:
-                account(req, 0, 1)
-            num_sampled += 1
-            last = req.last_token_time
-            if last is None:  # not for a decode (it feeds a sampled token); kept exact all the same
-                deltas.append(self._append_token(req, token, None, now))
-                continue
-            outputs = req.output_token_ids
-            outputs.append(token)
-            latencies.append((req.tenant, now - last))
-            req.last_token_time = now
-            sp = req.sampling_params
-            # Context after this token: start + 2 (the token fed, then the one just sampled).
-            status, stop_reason = None, None
-            if not (len(outputs) < sp.max_tokens and start + 2 < max_len and token not in req.eos_token_ids
-                    and token not in sp.stop_token_ids):  # (most tokens end nothing: decided cheaply)
-                status, stop_reason = self.stop_status(req, token)
-            if status is None:
-                if went_on is not None:
-                    went_on.append(rid)
-                else:
-                    deltas.append(token_delta(req, token, ()))
-                continue
-            self.finish(req, status, now, stop_reason=stop_reason)
-            deltas.append(final_delta(req, (token,)))
-        # Summed once: a request finished above took its updated tokens off, so the total is exact.
-        self._num_live_tokens += num_computed
-        self._stats.num_generation_tokens += num_sampled
 
     def fail_step(self, out: SchedulerOutput, error: str, now: float) -> list[RequestDelta]:
         """The executor raised: every request of the step ends with FINISHED_ERROR."""
@@ -598,46 +341,9 @@ class Scheduler(SchedulerIntrospection):
         self._close_stats()
         return deltas
 
-    def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> RequestDelta:
-        """Append a sampled token (the caller counts it); runs once per generated token."""
-        outputs = req.output_token_ids
-        outputs.append(token)
-        last = req.last_token_time
-        if last is None:  # the first token
-            req.first_token_time = now
-            self._stats.first_token_latencies.append((req.tenant, now - req.arrival_time))
-        else:
-            if req.first_token_time is None:  # a decode leg's first token here: the request's next one
-                req.first_token_time = now
-            self._stats.token_latencies.append((req.tenant, now - last))
-        req.last_token_time = now
-        lps = (logprobs,) if logprobs is not None else ()
-        sp = req.sampling_params
-        num_out = len(outputs)
-        # Most tokens end nothing: decide that with a few cheap tests before the full check.
-        if (
-            num_out < sp.max_tokens
-            and len(req.prompt_token_ids) + num_out < self.max_model_len
-            and token not in req.eos_token_ids
-            and token not in sp.stop_token_ids
-        ):
-            return token_delta(req, token, lps)
-        status, stop_reason = self.stop_status(req, token)
-        if status is None:
-            return token_delta(req, token, lps)
-        self.finish(req, status, now, stop_reason=stop_reason)
-        return final_delta(req, (token,), lps)
-
     def stop_status(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
-        sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED, None
-            if token in sp.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None
+        """Whether `req` stops with `token`, just appended (`StepResults.stop_status`)."""
+        return self.results.stop_status(req, token)
 
     # ------------------------------------------------------------------ ending requests
     def abort(self, request_ids: list[str] | tuple[str, ...], now: float) -> list[RequestDelta]:
@@ -700,8 +406,8 @@ class Scheduler(SchedulerIntrospection):
         else:
             self.waiting.remove(req)
             self.kv.free(req)  # holds no blocks, but may hold a hash memo
-        self._packed.pop(req.request_id, None)
-        self._acceptance.pop(req.request_id, None)
+        if self.speculation is not None:
+            self.speculation.forget(req.request_id)
         req.status = status
         req.finished_time = now
         req.stop_reason = stop_reason
