@@ -154,7 +154,7 @@ class CacheConfig:
         _require(self.prefix_caching_hash_algo in HASH_ALGOS, "prefix_caching_hash_algo", f"must be one of {HASH_ALGOS}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # drafts one verification row may carry
 
 
@@ -166,10 +166,15 @@ class SpeculativeConfig:
     of the request's last n tokens in its own prompt and output, for the longest n in
     [prompt_lookup_min, prompt_lookup_max] that occurs; each decode step verifies up to
     `num_speculative_tokens` of them. As in vLLM, a missing bound takes the other's value, and
-    both missing are 5."""
+    both missing are 5.
+
+    draft_model: the drafts are what a small model of the same vocabulary (`model`, a GGUF file
+    or Hugging Face directory) predicts greedily after the request's context; the model runner
+    owns and runs it (executor/drafter.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
+    model: str | None = None  # draft_model: the draft model's checkpoint
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     # cadence's own: choose k per request per step from its measured acceptance and the step's
@@ -210,6 +215,11 @@ class SpeculativeConfig:
         _require(self.method in SPECULATIVE_METHODS, "speculative_config.method", f"must be one of {SPECULATIVE_METHODS}")
         _require(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, "speculative_config.num_speculative_tokens",
                  f"must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.method == "draft_model":
+            _require(bool(self.model), "speculative_config.model",
+                     "required with method draft_model: a GGUF file or Hugging Face directory of the draft model")
+        else:
+            _require(self.model is None, "speculative_config.model", "only with method draft_model")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         _require(lo is not None and lo >= 1, "speculative_config.prompt_lookup_min", "must be >= 1")
         _require(hi is not None and lo is not None and hi >= lo, "speculative_config.prompt_lookup_max",

@@ -41,6 +41,7 @@ from cadence.kv.manager import KVCacheManager
 from cadence.request import DECODE_LEG, Request, RequestStatus
 from cadence.sched.adaptive import Acceptance, Candidate, StepCost, analytic_step_cost, choose_ks
 from cadence.sched.admission import AdmissionControl, check_ids
+from cadence.sched.draft_proposals import DraftProposals
 from cadence.sched.features import StepFeatures, scan_rows
 from cadence.sched.introspect import SchedulerIntrospection
 from cadence.sched.ngram import PackedTokens
@@ -78,6 +79,9 @@ class Scheduler(SchedulerIntrospection):
         self.speculative: SpeculativeConfig | None = config.speculative_config
         self._packed: dict[str, PackedTokens] = {}  # speculating requests' contexts, for the n-gram lookup
         self._acceptance: dict[str, Acceptance] = {}  # speculating requests' measured acceptance
+        # method draft_model: the drafts the executor's draft model proposes, kept per request.
+        self.draft_proposals = DraftProposals(self.speculative.num_speculative_tokens) \
+            if self.speculative is not None and self.speculative.method == "draft_model" else None
         # What a step of a given shape costs, for adaptive k (sched/adaptive.py); the engine sets it
         # from its calibrated profile where it has one.
         self.step_cost: StepCost = analytic_step_cost
@@ -292,7 +296,10 @@ class Scheduler(SchedulerIntrospection):
                     est.idle()
 
     def _propose(self, req: Request, k: int, spec: SpeculativeConfig) -> tuple[int, ...]:
-        """Up to k n-gram drafts from the request's context, packed once and extended as it grows."""
+        """Up to k n-gram drafts from the request's context, packed once and extended as it grows
+        (or, with a draft model, those it proposed after the request's current context)."""
+        if self.draft_proposals is not None:
+            return self.draft_proposals.propose(req, k)
         rid, num = req.request_id, req.num_tokens
         packed = self._packed.get(rid)
         if packed is None:
@@ -370,6 +377,8 @@ class Scheduler(SchedulerIntrospection):
         if self.on_preempt is not None:
             self.on_preempt(victim, victim.num_computed_tokens, reason)
         self._leave_running(victim, keep_hashes=True)
+        if self.draft_proposals is not None:
+            self.draft_proposals.drop(victim.request_id)
         plan.undo(victim)  # before its progress is reset: the undo reads where its chunk started
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -399,6 +408,8 @@ class Scheduler(SchedulerIntrospection):
             num_batched_tokens=num_tokens,
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_tokens - num_prefill,
+            draft_requests=self.draft_proposals.requests(plan.rows.values(), self.requests)
+            if self.draft_proposals is not None and plan.rows else {},
         )
         if plan.rows:  # an empty output is never executed: keep the ids for the next one
             self._preempted_ids.clear()
@@ -414,6 +425,11 @@ class Scheduler(SchedulerIntrospection):
         deltas, self._pending_deltas = self._pending_deltas, []
         self.last_decoded = []
         self._update_rows(out.scheduled, model_output, now, deltas)
+        if self.draft_proposals is not None:
+            for rid, drafts in model_output.draft_token_ids.items():
+                req = self.requests.get(rid)
+                if req is not None and req.status is _RUNNING:
+                    self.draft_proposals.store(req, drafts)
         self._close_stats()
         return deltas
 
@@ -692,6 +708,8 @@ class Scheduler(SchedulerIntrospection):
             self.kv.free(req)  # holds no blocks, but may hold a hash memo
         self._packed.pop(req.request_id, None)
         self._acceptance.pop(req.request_id, None)
+        if self.draft_proposals is not None:
+            self.draft_proposals.drop(req.request_id)
         req.status = status
         req.finished_time = now
         req.stop_reason = stop_reason
