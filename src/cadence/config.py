@@ -174,12 +174,12 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
-    model: str | None = None  # draft_model: the draft model's checkpoint
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     # cadence's own: choose k per request per step from its measured acceptance and the step's
     # cost (0 under load); False: always up to num_speculative_tokens.
     adaptive: bool = True
+    model: str | None = None  # draft_model: the draft model's checkpoint
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig:
