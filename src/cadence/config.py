@@ -495,8 +495,8 @@ OPTION_HELP: dict[str, str] = {
     "tenant_weights": "fair-share weights, NAME=WEIGHT[,NAME=WEIGHT...]; unnamed tenants weigh 1",
     "deadline_aging": "seconds of waiting that count as one second nearer a deadline (deadline policy)",
     "speculative_config": 'speculative decoding as JSON, in vLLM\'s spelling: {"method": "ngram", '
-                          '"num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B} '
-                          "(none: off)",
+                          '"num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}, or '
+                          '{"method": "draft_model", "model": PATH, "num_speculative_tokens": K} (none: off)',
 }
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": (*DTYPES, *DTYPE_ALIASES), "device": DEVICES, "scheduler": SCHEDULERS, "policy": POLICIES,
