@@ -265,3 +265,19 @@ def test_a_draft_whose_tokenizer_maps_other_ids_is_refused(tmp_path: Path) -> No
     (draft / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     with pytest.raises(ValueError, match=r"speculative_config\.model: the draft model's tokenizer maps tokens to other ids"):
         LLM(tiny=True, num_kv_blocks=16, speculative_config={**DRAFT, "model": str(draft)})
+
+
+def test_make_draft_writes_a_loadable_truncated_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cadence.model.make_draft import main
+
+    assert main(["--num-layers", "2", "--out", str(tmp_path / "d")]) == 0
+    ckpt = load_checkpoint(tmp_path / "d")
+    full = load_checkpoint(None)
+    assert (ckpt.arch.num_layers, ckpt.arch.vocab_size) == (2, full.arch.vocab_size)
+    assert set(ckpt.weights) == {k for k in full.weights if not k.startswith("model.layers.") or k.split(".")[2] in ("0", "1")}
+    assert torch.equal(ckpt.weights["model.layers.1.mlp.down_proj.weight"],
+                       full.weights["model.layers.1.mlp.down_proj.weight"].to(torch.bfloat16).float())
+    assert Tokenizer.from_model_path(tmp_path / "d").vocabulary() == Tokenizer.from_model_path(None).vocabulary()
+    with pytest.raises(SystemExit):
+        main(["--num-layers", "31", "--out", str(tmp_path / "e")])
+    assert "num_layers: must be in [1, 30]" in capsys.readouterr().err
