@@ -34,7 +34,7 @@ INITIAL_BLOCKS = 64  # the draft cache's first size; it doubles when full
 class _DraftState:
     """One request's context as the drafter knows it, and what its draft cache holds."""
 
-    context: list[int] = field(default_factory=list)  # as sent by the scheduler
+    context: list[int] = field(default_factory=list)  # as sent by the scheduler, then this step's tokens
     fed: list[int] = field(default_factory=list)  # the token at each position with K/V in the cache
     checked: int = 0  # leading positions of `fed` known to hold the context's tokens
     blocks: list[int] = field(default_factory=list)
@@ -75,7 +75,10 @@ class Drafter:
             if step is None and rid in result.sampled_token_ids:
                 step = (result.sampled_token_ids[rid],)
             if step:
-                contexts[rid] = (state.context + list(step), want.k)
+                # Appended in place (no copy of the context); the next sync cuts them off again
+                # and takes the scheduler's tokens, which are these unless the request ended.
+                state.context.extend(step)
+                contexts[rid] = (state.context, want.k)
         return replace(result, draft_token_ids=self.propose(contexts))
 
     def forget(self, request_ids: tuple[str, ...] | list[str]) -> None:
@@ -115,7 +118,8 @@ class Drafter:
         return {rid: tuple(d) for rid, d in drafts.items()}
 
     def _sync(self, rid: str, want: DraftRequest) -> _DraftState:
-        """Take in the context tokens the scheduler sent."""
+        """Take in the context tokens the scheduler sent (from `offset`: what the drafter appended
+        itself after that, the tokens of the step before, is replaced by the scheduler's)."""
         state = self.states.get(rid)
         if want.offset == 0:
             if state is None:
@@ -123,10 +127,12 @@ class Drafter:
             state.context = list(want.new_tokens)
             state.checked = 0  # a context sent afresh: check every position the cache holds
             return state
-        if state is None or len(state.context) != want.offset:
+        if state is None or len(state.context) < want.offset:
             have = "no context" if state is None else f"{len(state.context)} context tokens"
             raise RuntimeError(f"draft model: request {rid} sent tokens from index {want.offset}, but the drafter has {have}")
+        del state.context[want.offset :]
         state.context.extend(want.new_tokens)
+        state.checked = min(state.checked, want.offset)  # the tokens past it are checked again
         return state
 
     @staticmethod
