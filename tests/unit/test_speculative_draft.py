@@ -196,16 +196,18 @@ def test_after_rejected_drafts_proposals_are_those_of_a_fresh_run(tiny_model: tu
         assert drafter.states[rid].fed == ctx + list(again[rid][:-1])
 
 
-def test_in_an_engine_every_proposal_is_a_fresh_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("num_kv_blocks", [256, 12])
+def test_in_an_engine_every_proposal_is_a_fresh_runs(tmp_path: Path, num_kv_blocks: int) -> None:
     """The tiny engine with its first layer as the draft: every proposal the drafter made, over
-    steps where the target accepted some drafts and rejected others, equals what a fresh drafter
-    proposes over the same context."""
+    steps where the target accepted some drafts and rejected others (and, with 12 blocks, where
+    requests were preempted and ran again), equals what a fresh drafter proposes over the same
+    context."""
     tokenizer = Tokenizer.from_model_path(None)
     arch = tiny_arch(tokenizer.vocab_size)
     weights = random_weights(arch, seed=0)
     draft = write_draft(arch, weights, 1, tmp_path / "draft", tokenizer, torch.float32)
     spec = {**DRAFT, "model": str(draft)}
-    llm = LLM(tiny=True, dtype="float32", num_kv_blocks=256, block_size=4, speculative_config=spec)
+    llm = LLM(tiny=True, dtype="float32", num_kv_blocks=num_kv_blocks, block_size=4, speculative_config=spec)
     drafter = llm.engine.core.executor.drafter
     calls: list[tuple[dict, dict]] = []
     propose = drafter.propose
@@ -219,7 +221,8 @@ def test_in_an_engine_every_proposal_is_a_fresh_runs(tmp_path: Path) -> None:
     core = llm.engine.core
     stats = _stats_counter(core)
     prompts = [{"prompt_token_ids": [(37 * i + 11 * j) % 400 + 5 for j in range(6 + 5 * i)]} for i in range(3)]
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert (num_kv_blocks == 12) == any(o.metrics.num_preemptions for o in outs)
     assert 0 < stats["accepted"] < stats["drafted"]
     assert sum(len(got) for _, got in calls) > 10  # proposals, from the draft model, over many steps
     ckpt = load_checkpoint(draft, torch.float32)
