@@ -1,7 +1,8 @@
-"""What speculative decoding (n-gram drafts) does to a served model's throughput: off, fixed k and
-adaptive k, on an input-grounded workload and on the chat mix.
+"""What speculative decoding (n-gram drafts, or a draft model's) does to a served model's throughput:
+off, fixed k and adaptive k, on an input-grounded workload and on the chat mix.
 
     .venv/bin/python benchmarks/bench_speculative.py [--rounds 3] [--num-requests 16] [--k 4]
+    .venv/bin/python benchmarks/bench_speculative.py --method draft_model --draft DIR   # drafts from a draft model
     .venv/bin/python benchmarks/bench_speculative.py --tiny --rounds 1 --num-requests 2   # a check that it runs
 
 Each cell is a fresh `cadence serve` (the default model, `--num-threads 2`) and one `cadence bench`
@@ -16,8 +17,10 @@ without, so every mode generates the same tokens). The cells:
   the answer quotes its input: where n-gram drafts pay;
 - `chat@1`, `chat@8`, `chat@32`: `cadence bench`'s built-in chat mix at 1, 8 and 32 streams.
 
-Each is run with speculation off, with n-gram drafts at fixed k (`"adaptive": false`) and with
-adaptive k (the default), in an order that rotates every round. It prints per cell the output
+Each is run with speculation off, with drafts at fixed k (`"adaptive": false`) and with
+adaptive k (the default); the drafts are n-gram lookups (`--method ngram`, the default) or a draft
+model's (`--method draft_model --draft DIR`, for example one `python -m cadence.model.make_draft`
+wrote), in an order that rotates every round. It prints per cell the output
 tokens/s, the mean TPOT, the acceptance rate and the mean k per verification row (from the
 server's /metrics, counted over the timed run), and the ratios of tokens/s and TPOT to the cell
 with speculation off, per round and their median over the rounds.
@@ -93,11 +96,14 @@ def grounded_requests(path: Path, num: int, max_tokens: int) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def spec_config(mode: str, k: int) -> list[str]:
+def spec_config(mode: str, k: int, method: str = "ngram", draft: str | None = None) -> list[str]:
     if mode == "off":
         return []
-    cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-           "adaptive": mode == "adaptive"}
+    cfg: dict[str, object] = {"method": method, "num_speculative_tokens": k, "adaptive": mode == "adaptive"}
+    if method == "ngram":
+        cfg.update(prompt_lookup_min=2, prompt_lookup_max=4)
+    else:
+        cfg["model"] = draft
     return ["--speculative-config", json.dumps(cfg)]
 
 
@@ -120,7 +126,7 @@ def warm_up(port: int) -> None:
 def one_cell(workload: str, streams: int, mode: str, rnd: int, args: argparse.Namespace, out: Path) -> Cell:
     name = f"{workload}{streams}_{mode}_r{rnd}"
     serve = [*CADENCE, "serve", "--host", "127.0.0.1", "--port", str(args.port), "--num-threads",
-             str(args.num_threads), *(["--tiny"] if args.tiny else []), *spec_config(mode, args.k)]
+             str(args.num_threads), *(["--tiny"] if args.tiny else []), *spec_config(mode, args.k, args.method, args.draft)]
     source = ["--requests-file", str(out / "grounded.jsonl")] if workload == "grounded" else ["--workload", "chat"]
     num = args.num_requests if streams == 1 else max(args.num_requests, 2 * streams)
     bench = [*CADENCE, "bench", "--base-url", f"http://127.0.0.1:{args.port}", "--endpoint", "chat", *source,
@@ -152,6 +158,10 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=16,
                    help="requests per single-stream cell; at N streams at least 2N (default %(default)s)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default %(default)s)")
+    p.add_argument("--method", choices=("ngram", "draft_model"), default="ngram",
+                   help="where the drafts come from (default %(default)s)")
+    p.add_argument("--draft", default=None, help="with --method draft_model: the draft model (a GGUF file or "
+                   "Hugging Face directory sharing the served model's tokenizer)")
     p.add_argument("--grounded-output-tokens", type=int, default=256,
                    help="output tokens of each grounded request (default %(default)s)")
     p.add_argument("--max-output-tokens", type=int, default=None, help="clamp every workload's output lengths")
@@ -162,6 +172,8 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8031)
     p.add_argument("--out", default=str(ROOT / "results/speculative"))
     args = p.parse_args()
+    if args.method == "draft_model" and not args.draft:
+        p.error("--method draft_model needs --draft PATH (make one with python -m cadence.model.make_draft)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     grounded_requests(out / "grounded.jsonl", args.num_requests, args.grounded_output_tokens)

@@ -76,6 +76,18 @@ class GrammarMask:
 
 
 @dataclass(frozen=True)
+class DraftRequest:
+    """A request whose next drafts an executor-side proposer (a draft model) should make in
+    this step: up to `k` tokens, predicted after the request's context followed by what this
+    step samples for it. The context reaches the proposer in pieces: `new_tokens` are its tokens
+    from index `offset` on (all of them when `offset` is 0), those before were sent earlier."""
+
+    k: int
+    offset: int
+    new_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """One step's plan: `scheduled` holds every scheduled request, in scheduling order."""
 
@@ -87,6 +99,8 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     grammar: GrammarMask | None = None  # set by the engine core when constrained rows sample
+    # Speculative decoding with a draft model: who wants drafts for the next step (by request id).
+    draft_requests: dict[str, DraftRequest] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -110,11 +124,13 @@ class TokenLogprobs:
 class ModelOutput:
     """The executor's answer: one sampled token per request that had `sample=True`; for a
     verification row, in `verified_token_ids`, the drafts it accepted followed by the token the
-    model picks after them (so 1 to k + 1 tokens)."""
+    model picks after them (so 1 to k + 1 tokens). For each of the step's `draft_requests`, in
+    `draft_token_ids`, the drafts proposed for its next step (possibly fewer than asked)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     verified_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    draft_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

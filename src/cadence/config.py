@@ -154,7 +154,7 @@ class CacheConfig:
         _require(self.prefix_caching_hash_algo in HASH_ALGOS, "prefix_caching_hash_algo", f"must be one of {HASH_ALGOS}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # drafts one verification row may carry
 
 
@@ -166,7 +166,11 @@ class SpeculativeConfig:
     of the request's last n tokens in its own prompt and output, for the longest n in
     [prompt_lookup_min, prompt_lookup_max] that occurs; each decode step verifies up to
     `num_speculative_tokens` of them. As in vLLM, a missing bound takes the other's value, and
-    both missing are 5."""
+    both missing are 5.
+
+    draft_model: the drafts are what a small model of the same vocabulary (`model`, a GGUF file
+    or Hugging Face directory) predicts greedily after the request's context; the model runner
+    owns and runs it (executor/drafter.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
@@ -175,6 +179,7 @@ class SpeculativeConfig:
     # cadence's own: choose k per request per step from its measured acceptance and the step's
     # cost (0 under load); False: always up to num_speculative_tokens.
     adaptive: bool = True
+    model: str | None = None  # draft_model: the draft model's checkpoint
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig:
@@ -210,6 +215,11 @@ class SpeculativeConfig:
         _require(self.method in SPECULATIVE_METHODS, "speculative_config.method", f"must be one of {SPECULATIVE_METHODS}")
         _require(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, "speculative_config.num_speculative_tokens",
                  f"must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.method == "draft_model":
+            _require(bool(self.model), "speculative_config.model",
+                     "required with method draft_model: a GGUF file or Hugging Face directory of the draft model")
+        else:
+            _require(self.model is None, "speculative_config.model", "only with method draft_model")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         _require(lo is not None and lo >= 1, "speculative_config.prompt_lookup_min", "must be >= 1")
         _require(hi is not None and lo is not None and hi >= lo, "speculative_config.prompt_lookup_max",
@@ -485,8 +495,8 @@ OPTION_HELP: dict[str, str] = {
     "tenant_weights": "fair-share weights, NAME=WEIGHT[,NAME=WEIGHT...]; unnamed tenants weigh 1",
     "deadline_aging": "seconds of waiting that count as one second nearer a deadline (deadline policy)",
     "speculative_config": 'speculative decoding as JSON, in vLLM\'s spelling: {"method": "ngram", '
-                          '"num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B} '
-                          "(none: off)",
+                          '"num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}, or '
+                          '{"method": "draft_model", "model": PATH, "num_speculative_tokens": K} (none: off)',
 }
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": (*DTYPES, *DTYPE_ALIASES), "device": DEVICES, "scheduler": SCHEDULERS, "policy": POLICIES,

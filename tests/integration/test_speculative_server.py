@@ -58,3 +58,29 @@ def test_a_speculative_field_that_is_not_a_boolean_is_refused(spec_server) -> No
     r = httpx.post(spec_server.url + "/v1/completions", json={**BODY, "speculative": "no"}, timeout=60)
     assert r.status_code == 400
     assert "speculative" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def draft_server(server_factory, tmp_path_factory):
+    """The tiny served model with its own first layer as the draft model."""
+    from cadence.engine.builder import random_weights, tiny_arch
+    from cadence.model.make_draft import write_draft
+    from cadence.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_model_path(None)
+    arch = tiny_arch(tokenizer.vocab_size)
+    draft = write_draft(arch, random_weights(arch, seed=0), 1, tmp_path_factory.mktemp("draft") / "d", tokenizer)
+    return server_factory({"speculative_config": {"method": "draft_model", "model": str(draft),
+                                                  "num_speculative_tokens": 4, "adaptive": False}})
+
+
+def test_a_draft_model_served_same_text_counted_and_opted_out(draft_server) -> None:
+    url = draft_server.url
+    before = _drafts(url)
+    with_drafts = httpx.post(url + "/v1/completions", json=BODY, timeout=60).json()
+    middle = _drafts(url)
+    assert middle[0] > middle[1] > before[1], "drafts were verified, some accepted, some not"
+    opted_out = httpx.post(url + "/v1/completions", json={**BODY, "speculative": False}, timeout=60).json()
+    assert _drafts(url) == middle  # the opted-out request verified no draft
+    assert with_drafts["choices"][0]["text"] == opted_out["choices"][0]["text"]
+    assert with_drafts["usage"]["completion_tokens"] == opted_out["usage"]["completion_tokens"] == 40

@@ -112,7 +112,7 @@ LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 AGAINST_THE_FLOW = {("sim", "cli"), ("fleet", "cli")}
 # Inside a package of the pure core: a module imports only those after it.
 PACKAGE_ORDER = {
-    "cadence.sched": ("scheduler", "introspect", "results", "speculation", "plan", "records", "admission", "queue", "preempt", "ngram", "adaptive", "features"),
+    "cadence.sched": ("scheduler", "introspect", "results", "speculation", "plan", "records", "admission", "queue", "preempt", "ngram", "draft_proposals", "adaptive", "features"),
     "cadence.kv": ("manager", "block_pool", "hashing"),
 }
 

@@ -94,3 +94,18 @@ def test_bad_acceptance_rates_are_refused_by_name() -> None:
             SpecAcceptance.parse(text)
     with pytest.raises(ValueError, match=r"spec_acceptance_rate \(--spec-acceptance-rate\): required"):
         Simulator(EngineConfig.from_options(speculative_config=SPEC), CHEAP)
+
+
+DRAFT_MODEL = {"method": "draft_model", "model": "unused: the simulator draws acceptance", "num_speculative_tokens": 4,
+               "adaptive": False}
+
+
+def test_a_draft_model_speculates_in_the_simulator_at_the_given_rate() -> None:
+    """method draft_model: the SimExecutor answers the scheduler's draft requests, so rows of
+    drafts are verified at the rate given; output does not change, the steps fall."""
+    assert _tokens(DRAFT_MODEL, "0.8") == _tokens(None, "0")
+    plain, _ = _sim(2, None, None, fast_forward=False)
+    got, drafts = _sim(2, DRAFT_MODEL, "1")
+    assert sum(d for _, d in drafts) > 0
+    assert [r.output_tokens for r in got.records] == [48, 48]
+    assert got.steps < plain.steps * 0.5

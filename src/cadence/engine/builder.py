@@ -14,6 +14,7 @@ import torch
 from cadence.clock import Clock
 from cadence.config import EngineConfig, GiB
 from cadence.engine.core import EngineCore
+from cadence.executor.drafter import load_drafter
 from cadence.executor.model_runner import ModelRunner
 from cadence.executor.step_log import StepLog
 from cadence.model.arch import ModelArchConfig
@@ -132,6 +133,12 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
         ckpt = load_checkpoint(path, dtype)
         arch, weights, q4_1 = ckpt.arch, ckpt.weights, ckpt.q4_1
     runner = ModelRunner(arch, weights, dtype=dtype, device=device, q4_1=q4_1)
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        assert spec.model is not None  # (validated)
+        runner.drafter = load_drafter(spec.model, arch.vocab_size, tokenizer.vocabulary(),
+                                      block_size=config.cache.block_size, dtype=dtype, device=device)
+        log.info("speculative decoding: draft model %s, up to %d drafts a step", spec.model, spec.num_speculative_tokens)
     config = resolve_kv_cache_fraction(config, device)
     max_len = config.model.max_model_len or min(arch.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_len > arch.max_position_embeddings:

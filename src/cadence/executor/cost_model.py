@@ -346,7 +346,9 @@ class SimExecutor:
     token would leave it one draft at a time). A verification row is priced as what it is, a chunk
     of 1 + k tokens whose every position goes through the LM head; its drafts are accepted by
     `spec_acceptance` (`SpecAcceptance`), drawn from a generator seeded with `seed`, whatever they
-    are, and the token after the accepted ones is the one of its output index."""
+    are, and the token after the accepted ones is the one of its output index. For a draft model
+    (`draft_requests`), the drafts proposed are the outputs that follow; the draft model's own
+    time is not modelled."""
 
     def __init__(self, cost_model: StepCostModel, *, clock: VirtualClock | None = None,
                  token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None,
@@ -396,7 +398,8 @@ class SimExecutor:
         acc = self.spec_acceptance
         assert acc is not None
         draw, base = self._rng.random, self.token_id
-        sampled, verified = {}, {}
+        sampled, verified, drafts = {}, {}, {}
+        wanted = out.draft_requests
         for r in out.scheduled:
             if not r.sample:
                 continue
@@ -407,7 +410,11 @@ class SimExecutor:
             sampled[r.request_id] = token
             if k:
                 verified[r.request_id] = (*r.draft_token_ids[:m], token)
-        return ModelOutput(sampled_token_ids=sampled, verified_token_ids=verified)
+            want = wanted.get(r.request_id)
+            if want is not None:  # a draft model's proposals: the outputs that follow (accepted as drawn)
+                after = r.num_output_tokens + m + 1
+                drafts[r.request_id] = tuple(base + (after + j) % SPEC_CYCLE for j in range(want.k))
+        return ModelOutput(sampled_token_ids=sampled, verified_token_ids=verified, draft_token_ids=drafts)
 
     def _block_size(self) -> int:
         if self.block_size is None:

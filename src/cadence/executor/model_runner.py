@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.boundary import ModelOutput, ScheduledRequest, SchedulerOutput
+from cadence.executor.drafter import Drafter
 from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan, to_device
 from cadence.model.llama import LlamaModel
@@ -56,6 +57,8 @@ class ModelRunner:
         self.model = LlamaModel(arch, weights, dtype=dtype, device=self.device, q4_1=q4_1)
         self.sampler = Sampler(self.device, seed)
         self.kv_cache: PagedKVCache | None = None
+        # Speculative decoding with a draft model: proposes the next drafts after each step.
+        self.drafter: Drafter | None = None
 
     # -- Executor protocol ------------------------------------------------------------------------
 
@@ -80,6 +83,10 @@ class ModelRunner:
         )
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        result = self._execute(scheduler_output)
+        return result if self.drafter is None else self.drafter.attach(scheduler_output, result)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         if scheduler_output.is_empty:
             return ModelOutput()
         batch = self.prepare(scheduler_output.scheduled)

@@ -269,6 +269,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def save_json(self, path: str | Path) -> None:
+        """Write the tokenizer as a Hugging Face tokenizer.json (its vocabulary, merges and specials)."""
+        self._tok.save(str(path))
+
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text and id, added tokens included (to tell whether two models share one)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """The most characters one token can stand for (its longest spelling: a byte-level token's

@@ -280,6 +280,8 @@ class Scheduler(SchedulerIntrospection):
         if self.on_preempt is not None:
             self.on_preempt(victim, victim.num_computed_tokens, reason)
         self._leave_running(victim, keep_hashes=True)
+        if self.speculation is not None:
+            self.speculation.drop_drafts(victim.request_id)
         plan.undo(victim)  # before its progress is reset: the undo reads where its chunk started
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -309,6 +311,8 @@ class Scheduler(SchedulerIntrospection):
             num_batched_tokens=num_tokens,
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_tokens - num_prefill,
+            draft_requests=self.speculation.draft_requests(plan.rows.values(), self.requests)
+            if self.speculation is not None and plan.rows else {},
         )
         if plan.rows:  # an empty output is never executed: keep the ids for the next one
             self._preempted_ids.clear()
@@ -327,6 +331,8 @@ class Scheduler(SchedulerIntrospection):
         # Added after the call: a request ended in it already took its updated tokens off the total.
         computed = self.results.apply(out.scheduled, model_output, now, self._stats, deltas, went_on)
         self._num_live_tokens += computed
+        if self.speculation is not None:
+            self.speculation.store_drafts(model_output, self.requests)
         self._close_stats()
         return deltas
 

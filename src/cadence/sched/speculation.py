@@ -1,5 +1,5 @@
-"""Speculative decoding's decisions (`Speculation`): which decoding requests verify n-gram drafts
-this step, how many, and what a verification row's result is worth.
+"""Speculative decoding's decisions (`Speculation`): which decoding requests verify drafts (n-gram
+drafts, or a draft model's) this step, how many, and what a verification row's result is worth.
 
 The `Scheduler` owns one when `speculative_config` is set, called at three points: while the
 scheduler plans a decode (`drafts`, fixed k), once the whole step is planned (`adapt`, adaptive k:
@@ -13,11 +13,14 @@ Drafts never preempt anyone: they take only spare KV blocks (`_allocate`).
 
 from __future__ import annotations
 
-from cadence.boundary import IterationStats, ModelOutput, ScheduledRequest
+from collections.abc import Iterable, Mapping
+
+from cadence.boundary import DraftRequest, IterationStats, ModelOutput, ScheduledRequest
 from cadence.config import SpeculativeConfig
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, RequestStatus
 from cadence.sched.adaptive import Acceptance, Candidate, StepCost, choose_ks
+from cadence.sched.draft_proposals import DraftProposals
 from cadence.sched.features import StepFeatures, scan_rows, shared_keys_by_row
 from cadence.sched.ngram import PackedTokens
 from cadence.sched.plan import StepPlan
@@ -36,11 +39,34 @@ class Speculation:
         self._lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
         self._packed: dict[str, PackedTokens] = {}  # speculating requests' contexts, for the n-gram lookup
         self._acceptance: dict[str, Acceptance] = {}  # speculating requests' measured acceptance
+        # method draft_model: the drafts the executor's draft model proposes, kept per request.
+        self.draft_proposals = DraftProposals(config.num_speculative_tokens) \
+            if config.method == "draft_model" else None
 
     def forget(self, request_id: str) -> None:
         """The request ended: drop what was kept for it."""
         self._packed.pop(request_id, None)
         self._acceptance.pop(request_id, None)
+        self.drop_drafts(request_id)
+
+    def drop_drafts(self, request_id: str) -> None:
+        """The request left the running set (preempted or ended): drafts a draft model made for it
+        are dropped, and its context is sent to the drafter again from the start should it need drafts."""
+        if self.draft_proposals is not None:
+            self.draft_proposals.drop(request_id)
+
+    def draft_requests(self, rows: Iterable[ScheduledRequest], requests: Mapping[str, Request]) -> dict[str, DraftRequest]:
+        """With a draft model: the requests of this step that want drafts after it (sched/draft_proposals.py)."""
+        return self.draft_proposals.requests(rows, requests) if self.draft_proposals is not None else {}
+
+    def store_drafts(self, model_output: ModelOutput, requests: Mapping[str, Request]) -> None:
+        """Keep the drafts the executor's draft model proposed after this step, for running requests."""
+        if self.draft_proposals is None:
+            return
+        for rid, drafts in model_output.draft_token_ids.items():
+            req = requests.get(rid)
+            if req is not None and req.status is _RUNNING:
+                self.draft_proposals.store(req, drafts)
 
     # ------------------------------------------------------------------ planning
     def drafts(self, req: Request, budget: int, num_running: int) -> tuple[int, ...]:
@@ -109,7 +135,10 @@ class Speculation:
                           self.max_model_len - req.num_tokens - 1))
 
     def _propose(self, req: Request, k: int) -> tuple[int, ...]:
-        """Up to k n-gram drafts from the request's context, packed once and extended as it grows."""
+        """Up to k n-gram drafts from the request's context, packed once and extended as it grows
+        (or, with a draft model, those it proposed after the request's current context)."""
+        if self.draft_proposals is not None:
+            return self.draft_proposals.propose(req, k)
         rid, num = req.request_id, req.num_tokens
         packed = self._packed.get(rid)
         if packed is None:
