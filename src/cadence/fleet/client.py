@@ -27,7 +27,7 @@ from typing import Any
 from cadence.config import EngineConfig
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
+from cadence.fleet.protocol import Admitted, Deltas, Failed, GenerateCall, Refused, Target
 from cadence.fleet.replica import ReplicaInfo, refusal_error
 from cadence.kv.hashing import block_hashers
 from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
@@ -156,6 +156,7 @@ class FleetStream:
         self._closed = False
         self._error: CadenceError | None = None
         self._on_close = on_close
+        self._pending: collections.deque[StreamDelta] = collections.deque()  # the rest of a `Deltas` item
         self.admission: tuple[Any, ...] | None = None  # the replica's snapshots at admission, when asked
 
     @property
@@ -171,6 +172,8 @@ class FleetStream:
     async def __anext__(self) -> StreamDelta:
         from ray.exceptions import RayError
 
+        if self._pending and self._error is None:
+            return self._take(self._pending.popleft())
         if self._closed and self._error is None:
             raise StopAsyncIteration
         try:
@@ -196,9 +199,15 @@ class FleetStream:
         if isinstance(item, Failed):
             self._close()
             raise CadenceError(ErrorKind(item.kind), item.message)
-        if item.finished:
+        if isinstance(item, Deltas):
+            self._pending.extend(item.items[1:])
+            item = item.items[0]
+        return self._take(item)
+
+    def _take(self, delta: StreamDelta) -> StreamDelta:
+        if delta.finished:
             self._open -= 1
-        return item
+        return delta
 
     def fail(self, error: CadenceError) -> None:
         """End the request with `error` for its reader (a drain that timed out)."""
