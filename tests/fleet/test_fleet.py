@@ -235,3 +235,12 @@ def test_cadence_serves_the_port_itself_without_serves_http_proxy(fleet) -> None
     with httpx.Client(base_url=fleet.url, timeout=60) as c:
         r = complete(c, "served here")
     assert r.status_code == 200 and r.headers["x-cadence-replica"]
+
+
+def test_the_single_servers_head_limits_guard_the_fleet(fleet) -> None:
+    # A head over max_header_bytes (64 KiB) is refused as on a single server: 431 with its error.
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        r = c.get("/v1/models", headers={"X-Big": "a" * 70_000})
+        assert r.status_code == 431, r.text
+        assert r.json()["error"]["code"] == "request_headers_too_large"
+        assert c.get("/v1/models").status_code == 200  # (and the server serves on)
