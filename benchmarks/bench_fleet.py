@@ -12,17 +12,18 @@ to four servers in turn, each started fresh for each seed, in an order that rota
 For each run: the prefix-cache hit rate (prompt tokens found in the cache over those looked up,
 from the server's /metrics before and after), TTFT p50/p95, ITL p50/p90, goodput under the SLOs.
 Before the traffic, each server's request path is probed at idle (sim/serving.py,
-`probe_request_path`: a fleet's crosses Serve's proxy, the ingress and a Ray call). `cadence sim`
+`probe_request_path`: a fleet's crosses the ingress and a Ray call). `cadence sim`
 runs the same workload (same seed: same sizes and arrival times) with the same router code and
 engine options and that request path, and the table gives sim/real for TTFT and ITL p50/p90.
 
 `--sim-only` simulates again against the real runs already under --out (with another --profile).
 
-`overhead`: one replica behind the Ray ingress (`--replicas 1 --replica-threads 2`) against plain
-`cadence serve` (2 threads), the built-in chat workload at 8 concurrent streams, alternating, each
-round on fresh servers; output tokens/s of each and their ratio per round, and the CPU seconds
-each process of the server (by role: HTTP proxy, ingress, replica, Ray's own) and the client
-spent per 1,000 output tokens.
+`overhead`: one replica behind the fleet's ingress (`--replicas 1 --replica-threads 2`) against
+plain `cadence serve` (2 threads), the built-in chat workload at 8 concurrent streams, alternating,
+each round on fresh servers; output tokens/s of each and their ratio per round, and the CPU
+seconds each process of the server (by role: `cadence serve`, which hosts the fleet's ingress;
+replica; Ray's own; and Serve's HTTP proxy and ingress deployment where a fleet runs them) and
+the client spent per 1,000 output tokens.
 
 Servers, client and this script share the machine's cores: run it on a quiet machine.
 """
@@ -109,8 +110,8 @@ def sim_cmd(name: str, args: argparse.Namespace, load: list[str], out: Path, pro
 
 
 def with_request_path(args: argparse.Namespace, real: Path, out: Path) -> StepCostModel:
-    """--profile with the request path this server was probed at (a fleet's crosses Serve's proxy,
-    the ingress and a Ray call), so the simulation pays what this server's requests paid; saved
+    """--profile with the request path this server was probed at (a fleet's crosses the ingress
+    and a Ray call), so the simulation pays what this server's requests paid; saved
     as `out`/profile.json."""
     model = StepCostModel.load(args.profile)
     probe = json.loads((real / "request_path_probe.json").read_text())

@@ -46,9 +46,9 @@ class Fleet:
         from ray import serve
 
         from cadence.fleet.deploy import REPLICA_NAME
-        from cadence.fleet.launch import APP_NAME
+        from cadence.fleet.launch import pool_app
 
-        return serve.get_deployment_handle(REPLICA_NAME, app_name=APP_NAME)
+        return serve.get_deployment_handle(REPLICA_NAME, app_name=pool_app(REPLICA_NAME))
 
     def replica_ids(self, timeout: float = 30.0) -> list[str]:
         """The replicas as this process's fleet router sees them (it learns them on its first call)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
@@ -198,3 +199,48 @@ def test_a_response_has_one_request_id_header_and_it_finds_the_request(fleet) ->
         c.post("/v1/completions", json={"prompt": "squatter", "max_tokens": 1, "ignore_eos": True},
                headers={"X-Request-Id": r.json()["id"]})
         assert c.get(f"/v1/requests/{r.json()['id']}").json()["output_tokens"] == 3
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on `port` (IPv4, /proc/net/tcp)."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+            inodes.add(fields[9])
+    return inodes
+
+
+def test_cadence_serves_the_port_itself_without_serves_http_proxy(fleet) -> None:
+    import os
+
+    import ray
+
+    # The socket the clients reach is this process's (start_fleet's, as `cadence serve`'s) ...
+    listening = _listening_inodes(fleet.server_config.port)
+    assert listening
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[len("socket:["):-1])
+    assert listening <= mine
+    # ... and no Serve HTTP proxy nor ingress deployment runs: responses cross Ray once.
+    actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert any("CadenceReplica" in name for name in actors), actors
+    assert not [name for name in actors if "PROXY" in name.upper() or "CadenceIngress" in name], actors
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        r = complete(c, "served here")
+    assert r.status_code == 200 and r.headers["x-cadence-replica"]
+
+
+def test_the_single_servers_head_limits_guard_the_fleet(fleet) -> None:
+    # A head over max_header_bytes (64 KiB) is refused as on a single server: 431 with its error.
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        r = c.get("/v1/models", headers={"X-Big": "a" * 70_000})
+        assert r.status_code == 431, r.text
+        assert r.json()["error"]["code"] == "request_headers_too_large"
+        assert c.get("/v1/models").status_code == 200  # (and the server serves on)

@@ -46,9 +46,9 @@ def _local_outputs(fleet: Fleet, prompts: list[str], max_tokens: int) -> list[st
 def _handle(name: str):
     from ray import serve
 
-    from cadence.fleet.launch import APP_NAME
+    from cadence.fleet.launch import pool_app
 
-    return serve.get_deployment_handle(name, app_name=APP_NAME)
+    return serve.get_deployment_handle(name, app_name=pool_app(name))
 
 
 def _kv_states() -> dict[str, tuple[str, int, int, int]]:

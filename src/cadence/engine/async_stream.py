@@ -69,6 +69,10 @@ class RequestStream:
         """Choice index of a sub-request: prompt_index * n + i."""
         return self._index[sub_id]
 
+    def ready(self) -> int:
+        """Deltas (or an error) delivered and not read yet: that many reads return without waiting."""
+        return self._group.queue.qsize()
+
     def __aiter__(self) -> RequestStream:
         return self
 

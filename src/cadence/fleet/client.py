@@ -6,10 +6,12 @@ the prompt's blocks with the KV manager's function and the request's cache salt,
 (`Admitted` or `Refused`), so refusals are real HTTP errors as on a single server; its name is
 put in the response's `X-Cadence-Replica` header (`ReplicaHeaderMiddleware`).
 
-Serve's HTTP proxy gives every request an id (the client's `X-Request-Id`, else one it makes) and
-always adds it to the response as `X-Request-Id`; the middleware leaves that header the only one
-(a second, the response's own id, would reach clients joined to it as "a, b"), and the client
-remembers it beside the response's id so that `GET /v1/requests/{id}` takes either.
+A client's `X-Request-Id` names its request: it is the response's `X-Request-Id` (in place of
+the response's own id), and the client remembers it beside the response's id so that
+`GET /v1/requests/{id}` takes either. Behind Serve's HTTP proxy (the `serve run` application), the
+proxy gives every request such an id (the client's, else one it makes) and adds it to the
+response itself; the middleware then only removes the response's own, so that one header remains
+(two would reach clients joined as "a, b").
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from cadence.config import EngineConfig
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
+from cadence.fleet.protocol import Admitted, Deltas, Failed, GenerateCall, Refused, Target
 from cadence.fleet.replica import ReplicaInfo, refusal_error
 from cadence.kv.hashing import block_hashers
 from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
@@ -37,13 +39,13 @@ from cadence.structured import StructuredOutputs
 log = logging.getLogger("cadence.fleet")
 
 REPLICA_HEADER = b"x-cadence-replica"
-REQUEST_ID_HEADER = b"x-request-id"  # Serve's proxy sets it on the request, and adds it to the response
+REQUEST_ID_HEADER = b"x-request-id"  # the client's (or Serve's proxy's) id of the request
 BUSY_RETRY_AFTER_S = 1.0  # Retry-After when Serve's own queue for the replicas is full
 REPLICA_CALL_TIMEOUT_S = 10.0  # a call to one replica (its metrics, a request's status)
 PLACED_KEEP = 4096  # requests whose replica the ingress remembers, for GET /v1/requests/{id}
 
 # Per HTTP request: a slot the client fills with the replica's name for the middleware to send,
-# and where the middleware puts the id Serve's proxy gave the request ("serve_id").
+# and where the middleware puts the request's X-Request-Id ("serve_id").
 _REPLICA_SLOT: ContextVar[dict[str, str] | None] = ContextVar("cadence_replica_slot", default=None)
 
 
@@ -51,11 +53,12 @@ _REPLICA_SLOT: ContextVar[dict[str, str] | None] = ContextVar("cadence_replica_s
 # pattern, kept apart because each wraps `send` for its own purpose.)
 class ReplicaHeaderMiddleware:
     """Pure ASGI: adds `X-Cadence-Replica: NAME` to a response a replica served (or refused); where
-    Serve's proxy gave the request an id, drops the response's own `X-Request-Id` (the proxy adds
-    its id under that name)."""
+    the request carries an `X-Request-Id`, that is the response's: put in place of the response's
+    own (`echo_request_id`), or left for Serve's proxy to add (the response's own dropped)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, echo_request_id: bool = False) -> None:
         self.app = app
+        self.echo_request_id = echo_request_id
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -72,6 +75,8 @@ class ReplicaHeaderMiddleware:
                 headers = list(message.get("headers", []))
                 if serve_id is not None:
                     headers = [(k, v) for k, v in headers if k.lower() != REQUEST_ID_HEADER]
+                    if self.echo_request_id:
+                        headers.append((REQUEST_ID_HEADER, serve_id))
                 if "replica" in slot:
                     headers.append((REPLICA_HEADER, slot["replica"].encode()))
                 message = {**message, "headers": headers}
@@ -151,6 +156,7 @@ class FleetStream:
         self._closed = False
         self._error: CadenceError | None = None
         self._on_close = on_close
+        self._pending: collections.deque[StreamDelta] = collections.deque()  # the rest of a `Deltas` item
         self.admission: tuple[Any, ...] | None = None  # the replica's snapshots at admission, when asked
 
     @property
@@ -166,6 +172,8 @@ class FleetStream:
     async def __anext__(self) -> StreamDelta:
         from ray.exceptions import RayError
 
+        if self._pending and self._error is None:
+            return self._take(self._pending.popleft())
         if self._closed and self._error is None:
             raise StopAsyncIteration
         try:
@@ -191,9 +199,15 @@ class FleetStream:
         if isinstance(item, Failed):
             self._close()
             raise CadenceError(ErrorKind(item.kind), item.message)
-        if item.finished:
+        if isinstance(item, Deltas):
+            self._pending.extend(item.items[1:])
+            item = item.items[0]
+        return self._take(item)
+
+    def _take(self, delta: StreamDelta) -> StreamDelta:
+        if delta.finished:
             self._open -= 1
-        return item
+        return delta
 
     def fail(self, error: CadenceError) -> None:
         """End the request with `error` for its reader (a drain that timed out)."""
@@ -309,7 +323,7 @@ class FleetClient:
             self._placed.popitem(last=False)
 
     def _remember_serve_id(self, request_id: str) -> None:
-        """The id Serve's proxy gave this HTTP request names `request_id` too."""
+        """The HTTP request's X-Request-Id (the client's, or Serve's proxy's) names `request_id` too."""
         serve_id = _serve_request_id()
         if serve_id is not None and serve_id != request_id:
             self._serve_ids[serve_id] = request_id  # (a client's id sent twice: the later request)

@@ -1,6 +1,8 @@
-"""The fleet's Ray Serve application: an ingress deployment owning HTTP (the same FastAPI app as
-`cadence serve`, over a `FleetClient`) in front of N replica deployments (one `AsyncEngine` each),
-placed by `CadenceRequestRouter`.
+"""The fleet's Ray Serve deployments: N replica deployments (one `AsyncEngine` each), placed by
+`CadenceRequestRouter` (`build_pools`), and for Serve's own tools an application with an ingress
+deployment owning HTTP behind Serve's proxy (the same FastAPI app as `cadence serve`, over a
+`FleetClient`; `build_fleet`). `cadence serve --replicas N` deploys the pools alone and serves
+the ingress in its own process (fleet/launch.py).
 
 Queues are bounded at both levels: a replica takes at most its engine's `max_num_seqs` plus its
 queue (`max_queue_len`) at once, so Serve never throttles below what continuous batching can use
@@ -11,7 +13,6 @@ Retry-After.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,9 @@ class FleetOptions:
 
 @serve.ingress()
 class CadenceIngress:
+    """The ingress as a Serve deployment, behind Serve's HTTP proxy (the `serve run` application;
+    `cadence serve --replicas` hosts the same app in its own process, fleet/launch.py)."""
+
     def __init__(self, replicas: Any, engine_config: EngineConfig, server_config: ServerConfig,
                  prefill: Any = None, kv_transfer_timeout_s: float = 30.0) -> None:
         """`replicas`: the replica deployment (the decode pool when `prefill`, the prefill pool, is given)."""
@@ -86,59 +90,37 @@ class CadenceIngress:
         self._server_config = server_config
 
     async def __serve_build_asgi_app__(self) -> Any:
-        from cadence.fleet.client import FleetClient, ReplicaHeaderMiddleware
-        from cadence.model.loader import default_model_path
-        from cadence.model.tokenizer import Tokenizer
-        from cadence.server.app import create_app
+        from cadence.fleet.ingress import build_ingress
 
         info = await self._replicas.info.remote()
-        model = self._engine_config.model.model
-        tokenizer = Tokenizer.from_model_path(model if model else default_model_path())
-        if self._prefill is not None:
-            from cadence.fleet.pd_client import PDFleetClient
-
-            client: FleetClient = PDFleetClient(self._prefill, self._replicas, info, tokenizer, self._engine_config,
-                                                self._kv_transfer_timeout_s)
-        else:
-            client = FleetClient(self._replicas, info, tokenizer, self._engine_config)
-        app = create_app(client, self._server_config, render_metrics=client.render_metrics)
-        app.add_middleware(ReplicaHeaderMiddleware)
-        self._client, self._serving = client, app.state.serving
-        return app
-
-    async def drain(self, timeout: float) -> int:
-        """Drain as a single server does on SIGTERM: refuse new requests (503, and /ready 503), give
-        those in flight `timeout` seconds, then end the rest with an error event. Returns how many
-        were ended."""
-        from cadence.errors import CadenceError, ErrorKind
-
-        client, serving = self._client, self._serving
-        client.begin_drain()
-        if await _wait_for(lambda: client.num_in_flight == 0 and serving.active == 0, timeout):
-            return 0
-        left = serving.active
-        client.abort_all(CadenceError(ErrorKind.UNAVAILABLE,
-                                      f"the server shut down; the request did not finish within {timeout:g} s"))
-        await _wait_for(lambda: serving.active == 0, 5.0)
-        return left
+        ingress = build_ingress(self._replicas, info, self._engine_config, self._server_config,
+                                prefill=self._prefill, kv_transfer_timeout_s=self._kv_transfer_timeout_s,
+                                behind_proxy=True)
+        return ingress.app
 
 
-async def _wait_for(cond: Any, timeout: float) -> bool:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() >= end:
-            return False
-        await asyncio.sleep(0.02)
-    return True
+@dataclass(frozen=True)
+class Pools:
+    """The bound replica deployments: `replicas` (the decode pool when `prefill`, the prefill pool,
+    is given), and the transfer timeout of a disaggregated fleet."""
+
+    replicas: Any
+    prefill: Any = None
+    kv_transfer_timeout_s: float = 30.0
+
+    def roots(self) -> dict[str, Any]:
+        """Each pool by its deployment's name (deployed as an application of its own when the
+        ingress runs outside Serve)."""
+        if self.prefill is None:
+            return {REPLICA_NAME: self.replicas}
+        return {DECODE_NAME: self.replicas, PREFILL_NAME: self.prefill}
 
 
-def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, options: FleetOptions) -> Any:
-    """The bound Serve application (what `serve.run` takes)."""
+def build_pools(engine_config: EngineConfig, server_config: ServerConfig, options: FleetOptions) -> Pools:
+    """The replica deployments of the fleet, bound to their arguments."""
     options.validate()
     engine_config.validate()
     server_config.validate()
-    sched = engine_config.scheduler
     replica_args = (engine_config, options.tiny, server_config.metrics_compat, ReplicaObservability.of(server_config))
     if options.disaggregated:
         from cadence.fleet.pd import PDReplica
@@ -149,14 +131,20 @@ def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, option
                                       options, engine_config, server_config)
         decode = _replica_deployment(PDReplica, DECODE_NAME, options.decode_replicas, "least-loaded",
                                      options, engine_config, server_config)
-        replicas: Any = decode.bind(*replica_args)
-        ingress_args: dict[str, Any] = {"prefill": prefill.bind(*replica_args),
-                                        "kv_transfer_timeout_s": options.kv_transfer_timeout_s}
-    else:
-        replica = _replica_deployment(CadenceReplica, REPLICA_NAME, options.replicas, options.router, options,
-                                      engine_config, server_config)
-        replicas = replica.bind(*replica_args)
-        ingress_args = {}
+        return Pools(decode.bind(*replica_args), prefill.bind(*replica_args), options.kv_transfer_timeout_s)
+    replica = _replica_deployment(CadenceReplica, REPLICA_NAME, options.replicas, options.router, options,
+                                  engine_config, server_config)
+    return Pools(replica.bind(*replica_args))
+
+
+def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, options: FleetOptions) -> Any:
+    """The bound Serve application with its ingress deployment behind Serve's HTTP proxy (what
+    `serve.run` takes; `serve run cadence.fleet:app`)."""
+    pools = build_pools(engine_config, server_config, options)
+    sched = engine_config.scheduler
+    ingress_args: dict[str, Any] = {}
+    if pools.prefill is not None:
+        ingress_args = {"prefill": pools.prefill, "kv_transfer_timeout_s": pools.kv_transfer_timeout_s}
     # The ingress only forwards: it takes what the replicas and their queue can hold, and twice
     # that again, so that a request over the replicas' bounds gets cadence's own 429 (JSON, with
     # Retry-After). Serve's proxy holds requests while it routes them to the ingress; beyond four
@@ -173,7 +161,7 @@ def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, option
         backpressure_config={"status_code": 429, "retry_after_s": 1.0},
         graceful_shutdown_timeout_s=server_config.shutdown_timeout,
     )
-    return ingress.bind(replicas, engine_config, server_config, **ingress_args)
+    return ingress.bind(pools.replicas, engine_config, server_config, **ingress_args)
 
 
 def _replica_deployment(cls: type, name: str, num_replicas: int, router: str, options: FleetOptions,

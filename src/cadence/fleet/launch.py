@@ -1,18 +1,24 @@
-"""`cadence serve --replicas N`: start (or join) Ray, run the fleet on Ray Serve, stop on a signal.
+"""`cadence serve --replicas N`: start (or join) Ray, deploy the replicas on Ray Serve, and serve
+the HTTP ingress in this process; stop on a signal.
+
+The replica pools are Serve applications without HTTP (Serve's proxy is not started); this
+process holds Serve handles to them, so the fleet's request router runs here, and serves the
+FastAPI app of `cadence serve` over a `FleetClient` on uvicorn, with a single server's head limits,
+draining and second-signal stop (server/app.py `DrainingServer`).
 
 Ray starts in this process unless `--ray-address` names a running cluster (`ray start --head` on
 one machine, `ray start --address HEAD:6379` on the others). SIGTERM drains as a single server
-does: the ingress refuses new requests (503) while those in flight get the shutdown timeout to
-finish (Serve's graceful shutdown), then Ray stops.
+does: new requests get 503 while those in flight get the shutdown timeout to finish; then Serve
+and Ray stop.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,25 +65,86 @@ def start_ray(opts: RayOptions) -> None:
                  log_to_driver=False)
 
 
-def start_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any, ray_opts: RayOptions,
-                after_ray: Any = None) -> None:
-    """Start Ray (or join it) and run the fleet's application, serving HTTP on the server's host:port;
-    `after_ray()` is called once Ray is up, before the application is deployed."""
+def pool_app(deployment: str) -> str:
+    """The Serve application a replica pool is deployed as (by its deployment's name)."""
+    from cadence.fleet.deploy import PREFILL_NAME
+
+    return APP_NAME + "-prefill" if deployment == PREFILL_NAME else APP_NAME
+
+
+def deploy_pools(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any) -> Any:
+    """Deploy the replica pools, each an application without HTTP route, with Serve's HTTP proxy
+    off; return the `Ingress` over handles obtained in this process."""
     from ray import serve
 
-    from cadence.fleet.deploy import build_fleet
+    from cadence.fleet.deploy import build_pools
+    from cadence.fleet.ingress import build_ingress
 
+    pools = build_pools(engine_config, server_config, fleet)
+    serve.start(proxy_location="Disabled")
+    for name, root in pools.roots().items():
+        serve.run(root, name=pool_app(name), route_prefix=None)
+    handles = {name: serve.get_deployment_handle(name, app_name=pool_app(name)) for name in pools.roots()}
+    replicas, *prefill = handles.values()
+    info = replicas.info.remote().result(timeout_s=120)
+    return build_ingress(replicas, info, engine_config, server_config, prefill=prefill[0] if prefill else None,
+                         kv_transfer_timeout_s=pools.kv_transfer_timeout_s, behind_proxy=False)
+
+
+def _ingress_server(ingress: Any, server_config: ServerConfig) -> Any:
+    from cadence.server.app import DrainingServer, uvicorn_config
+
+    return DrainingServer(uvicorn_config(ingress.app, server_config), ingress.client, ingress.app.state.serving,
+                          server_config.shutdown_timeout)
+
+
+@dataclass
+class _Running:
+    server: Any  # DrainingServer
+    thread: threading.Thread
+    ingress: Any
+
+
+_RUNNING: list[_Running] = []  # the ingress start_fleet serves in a thread, until stop_fleet
+
+
+def start_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any, ray_opts: RayOptions,
+                timeout: float = 60.0) -> Any:
+    """Start Ray (or join it), deploy the fleet and serve its ingress on the server's host:port from
+    a thread of this process until `stop_fleet()`. Returns the `Ingress`."""
     start_ray(ray_opts)
-    if after_ray is not None:
-        after_ray()
-    serve.start(http_options={"host": server_config.host, "port": server_config.port})
-    serve.run(build_fleet(engine_config, server_config, fleet), name=APP_NAME, route_prefix="/")
+    ingress = deploy_pools(engine_config, server_config, fleet)
+    server = _ingress_server(ingress, server_config)
+    thread = threading.Thread(target=server.run, name="cadence-fleet-ingress", daemon=True)
+    thread.start()
+    _RUNNING.append(_Running(server, thread, ingress))
+    deadline = time.monotonic() + timeout
+    while not server.started and thread.is_alive():  # (uvicorn only sets a flag once it listens)
+        if time.monotonic() > deadline:
+            raise TimeoutError("the fleet's ingress did not start listening")
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError(f"the fleet's ingress could not serve on {server_config.host}:{server_config.port}")
+    return ingress
+
+
+def _close_ingress(ingress: Any) -> None:
+    ingress.client.shutdown()
+    tracer = ingress.app.state.tracer
+    if tracer is not None:
+        tracer.shutdown()
 
 
 def stop_fleet() -> None:
+    """Stop the ingress `start_fleet` serves (if any), then Serve and Ray."""
     import ray
     from ray import serve
 
+    while _RUNNING:
+        running = _RUNNING.pop()
+        running.server.should_exit = True
+        running.thread.join(30)
+        _close_ingress(running.ingress)
     if not ray.is_initialized():  # (serve.shutdown would start a Ray only to find nothing to stop)
         return
     try:
@@ -86,50 +153,20 @@ def stop_fleet() -> None:
         ray.shutdown()
 
 
-def drain_fleet(timeout: float) -> None:
-    """Drain the ingress (see CadenceIngress.drain), waiting at most `timeout` seconds plus a margin."""
-    from ray import serve
-
-    from cadence.fleet.deploy import INGRESS_NAME
-
-    try:
-        ingress = serve.get_deployment_handle(INGRESS_NAME, app_name=APP_NAME)
-        ended = ingress.drain.remote(timeout).result(timeout_s=timeout + 15)
-    except Exception:  # the fleet is going away in any case
-        log.exception("draining the fleet failed")
-        return
-    if ended:
-        log.warning("shutdown timeout: ended %d requests with an error", ended)
-
-
 def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any, ray_opts: RayOptions) -> int:
     """Serve until SIGTERM (drained, as a single server drains) or SIGINT; return the exit code."""
-    stop = threading.Event()
-    signals: list[int] = []
-
-    def on_signal(sig: int, _frame: Any) -> None:
-        if stop.is_set():  # a second signal: stop now, without waiting for the drain
-            raise SystemExit(130 if sig == signal.SIGINT else 0)
-        signals.append(sig)
-        stop.set()
-
-    def catch_signals() -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_signal)
-
-    try:  # signals keep their defaults until Ray is up (ray.init would replace these handlers anyway)
-        start_fleet(engine_config, server_config, fleet, ray_opts, after_ray=catch_signals)
+    try:
+        start_ray(ray_opts)
+        ingress = deploy_pools(engine_config, server_config, fleet)
+        server = _ingress_server(ingress, server_config)
     except BaseException:
         stop_fleet()
         raise
     log.info("fleet of %d replicas (%s routing) on http://%s:%d", fleet.num_replicas, fleet.router,
              server_config.host, server_config.port)
     try:
-        while not stop.wait(0.5):  # (a timed wait lets the signal handlers run)
-            pass
-        if signals[0] == signal.SIGTERM:
-            log.info("SIGTERM: draining the fleet (up to %.1f s)", server_config.shutdown_timeout)
-            drain_fleet(server_config.shutdown_timeout)
+        server.run()  # (in the main thread: uvicorn takes SIGTERM and SIGINT, DrainingServer drains)
     finally:
+        _close_ingress(ingress)
         stop_fleet()
-    return 0
+    return 130 if server.interrupted else 0

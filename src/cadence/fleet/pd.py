@@ -24,7 +24,7 @@ from typing import Any
 from cadence.engine.kv_transfer import KVExport
 from cadence.engine.output_processor import StreamDelta, shown_text
 from cadence.errors import AdmissionError, CadenceError
-from cadence.fleet.protocol import Failed, GenerateCall, Refused, Target
+from cadence.fleet.protocol import Failed, GenerateCall, Refused, Target, deltas_of
 from cadence.fleet.replica import CadenceReplica
 
 REIMPORT_TTL_S = 10.0  # a reservation made again at import: its request is bound at once, or it is released
@@ -59,15 +59,16 @@ class PDReplica(CadenceReplica):
         failed = False
         ids: list[int] = []
         shown = 0
-        async for item in self.generate(call):
-            failed = failed or isinstance(item, (Refused, Failed)) or getattr(item, "error", None) is not None
-            if isinstance(item, StreamDelta):
-                ids += item.token_ids
-                if item.finish_reason == "length" and item.error is None:
-                    text = shown_text(self.engine.tokenizer, call.params, ids)
-                    item = replace(item, text=text[shown:])
-                shown += len(item.text)
-            yield item
+        async for batch in self.generate(call):
+            for item in deltas_of(batch):  # (one by one: the ingress reads a prefill stream item by item)
+                failed = failed or isinstance(item, (Refused, Failed)) or getattr(item, "error", None) is not None
+                if isinstance(item, StreamDelta):
+                    ids += item.token_ids
+                    if item.finish_reason == "length" and item.error is None:
+                        text = shown_text(self.engine.tokenizer, call.params, ids)
+                        item = replace(item, text=text[shown:])
+                    shown += len(item.text)
+                yield item
         if failed:
             return
         prompt, salt = call.prompts[0], call.policy.cache_salt

@@ -201,7 +201,7 @@ class PDFleetClient(FleetClient):
 
     async def request_status(self, request_id: str, tenant: str | None = None) -> Any:
         if request_id not in self._placed and request_id not in self._handoffs:
-            request_id = self._serve_ids.get(request_id, request_id)  # (the id Serve's proxy gave it)
+            request_id = self._serve_ids.get(request_id, request_id)  # (its X-Request-Id)
         h = self._handoffs.get(request_id)
         if h is not None and h.state != "decoding":
             if tenant is not None and h.policy.tenant != tenant:

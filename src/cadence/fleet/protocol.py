@@ -56,6 +56,20 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class Deltas:
+    """Several `StreamDelta`s of one request that were ready at once (several choices, a verified
+    draft's tokens, deltas that piled up while the reader was slow), sent as one stream item:
+    one Ray message instead of one each."""
+
+    items: tuple[Any, ...]
+
+
+def deltas_of(item: Any) -> tuple[Any, ...]:
+    """The items a stream item stands for: a `Deltas`' deltas, else the item itself."""
+    return item.items if isinstance(item, Deltas) else (item,)
+
+
+@dataclass(frozen=True)
 class Target:
     """Passed to a replica method, it makes the fleet's router send the call to that replica
     (by its Serve replica id): for reading each replica's metrics or state."""

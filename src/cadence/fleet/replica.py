@@ -20,7 +20,7 @@ from typing import Any
 
 from cadence.config import EngineConfig, ServerConfig
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.fleet.protocol import Admitted, Failed, GenerateCall, Refused, Target
+from cadence.fleet.protocol import Admitted, Deltas, Failed, GenerateCall, Refused, Target
 from cadence.routing import DIGEST_LIMIT, ReplicaStats, fingerprints
 
 log = logging.getLogger("cadence.fleet")
@@ -98,18 +98,29 @@ class CadenceReplica:
             yield item
 
     async def _serve(self, call: GenerateCall, stream: Any, start_ns: int) -> AsyncIterator[Any]:
-        """An admitted request's `Admitted`, deltas and `Failed`, and its span when traced."""
+        """An admitted request's `Admitted`, deltas and `Failed`, and its span when traced. Deltas
+        already delivered together (several choices of a step, a burst the ingress was slow to
+        take) go as one `Deltas` item: one Ray message each time, not one per delta."""
         traced = self.tracer is not None and call.trace_context is not None
         finals: dict[int, Any] = {}
         error: BaseException | None = None
+        pending: list[Any] = []
         try:
             yield Admitted(self.name, stream.admission)
             async for delta in stream:
                 if traced and delta.finished:
                     finals[stream.index_of(delta.request_id)] = delta
-                yield delta
+                pending.append(delta)
+                if stream.ready():  # more is here already: read it before sending
+                    continue
+                yield _item(pending)
+                pending = []
+            if pending:
+                yield _item(pending)
         except CadenceError as e:
             error = e
+            if pending:
+                yield _item(pending)
             yield Failed(e.kind.value, str(e))
         finally:
             await stream.aclose()  # (a no-op once every choice finished; else the request is aborted)
@@ -171,6 +182,11 @@ class CadenceReplica:
         tracer = getattr(self, "tracer", None)
         if tracer is not None:
             tracer.shutdown()
+
+
+def _item(deltas: list[Any]) -> Any:
+    """One stream item for `deltas`: the delta itself when alone."""
+    return deltas[0] if len(deltas) == 1 else Deltas(tuple(deltas))
 
 
 def _replica_name(serve: Any) -> str:

@@ -411,7 +411,7 @@ class DrainingServer(uvicorn.Server):
     """
 
     def __init__(
-        self, config: uvicorn.Config, engine: AsyncEngine, serving: OpenAIServing, timeout: float
+        self, config: uvicorn.Config, engine: EngineClient, serving: OpenAIServing, timeout: float
     ) -> None:
         super().__init__(config)
         self.engine, self.serving, self.timeout = engine, serving, timeout
