@@ -131,7 +131,8 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
     else:
         ckpt = load_checkpoint(path, dtype)
         arch, weights, q4_1 = ckpt.arch, ckpt.weights, ckpt.q4_1
-    runner = ModelRunner(arch, weights, dtype=dtype, device=device, q4_1=q4_1)
+    runner = ModelRunner(arch, weights, dtype=dtype, device=device, q4_1=q4_1,
+                         kv_cache_dtype=config.cache.kv_cache_dtype)
     config = resolve_kv_cache_fraction(config, device)
     max_len = config.model.max_model_len or min(arch.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_len > arch.max_position_embeddings:
