@@ -268,3 +268,22 @@ def test_torch_path_first_chunk_reads_its_own_kv_as_stored():
     rest = paged_attention(q[5:], kv_new[5:], cache.layer(0), AttentionMetadata.build([SeqSpan(5, 7, table)], bs,
                                                                                         CPU, kvh))
     torch.testing.assert_close(torch.cat([first, rest]), whole, atol=1e-6, rtol=1e-6)
+
+
+# -- the simulator ----------------------------------------------------------------------------------
+
+
+def test_simulating_the_8bit_cache_needs_a_profile_calibrated_with_it() -> None:
+    """A profile's kv_bytes_per_token and attention costs are those of the cache it was calibrated
+    with (calibrate records kv_cache_dtype): int8 on a profile of another cache is refused."""
+    from cadence.executor.cost_model import StepCostModel
+    from cadence.sim.simulator import Simulator
+
+    config = EngineConfig.from_options(kv_cache_memory=1 << 30, kv_cache_dtype="int8")
+    for meta in ({"kv_bytes_per_token": 23040}, {"kv_bytes_per_token": 23040, "kv_cache_dtype": "bfloat16"}):
+        with pytest.raises(ValueError, match=r"--kv-cache-dtype\): int8, but the profile was calibrated with"):
+            Simulator(config, StepCostModel("tokens", {"const": 0.1}, meta))
+    per_token = 2 * 30 * 3 * 68  # the 8-bit cache's bytes a token for SmolLM2's shape
+    sim = Simulator(config, StepCostModel("tokens", {"const": 0.1}, {"kv_bytes_per_token": per_token,
+                                                                       "kv_cache_dtype": "int8"}))
+    assert sim.replicas[0].core.num_blocks == (1 << 30) // (per_token * 16)

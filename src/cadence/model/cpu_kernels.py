@@ -52,7 +52,7 @@ _SIGNATURES: dict[str, tuple[type[Any] | None, list[type[Any]]]] = {
     "cadence_linear": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_linear_f32": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_pack_q4_1": (None, [_P, _P, _I64, _I64]),
-    "cadence_decode_layers": (_INT, [_P] * 15 + [_I64, _P] + [_I64] * 11 + [_F32, _F32, _INT]),
+    "cadence_decode_layers": (_INT, [_P] * 15 + [_I64, _P] + [_I64] * 10 + [_F32, _F32, _INT, _I64]),
     "cadence_linear_q4_1": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_add_rms_norm": (None, [_P, _P, _P, _P, _I64, _I64, _F32, _INT]),
     "cadence_silu_mul": (None, [_P, _P, _I64, _I64, _INT]),
@@ -320,7 +320,7 @@ class CpuKernels:
             delta.data_ptr(), layers.pointers.data_ptr(), layers.kinds.data_ptr(), cache.data_ptr(),
             slots.data_ptr(), positions.data_ptr(), layers.cos.data_ptr(), layers.sin.data_ptr(), tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), total_len, t, layers.num_layers, e, h, kvh, d, f, cache.shape[4],
-            cache.shape[3], int(kv8), layers.eps, d**-0.5, torch.get_num_threads())
+            cache.shape[3], layers.eps, d**-0.5, torch.get_num_threads(), int(kv8))
         if rc:
             raise MemoryError("decode_layers: a kernel could not allocate its buffer")
         return delta

@@ -725,7 +725,8 @@ enum { DL_INPUT_NORM, DL_POST_NORM, DL_QKV, DL_QKV_BIAS, DL_O, DL_GATE_UP, DL_DO
  * x [T, E] is the embedded input, updated in place as the residual stream; on return `delta` holds
  * the last layer's MLP output, which the caller adds (as the Python path does). h, qkv, attn, gu and
  * act are scratch of [T, E], [T, (H + 2 KVH) D], [T, H D], [T, 2F], [T, F]. cache: all layers,
- * [layers][2][KVH][num_blocks * bs][D] bfloat16, or with kv8 the 8-bit cache's D + 4 bytes a slot;
+ * [layers][2][KVH][num_blocks * bs][D] bfloat16, or with kv8 (last, so that callers and libraries
+ * from before it still agree) the 8-bit cache's D + 4 bytes a slot;
  * slots, pos: each row's cache slot and position; tables, lens, total_len: as
  * cadence_decode_attention. Returns 0, or -1 when a kernel ran out of memory. */
 int cadence_decode_layers(uint16_t *x, uint16_t *h, uint16_t *qkv, uint16_t *attn, uint16_t *gu, uint16_t *act,
@@ -733,8 +734,8 @@ int cadence_decode_layers(uint16_t *x, uint16_t *h, uint16_t *qkv, uint16_t *att
                           const int64_t *slots, const int64_t *pos, const float *cos, const float *sin,
                           const int64_t *tables, int64_t table_width, const int64_t *lens, int64_t total_len,
                           int64_t t, int64_t layers, int64_t e, int64_t heads, int64_t kvh, int64_t d,
-                          int64_t f, int64_t bs, int64_t num_blocks, int64_t kv8, float eps, float scale,
-                          int threads) {
+                          int64_t f, int64_t bs, int64_t num_blocks, float eps, float scale, int threads,
+                          int64_t kv8) {
     const int64_t width = (heads + 2 * kvh) * d, slot_bytes = kv8 ? d + KV8_SCALE_BYTES : 2 * d;
     const int64_t plane = num_blocks * bs * slot_bytes, layer_bytes = 2 * kvh * plane; /* plane: one KV head's */
 #define PTR(i, field) ((void *)(intptr_t)w[(i) * DL_FIELDS + (field)])
