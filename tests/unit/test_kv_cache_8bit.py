@@ -287,3 +287,46 @@ def test_simulating_the_8bit_cache_needs_a_profile_calibrated_with_it() -> None:
     sim = Simulator(config, StepCostModel("tokens", {"const": 0.1}, {"kv_bytes_per_token": per_token,
                                                                        "kv_cache_dtype": "int8"}))
     assert sim.replicas[0].core.num_blocks == (1 << 30) // (per_token * 16)
+
+
+# -- served -------------------------------------------------------------------------------------------
+
+
+def test_served_with_the_8bit_cache_metrics_say_its_dtype_and_capacity() -> None:
+    """`cadence serve --kv-cache-dtype int8` end to end on the tiny model (torch path): a completion
+    runs, and /metrics reports the capacity under the int8 label."""
+    from fastapi.testclient import TestClient
+
+    from cadence.config import ServerConfig
+    from cadence.engine.async_engine import AsyncEngine
+    from cadence.engine.builder import build_engine
+    from cadence.server.app import create_app
+
+    config = EngineConfig.from_options(kv_cache_memory=4 << 20, kv_cache_dtype="int8", max_model_len=256,
+                                       device="cpu", dtype="float32")
+    engine = AsyncEngine(build_engine(config, tiny=True))
+    try:
+        core = engine.engine.core
+        assert core.kv_cache_dtype == "int8" and core.executor.kv_cache.is_8bit
+        with TestClient(create_app(engine, ServerConfig())) as client:
+            r = client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+            text = client.get("/metrics").text
+    finally:
+        engine.shutdown(timeout=10)
+    capacity = core.num_blocks * 16
+    assert f'cadence:kv_cache_capacity_tokens{{kv_cache_dtype="int8"}} {capacity:.1f}' in text
+    # The tiny model: 2 layers, 2 KV heads of 16: 20 bytes a head a token, not float32's 64.
+    assert core.num_blocks == (4 << 20) // (2 * 2 * 2 * 20 * 16)
+
+
+def test_llm_takes_kv_cache_dtype() -> None:
+    from cadence import LLM, SamplingParams
+
+    llm = LLM(tiny=True, kv_cache_dtype="int8", num_kv_blocks=64, max_model_len=256, device="cpu", dtype="float32")
+    assert llm.engine.core.executor.kv_cache.is_8bit
+    out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        LLM(tiny=True, kv_cache_dtype="fp8_e5m2")
