@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.config import KV_CACHE_DTYPES
-from cadence.model.cpu_kernels import CpuKernels
+from cadence.model.cpu_kernels import KV8_SCALE_BYTES, CpuKernels
 
 # Decode groups of up to this many (KV head, request) pairs, e.g. 10 streams with 3 KV heads, go
 # through torch's fused attention kernel: measured 1.5x (8 streams) to 5x (one stream) faster on
@@ -62,9 +62,6 @@ _FUSED_MAX_BATCH = 32
 # in units of padded (request x block) cells: measured on CPU, a group's ops cost about what
 # attending 64 more blocks of context does.
 GROUP_OVERHEAD_BLOCKS = 64
-
-KV8_SCALE_BYTES = 4  # the float32 scale after a slot's int8 values
-
 
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
     """K or V rows [..., D] -> the 8-bit cache's slots [..., D + 4] int8: each row's values as int8
@@ -93,7 +90,8 @@ def kv_slot_bytes(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> int
 
 @dataclass
 class PagedKVCache:
-    """K and V of all layers: `[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]`."""
+    """K and V of all layers: `[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]` in the
+    model's dtype, or the 8-bit cache's int8 `[..., head_dim + 4]` (`quantize_kv`)."""
 
     kv: torch.Tensor
 
