@@ -1,7 +1,7 @@
 """This tree's C kernels against another git revision's, in one process, alternating.
 
     .venv/bin/python benchmarks/bench_kernels.py --baseline HEAD~1 [--rounds 5] [--streams 1,8,32]
-        [--context 256] [--weights q4_1|bf16]
+        [--context 256] [--weights q4_1|bf16] [--kv-cache-dtype auto|int8]
 
 Two ModelRunners on the default GGUF, alike but for the kernel library each computes with: this
 tree's `kernels/cpu_bf16.c` and the one at `--baseline` (read with `git show`, compiled with the
@@ -12,6 +12,9 @@ same flags). Each round measures, for each side in turn:
 and the script prints each side's median over the rounds, the ratio of medians (this tree /
 baseline; above 1 is faster) and the spread of the per-round ratios. Both sides run the same Python
 code (this tree's), so the C library's calling convention must be the same at both revisions.
+
+`--kv-cache-dtype int8` puts this tree's side on the 8-bit KV cache (the baseline keeps the model's
+dtype): with `--baseline HEAD`, the same kernels on the 8-bit cache against the bfloat16 one.
 """
 
 from __future__ import annotations
@@ -57,11 +60,12 @@ def baseline_kernels(rev: str, workdir: Path) -> ck.CpuKernels:
     return ck.CpuKernels(ctypes.CDLL(str(lib)))
 
 
-def runner_with(kernels: ck.CpuKernels, ckpt, weights: str, num_blocks: int) -> ModelRunner:
+def runner_with(kernels: ck.CpuKernels, ckpt, weights: str, num_blocks: int,
+                kv_cache_dtype: str = "auto") -> ModelRunner:
     """A runner whose every kernel call goes to `kernels` (the model fetches them at construction)."""
     with mock.patch.object(llama, "cpu_kernels", lambda: kernels):
         runner = ModelRunner(ckpt.arch, ckpt.weights, dtype=torch.bfloat16,
-                             q4_1=ckpt.q4_1 if weights == "q4_1" else None)
+                             q4_1=ckpt.q4_1 if weights == "q4_1" else None, kv_cache_dtype=kv_cache_dtype)
     assert runner.model.kernels is kernels and runner.model.fused_decode is not None
     runner.initialize_kv_cache(num_blocks=num_blocks, block_size=BLOCK)
     return runner
@@ -87,6 +91,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decode stream")
     ap.add_argument("--weights", choices=("q4_1", "bf16"), default="q4_1",
                     help="the GGUF's Q4_1 layers as served (default) or their bfloat16 dequantisation")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                    help="this tree's side on the model's dtype's KV cache or the 8-bit one (the baseline: auto)")
     ap.add_argument("--json", default="", help="also write every round's tokens/s to this JSON file")
     args = ap.parse_args()
     if args.rounds < 1 or args.context < 1:
@@ -105,7 +111,7 @@ def main() -> None:
     per_stream = -(-(args.context + DECODE_STEPS * (args.rounds + 1) + 1) // BLOCK)
     num_blocks = max(per_stream * max(streams), 64) + 8
     with tempfile.TemporaryDirectory() as tmp:
-        sides = {"this tree": runner_with(ours, ckpt, args.weights, num_blocks),
+        sides = {"this tree": runner_with(ours, ckpt, args.weights, num_blocks, args.kv_cache_dtype),
                  args.baseline: runner_with(baseline_kernels(args.baseline, Path(tmp)), ckpt, args.weights,
                                             num_blocks)}
         work: dict[str, Callable[[ModelRunner, int], float]] = {
@@ -130,6 +136,7 @@ def main() -> None:
                 for side, runner in order:
                     rates[name][side].append(fn(runner, 1000 * rnd + len(rates[name][side])))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, weights {args.weights}, "
+          f"this tree's KV cache {args.kv_cache_dtype}, "
           f"{args.rounds} alternating rounds; tokens/s, medians")
     print(f"{'workload':<28}{'this tree':>11}{args.baseline[:12]:>13}{'ratio':>8}   per-round ratios")
     for name, by_side in rates.items():

@@ -1,13 +1,14 @@
 """Where the time of a decode step goes: tokens/s and a per-kind breakdown from torch's profiler.
 
     .venv/bin/python benchmarks/profile_step.py [--streams 1,8,32] [--dtype bfloat16] [--threads N]
-        [--context 64] [--weights bf16|q4_1] [--ops 0]
+        [--context 64] [--weights bf16|q4_1] [--kv-cache-dtype auto|int8] [--ops 0]
 
 For each batch size, streams of a `--context`-token prompt decode through `ModelRunner.execute`
 (flat batch, paged cache, sampler, exactly as the engine calls it; `--weights q4_1` keeps the
 GGUF's four-bit layers as the server does, bf16 dequantises them) and the script prints the step
 time, then the profiled self time per kind of op: linear layers, attention (gather, kernels,
-masks), norms, RoPE, sampling, host-side preparation and the rest. `--ops N` also prints the top N
+masks), norms, RoPE, sampling, host-side preparation and the rest. `--kv-cache-dtype int8` runs
+on the 8-bit KV cache (as `cadence serve --kv-cache-dtype int8`). `--ops N` also prints the top N
 torch ops. The OpenMP wait policy is whatever the environment says (cadence's default: a short
 spin; see docs/performance.md), so the same script shows the cost of each setting.
 """
@@ -123,6 +124,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64, help="prompt tokens of each stream before it decodes")
     ap.add_argument("--weights", choices=("bf16", "q4_1"), default="bf16",
                     help="q4_1: the checkpoint's four-bit layers as served (needs --dtype bfloat16)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                    help="the KV cache's storage: the model's dtype, or the 8-bit cache")
     ap.add_argument("--json", default="", help="also write the step times and breakdowns to this JSON file")
     args = ap.parse_args()
     if args.context < 1:
@@ -131,7 +134,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {OMP_ENV}, "
-          f"load average {os.getloadavg()[0]:.1f}, {args.dtype}, {args.weights} weights, {args.context}-token context")
+          f"load average {os.getloadavg()[0]:.1f}, {args.dtype}, {args.weights} weights, {args.context}-token context, "
+          f"KV cache {args.kv_cache_dtype}")
     if args.weights == "q4_1":
         if dtype is not torch.bfloat16:
             ap.error("--weights q4_1: the four-bit kernels compute in bfloat16 (--dtype bfloat16)")
@@ -140,7 +144,7 @@ def main() -> None:
     else:
         arch, weights, _ = load_weights(torch.float32)
         q4_1 = None
-    runner = ModelRunner(arch, weights, dtype=dtype, q4_1=q4_1)
+    runner = ModelRunner(arch, weights, dtype=dtype, q4_1=q4_1, kv_cache_dtype=args.kv_cache_dtype)
     sizes = [int(s) for s in args.streams.split(",")]
     per_stream = -(-(args.context + 4 * args.steps + 16) // BLOCK)
     runner.initialize_kv_cache(num_blocks=per_stream * max(sizes) + 1, block_size=BLOCK)

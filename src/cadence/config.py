@@ -23,6 +23,9 @@ HASH_ALGOS = ("sha256", "builtin")  # the prefix cache's block hashes (kv/hashin
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings (torch's names)
 DEVICES = ("auto", "cpu", "cuda")
+# --kv-cache-dtype: auto (the model's dtype) or int8 (8-bit values and a scale per token and KV head).
+KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES_REFUSED = ("fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's, not implemented here: refused by name
 METRICS_COMPAT = ("vllm",)  # --metrics-compat: other servers' metric names served beside cadence's
 OTLP_SCHEMES = ("http", "https", "grpc")  # --otlp-traces-endpoint: OTLP/HTTP over http(s); gRPC over any
 GiB = 1 << 30
@@ -143,6 +146,7 @@ class CacheConfig:
     tenant_isolation: bool = False  # salt prefix-cache hashes with the tenant
     # sha256: collisions cannot be crafted; builtin: Python's hash(), ~3x cheaper, for trusted traffic
     prefix_caching_hash_algo: str = "sha256"
+    kv_cache_dtype: str = "auto"  # auto: K/V in the model's dtype; int8: half the bytes of bfloat16
 
     def validate(self) -> None:
         _check_types(self)
@@ -152,6 +156,11 @@ class CacheConfig:
         _require(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 0.95,
                  "kv_cache_memory_fraction", "must be in (0, 0.95]: the rest is the process's own")
         _require(self.prefix_caching_hash_algo in HASH_ALGOS, "prefix_caching_hash_algo", f"must be one of {HASH_ALGOS}")
+        accepted = ", ".join(KV_CACHE_DTYPES)
+        _require(self.kv_cache_dtype not in KV_CACHE_DTYPES_REFUSED, "kv_cache_dtype (--kv-cache-dtype)",
+                 f"{self.kv_cache_dtype} caches are not implemented here; accepted values: {accepted}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype (--kv-cache-dtype)",
+                 f"{self.kv_cache_dtype!r} is not a KV cache dtype; accepted values: {accepted}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -478,6 +487,9 @@ OPTION_HELP: dict[str, str] = {
                                 "(RAM on CPU, free GPU memory on CUDA), at most 0.95, overriding --kv-cache-memory; "
                                 "--gpu-memory-utilization is taken as this (unlike vLLM's, the share is of what "
                                 "the loaded model leaves, for the KV cache alone, and on CPU of the RAM)",
+    "kv_cache_dtype": "K/V storage: auto (the model's dtype) or int8 (8-bit values with a float32 scale per token "
+                      "and KV head: the same --kv-cache-memory holds about twice the tokens of bfloat16); vLLM's "
+                      "fp8, fp8_e4m3 and fp8_e5m2 are refused",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before",
     "tenant_isolation": "prefix-cache hits only within a tenant (hashes salted with the tenant)",
     "prefix_caching_hash_algo": "block hash: sha256 (collisions cannot be crafted) or builtin (cheaper; trusted traffic)",

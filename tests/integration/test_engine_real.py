@@ -146,3 +146,24 @@ def test_seeded_sampling_same_alone_batched_and_preempted(llm: LLM) -> None:
     outs = _preempting().generate(prompts, params, use_tqdm=False)
     _assert_most_preempted(outs)
     _assert_identical(outs, want, "seeded, preempted", PREEMPT_TOKENS)
+
+
+def test_8bit_kv_cache_same_alone_chunked_cached_and_preempted() -> None:
+    """--kv-cache-dtype int8: each token's K/V quantised alone when written, so the promises hold as
+    with the bfloat16 cache: the same greedy tokens alone, in chunked prefill under preemption of
+    most requests, and on prefix-cache hits."""
+    prompts = _prompts(64)[:12] + _shared_prefix_prompts()[:4]
+    roomy = LLM(max_num_seqs=64, num_kv_blocks=2048, enable_prefix_caching=False, kv_cache_dtype="int8")
+    assert roomy.engine.core.executor.kv_cache.is_8bit
+    want = _alone(roomy, prompts, [LONG_GREEDY] * len(prompts))
+    pressed = LLM(max_num_seqs=16, num_kv_blocks=16, max_num_batched_tokens=64, long_prefill_token_threshold=24,
+                  enable_prefix_caching=False, kv_cache_dtype="int8")
+    outs = pressed.generate(prompts, LONG_GREEDY, use_tqdm=False)
+    _assert_most_preempted(outs)
+    _assert_identical(outs, want, "8-bit cache, chunked and preempted", PREEMPT_TOKENS)
+    cached = LLM(max_num_seqs=8, num_kv_blocks=2048, enable_prefix_caching=True, kv_cache_dtype="int8")
+    shared = prompts[12:]
+    first = cached.generate(shared[:1], LONG_GREEDY, use_tqdm=False)
+    rest = cached.generate(shared[1:], LONG_GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 16 for o in rest), [o.num_cached_tokens for o in rest]
+    _assert_identical(first + rest, want[12:], "8-bit cache, prefix cache", PREEMPT_TOKENS)

@@ -368,11 +368,12 @@ def kernel_model(q4: bool, bias: bool, seed: int) -> tuple[Any, dict[str, torch.
     return arch, weights, q4_1
 
 
-def _fused_pair(q4: bool, bias: bool) -> tuple[ModelRunner, ModelRunner]:
+def _fused_pair(q4: bool, bias: bool, kv_cache_dtype: str = "auto") -> tuple[ModelRunner, ModelRunner]:
     """Two runners on the same random model: one with all-decode steps in one `decode_layers` call,
     one layer by layer in Python."""
     arch, weights, q4_1 = kernel_model(q4, bias, seed=11)
-    runners = tuple(ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1) for _ in range(2))
+    runners = tuple(ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, kv_cache_dtype=kv_cache_dtype)
+                    for _ in range(2))
     assert runners[0].model.fused_decode is not None
     if q4:
         assert runners[0].model.layers[0].down.q4_1 is not None
@@ -383,11 +384,15 @@ def _fused_pair(q4: bool, bias: bool) -> tuple[ModelRunner, ModelRunner]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("q4,bias", [(False, False), (True, False), (False, True)])
-def test_decode_layers_in_one_call_bit_identical(kernels, q4, bias, monkeypatch):
+@pytest.mark.parametrize("q4,bias,kv", [(False, False, "auto"), (True, False, "auto"), (False, True, "auto"),
+                                         (False, False, "int8"), (True, False, "int8")])
+def test_decode_layers_in_one_call_bit_identical(kernels, q4, bias, kv, monkeypatch):
     """Ragged contexts in shuffled blocks: a prefill step (layer by layer in both), then decode steps
-    (one call in the first runner): every step's logits and the whole KV cache identical, bit for bit."""
-    fused, plain = _fused_pair(q4, bias)
+    (one call in the first runner): every step's logits and the whole KV cache identical, bit for bit
+    (with the 8-bit cache: the C quantises the decode rows' K/V to the bits torch's `quantize_kv` gives
+    the prefill's)."""
+    fused, plain = _fused_pair(q4, bias, kv)
+    assert fused.kv_cache.kv.dtype == (torch.int8 if kv == "int8" else torch.bfloat16)
     calls = []
     real = fused.model.kernels.decode_layers
     monkeypatch.setattr(fused.model.kernels, "decode_layers", lambda *a, **kw: calls.append(1) or real(*a, **kw))

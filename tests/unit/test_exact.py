@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass, field
 from functools import cache
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,7 +23,7 @@ from test_cpu_kernels import kernel_model, needs_kernels
 
 from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.executor.model_runner import ModelRunner
-from cadence.model.attention import AttentionMetadata, SeqSpan
+from cadence.model.attention import AttentionMetadata, SeqSpan, quantize_kv
 from cadence.request import SamplingParams
 
 VOCAB, BLOCK, NUM_BLOCKS = 300, 4, 256
@@ -32,10 +33,10 @@ pytestmark = needs_kernels
 
 
 @cache
-def kernel_runner(q4: bool, bias: bool) -> ModelRunner:
+def kernel_runner(q4: bool, bias: bool, kv_cache_dtype: str = "auto") -> ModelRunner:
     """A random bfloat16 model the kernels take whole (test_cpu_kernels.kernel_model)."""
     arch, weights, q4_1 = kernel_model(q4, bias, seed=21)
-    runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1)
+    runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, kv_cache_dtype=kv_cache_dtype)
     assert runner.model.fused_decode is not None and runner.model.decode_kernels is not None
     assert (runner.model.layers[0].down.q4_1 is not None) == q4
     runner.initialize_kv_cache(NUM_BLOCKS, BLOCK)
@@ -104,7 +105,21 @@ def run_with_neighbours(runner: ModelRunner, target: Stream, rng: random.Random,
 @given(seed=st.integers(0, 2**32 - 1), prompt_len=st.integers(1, 70), decodes=st.integers(1, 24),
        variant=st.sampled_from([(False, False), (True, False), (False, True)]))
 def test_logits_bit_identical_however_computed(seed, prompt_len, decodes, variant):
-    runner = kernel_runner(*variant)
+    check_exact(kernel_runner(*variant), seed, prompt_len, decodes)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), prompt_len=st.integers(1, 70), decodes=st.integers(1, 24),
+       q4=st.booleans())
+def test_logits_bit_identical_however_computed_with_8bit_cache(seed, prompt_len, decodes, q4):
+    """The same promise with --kv-cache-dtype int8: each token's K/V is quantised alone when written,
+    so prefill, chunking, decode and recompute store and read the same bits."""
+    runner = kernel_runner(q4, False, "int8")
+    assert runner.kv_cache is not None and runner.kv_cache.is_8bit
+    check_exact(runner, seed, prompt_len, decodes)
+
+
+def check_exact(runner: ModelRunner, seed: int, prompt_len: int, decodes: int) -> None:
     rng = random.Random(seed)
     tokens = [rng.randrange(VOCAB) for _ in range(prompt_len + decodes)]
     free = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)
@@ -123,9 +138,11 @@ def test_logits_bit_identical_however_computed(seed, prompt_len, decodes, varian
     assert len(first.got) + len(again.got) >= 2
 
 
-def test_attention_kernels_share_one_arithmetic():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_attention_kernels_share_one_arithmetic(kv_cache_dtype):
     """The decode kernel's row and the prefill kernel's row for the same query and context: the same
-    bits, over block sizes, group sizes, head sizes and lengths across 16-key chunk edges."""
+    bits, over block sizes, group sizes, head sizes and lengths across 16-key chunk edges (in the
+    bfloat16 cache and in the 8-bit one)."""
     from cadence.model.attention import PagedKVCache, paged_attention
     from cadence.model.cpu_kernels import cpu_kernels
 
@@ -137,8 +154,9 @@ def test_attention_kernels_share_one_arithmetic():
         for length in [1, 2, 15, 16, 17, 33, 100, 257]:
             nb = -(-length // bs) + 2
             cache = PagedKVCache.allocate(num_layers=1, num_blocks=nb, block_size=bs, num_kv_heads=kvh, head_dim=d,
-                                          dtype=torch.bfloat16, device=cpu)
-            cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen))
+                                          dtype=torch.bfloat16, device=cpu, kv_cache_dtype=kv_cache_dtype)
+            values = torch.randn(*cache.kv.shape[:-1], d, generator=gen).to(torch.bfloat16)
+            cache.kv.copy_(quantize_kv(values) if cache.is_8bit else values)
             table = random.Random(length).sample(range(nb), -(-length // bs))
             qkv = torch.randn(1, kvh * g + 2 * kvh, d, generator=gen).to(torch.bfloat16)
             q, kv_new = qkv[:, : kvh * g], qkv[:, kvh * g :].unflatten(1, (2, kvh))

@@ -132,7 +132,8 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
     else:
         ckpt = load_checkpoint(path, dtype)
         arch, weights, q4_1 = ckpt.arch, ckpt.weights, ckpt.q4_1
-    runner = ModelRunner(arch, weights, dtype=dtype, device=device, q4_1=q4_1)
+    runner = ModelRunner(arch, weights, dtype=dtype, device=device, q4_1=q4_1,
+                         kv_cache_dtype=config.cache.kv_cache_dtype)
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         assert spec.model is not None  # (validated)

@@ -88,10 +88,11 @@ class EngineCore:
         self._gauges = self.scheduler.stats()
         self.events: RequestEventRecorder | None = None  # see record_request_events
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d, prefix caching %s)",
+            "KV cache: %d blocks of %d tokens = %d tokens in %s (max_model_len %d, prefix caching %s)",
             num_blocks,
             cache.block_size,
             num_blocks * cache.block_size,
+            self.kv_cache_dtype,
             max_model_len,
             "on" if cache.enable_prefix_caching else "off",
         )
@@ -114,6 +115,16 @@ class EngineCore:
     @property
     def num_blocks(self) -> int:
         return self.kv.num_blocks
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What the KV cache stores: int8 (the 8-bit cache), or for auto the model's dtype where the
+        executor has one (auto otherwise: a simulated executor)."""
+        name = self.config.cache.kv_cache_dtype
+        dtype = getattr(self.executor, "dtype", None)
+        if name == "auto" and dtype is not None:
+            return str(dtype).removeprefix("torch.")
+        return name
 
     @property
     def max_model_len(self) -> int:

@@ -14,7 +14,7 @@ import torch
 from cadence.boundary import ModelOutput, ScheduledRequest, SchedulerOutput
 from cadence.executor.drafter import Drafter
 from cadence.model.arch import ModelArchConfig
-from cadence.model.attention import AttentionMetadata, PagedKVCache, SeqSpan, to_device
+from cadence.model.attention import KV_CACHE_DTYPES, AttentionMetadata, PagedKVCache, SeqSpan, to_device
 from cadence.model.llama import LlamaModel
 from cadence.model.sampler import Sampler
 
@@ -48,11 +48,15 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         seed: int = 0,
         q4_1: dict[str, torch.Tensor] | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype: {dtype} is not supported (float32, bfloat16, float16)")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         self.arch = arch
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype  # auto: K/V in `dtype`; int8: the 8-bit layout
         self.device = torch.device(device)
         self.model = LlamaModel(arch, weights, dtype=dtype, device=self.device, q4_1=q4_1)
         self.sampler = Sampler(self.device, seed)
@@ -69,6 +73,7 @@ class ModelRunner:
             num_kv_heads=self.arch.num_kv_heads,
             head_dim=self.arch.head_dim,
             dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -80,6 +85,7 @@ class ModelRunner:
             head_dim=self.arch.head_dim,
             dtype=self.dtype,
             device=self.device,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
@@ -134,7 +140,7 @@ class ModelRunner:
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A copy of these blocks' K and V, every layer: `[num_layers, 2, num_kv_heads, n, block_size,
-        head_dim]` on the CPU, in `block_ids` order."""
+        head_dim]` on the CPU, in `block_ids` order (the 8-bit cache's: head_dim + 4 int8)."""
         assert self.kv_cache is not None
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv_cache.kv.device)
         return self.kv_cache.kv.index_select(3, index).cpu()

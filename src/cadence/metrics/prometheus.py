@@ -204,6 +204,10 @@ class PrometheusExporter:
         self.live_tokens = Gauge(
             "cadence:live_tokens", "Tokens whose KV is held by running requests.", registry=r
         )
+        self.kv_capacity = Gauge(
+            "cadence:kv_cache_capacity_tokens", "Tokens the KV cache holds (its blocks times the block size), "
+            "by what it stores (kv_cache_dtype: the model's dtype, or int8).", ("kv_cache_dtype",), registry=r
+        )
         self.prompt_tokens = Counter("cadence:prompt_tokens", "Prompt tokens computed (prefill).", registry=r)
         self.generation_tokens = Counter("cadence:generation_tokens", "Output tokens sampled.", registry=r)
         self.preemptions = Counter(
@@ -274,6 +278,10 @@ class PrometheusExporter:
     def watch_thread_times(self, read: Callable[[], Mapping[str, Any]]) -> None:
         """Export the engine thread's time totals (`EngineThreadTimes.as_dict`), read at each scrape."""
         self.registry.register(_ThreadTimesCollector(read))
+
+    def record_kv_cache(self, kv_cache_dtype: str, capacity_tokens: int) -> None:
+        """The KV cache's size and storage, once at start-up."""
+        self.kv_capacity.labels(kv_cache_dtype).set(capacity_tokens)
 
     def watch_engine(self, is_healthy: Callable[[], bool]) -> None:
         """Read the engine's health at each scrape (a stall is seen by no step, so no step reports it)."""

@@ -32,6 +32,13 @@ same way (`KernelPrefillChunk`): no gather, no mask. Both kernels compute a quer
 arithmetic (keys in 16-position chunks from position 0, the same summation order throughout), so a
 position's attention output, and with it its hidden state, K/V and logits, are the same bits in a
 prefill, in any chunking of it, in a decode step and in a recompute after preemption.
+
+The 8-bit cache (`--kv-cache-dtype int8`): each slot of a KV head holds its token's D values as int8
+followed by their float32 scale, D + 4 bytes instead of 2 D (`quantize_kv`). A token is quantised
+alone, per KV head, when its K/V is written, and never again: its stored bits depend on its own K/V
+only, so the exactness above holds with the 8-bit cache too. The kernels read it in place
+(dequantising in registers); the torch path dequantises what it gathers (`dequantize_kv`), and a
+first prefill chunk attends to its own K/V as stored, quantised, like every later read.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cadence.model.cpu_kernels import CpuKernels
+from cadence.config import KV_CACHE_DTYPES
+from cadence.model.cpu_kernels import KV8_SCALE_BYTES, CpuKernels
 
 # Decode groups of up to this many (KV head, request) pairs, e.g. 10 streams with 3 KV heads, go
 # through torch's fused attention kernel: measured 1.5x (8 streams) to 5x (one stream) faster on
@@ -55,10 +63,35 @@ _FUSED_MAX_BATCH = 32
 # attending 64 more blocks of context does.
 GROUP_OVERHEAD_BLOCKS = 64
 
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """K or V rows [..., D] -> the 8-bit cache's slots [..., D + 4] int8: each row's values as int8
+    q = x / scale rounded to the nearest integer (ties to even), scale = max|x| / 127 (a row of
+    zeros: scale 0), then the scale's float32 bytes. The C kernels' `quantize_row_kv8` gives the
+    same bits: a token's stored K/V is a function of its own K/V alone."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(xf / scale), 0.0).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], -1)
+
+
+def dequantize_kv(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 8-bit cache's slots [..., D + 4] -> [..., D] in `dtype` (q * scale, in float32 first)."""
+    d = slots.shape[-1] - KV8_SCALE_BYTES
+    scale = slots[..., d:].contiguous().view(torch.float32)
+    return (slots[..., :d].float() * scale).to(dtype)
+
+
+def kv_slot_bytes(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> int:
+    """Bytes of one token's K (or V) of one KV head in the cache."""
+    if kv_cache_dtype == "int8":
+        return head_dim + KV8_SCALE_BYTES
+    return head_dim * torch.empty((), dtype=dtype).element_size()
+
 
 @dataclass
 class PagedKVCache:
-    """K and V of all layers: `[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]`."""
+    """K and V of all layers: `[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]` in the
+    model's dtype, or the 8-bit cache's int8 `[..., head_dim + 4]` (`quantize_kv`)."""
 
     kv: torch.Tensor
 
@@ -73,20 +106,30 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> PagedKVCache:
+        """`dtype`: the model's; `kv_cache_dtype` int8: the 8-bit layout, int8 slots of head_dim + 4."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1 (got {num_blocks}, {block_size})")
-        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
+        kv8 = kv_cache_dtype == "int8"
+        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim + (KV8_SCALE_BYTES if kv8 else 0))
         # Zeros, not empty: padded decode rows read slot 0 (masked out), and garbage there could be
-        # NaN/inf, which survives a -inf mask as NaN after softmax's 0 * nan.
-        return cls(torch.zeros(shape, dtype=dtype, device=device))
+        # NaN/inf, which survives a -inf mask as NaN after softmax's 0 * nan. (A zero 8-bit slot
+        # reads as zeros, scale 0.)
+        return cls(torch.zeros(shape, dtype=torch.int8 if kv8 else dtype, device=device))
 
     @staticmethod
     def bytes_per_block(
-        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        return 2 * num_layers * block_size * num_kv_heads * kv_slot_bytes(head_dim, dtype, kv_cache_dtype)
+
+    @property
+    def is_8bit(self) -> bool:
+        return self.kv.dtype == torch.int8
 
     @property
     def num_blocks(self) -> int:
@@ -132,7 +175,7 @@ class PrefillChunk:
             ctx = kv[self.row_start : self.row_end].permute(1, 2, 0, 3)  # [2, KVH, n, D]
             o = F.scaled_dot_product_attention(qc, ctx[0][None], ctx[1][None], is_causal=True, enable_gqa=True)
         else:
-            ctx = _gather_blocks(cache, self.ctx_blocks)  # [2, KVH, nb * bs, D]
+            ctx = _gather_blocks(cache, self.ctx_blocks, q.dtype)  # [2, KVH, nb * bs, D]
             o = F.scaled_dot_product_attention(qc, ctx[0][None], ctx[1][None], attn_mask=self.mask, enable_gqa=True)
         return o[0].transpose(0, 1)
 
@@ -356,18 +399,24 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta
     """Write this step's K/V into the cache, then attend every query to its request's context.
 
     q: [T, H, D]; kv: [T, 2, KVH, D] (K already rotated); cache: [2, KVH, num_blocks, block_size, D]
-    (one layer). Returns [T, H, D].
+    (one layer, or the 8-bit layout's int8 [.., D + 4]: K/V quantised on the way in, and attended
+    to as stored). Returns [T, H, D].
     """
-    cache.flatten(2, 3).index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
+    stored = quantize_kv(kv) if cache.dtype == torch.int8 else kv  # [T, 2, KVH, D (+ 4)]
+    cache.flatten(2, 3).index_copy_(2, meta.slot_mapping, stored.permute(1, 2, 0, 3))
+    if stored is not kv and any(isinstance(p, PrefillChunk) and p.ctx_blocks is None for p in meta.prefills):
+        kv = dequantize_kv(stored, kv.dtype)  # a first chunk reads its own K/V as a later step would
     parts = [p.attend(q, kv, cache) for p in meta.prefills]
     parts += [d.attend(q, kv, cache) for d in meta.decodes]
     # One part (a lone prefill, or decodes only) is the common case: no concatenation copy.
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """[2, KVH, num_blocks, bs, D] -> [2, KVH, len(blocks) * bs, D]: contexts, contiguous per head."""
-    return cache.index_select(2, blocks).flatten(2, 3)
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[2, KVH, num_blocks, bs, D] -> [2, KVH, len(blocks) * bs, D]: contexts, contiguous per head,
+    in `dtype` (the 8-bit cache's slots dequantised)."""
+    ctx = cache.index_select(2, blocks).flatten(2, 3)
+    return dequantize_kv(ctx, dtype) if ctx.dtype == torch.int8 else ctx
 
 
 def _decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
@@ -378,7 +427,7 @@ def _decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch) -> t
     """
     b, h, dim = q.shape
     kvh = cache.shape[1]
-    ctx = _gather_blocks(cache, d.blocks)  # [2, KVH, B * L, D], L = nb * block_size
+    ctx = _gather_blocks(cache, d.blocks, q.dtype)  # [2, KVH, B * L, D], L = nb * block_size
     k = ctx[0].view(kvh * b, -1, dim)  # [KVH*B, L, D], batch index = head * B + request
     v = ctx[1].view(kvh * b, -1, dim)
     # Head j*G + g uses KV head j (grouped-query attention): [B, H, D] -> [KVH*B, G, D].

@@ -52,7 +52,7 @@ _SIGNATURES: dict[str, tuple[type[Any] | None, list[type[Any]]]] = {
     "cadence_linear": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_linear_f32": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_pack_q4_1": (None, [_P, _P, _I64, _I64]),
-    "cadence_decode_layers": (_INT, [_P] * 15 + [_I64, _P] + [_I64] * 10 + [_F32, _F32, _INT]),
+    "cadence_decode_layers": (_INT, [_P] * 15 + [_I64, _P] + [_I64] * 10 + [_F32, _F32, _INT, _I64]),
     "cadence_linear_q4_1": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_add_rms_norm": (None, [_P, _P, _P, _P, _I64, _I64, _F32, _INT]),
     "cadence_silu_mul": (None, [_P, _P, _I64, _I64, _INT]),
@@ -62,10 +62,16 @@ _SIGNATURES: dict[str, tuple[type[Any] | None, list[type[Any]]]] = {
     "cadence_sample": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _INT]),
     "cadence_decode_attention": (None, [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                                         _F32, _I64, _INT]),
+    "cadence_quantize_kv8": (None, [_P, _I64, _I64, _I64, _P, _P]),
+    "cadence_decode_attention_kv8": (None, [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                                            _F32, _I64, _INT]),
+    "cadence_prefill_attention_kv8": (None, [_P, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32,
+                                             _INT]),
 }
 # One row of `DecodeLayers.pointers`: a layer's tensors in the order of the C's `DL_*` enum.
 DL_FIELDS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")
 MAX_GROUP, MAX_HEAD_DIM = 8, 256  # the decode attention kernel's limits (MAX_GROUP, MAX_DIM in the C)
+KV8_SCALE_BYTES = 4  # the 8-bit cache's float32 scale after each slot's int8 values (KV8_SCALE_BYTES in the C)
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,15 @@ class DecodeLayers:
     intermediate: int
     eps: float
     keep: tuple[torch.Tensor, ...]
+
+
+def _kv8_layer(cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether a cache tensor is the 8-bit layout (checked: the C reads slots of D + 4 bytes)."""
+    if cache.dtype == torch.bfloat16:
+        assert cache.shape[-1] == head_dim, "cache: head_dim does not match the queries'"
+        return False
+    assert cache.dtype == torch.int8 and cache.shape[-1] == head_dim + KV8_SCALE_BYTES, "cache: bfloat16 or 8-bit"
+    return True
 
 
 def _bf16_rows(x: torch.Tensor) -> bool:
@@ -115,6 +130,9 @@ class CpuKernels:
         self._decode_layers = lib.cadence_decode_layers
         self._prefill_attention = lib.cadence_prefill_attention
         self._sample = lib.cadence_sample
+        self._quantize_kv8 = lib.cadence_quantize_kv8
+        self._decode_attention_kv8 = lib.cadence_decode_attention_kv8
+        self._prefill_attention_kv8 = lib.cadence_prefill_attention_kv8
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -209,20 +227,21 @@ class CpuKernels:
         """One query token per row against its context in the paged cache, read in place.
 
         q: [B, H, D] bfloat16, rows may be strided (a view into the fused qkv output); cache: one
-        layer [2, KVH, num_blocks, block_size, D]; tables: [B, W] int64 block ids; lens: [B] int64
+        layer [2, KVH, num_blocks, block_size, D] bfloat16, or the 8-bit cache's int8 [.., D + 4]
+        (model/attention.py, `quantize_kv`); tables: [B, W] int64 block ids; lens: [B] int64
         context lengths (this step's K/V already written); total_len = sum(lens). -> [B, H, D].
         Block ids and lengths are the caller's to check (the runner validates every block table).
         A row's result is the bits `prefill_attention` gives the same query at the same position.
         """
         b, h, d = q.shape
         _, kvh, num_blocks, bs, _ = cache.shape
-        assert q.dtype == cache.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == d
+        fn = self._decode_attention_kv8 if _kv8_layer(cache, d) else self._decode_attention
+        assert q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == d
         assert cache.is_contiguous() and tables.dtype == lens.dtype == torch.int64
         assert tables.is_contiguous() and lens.is_contiguous() and tables.shape[0] == lens.shape[0] == b
         out = torch.empty(b, h, d, dtype=torch.bfloat16)
-        self._decode_attention(q.data_ptr(), q.stride(0), cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-                               lens.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, num_blocks, d**-0.5, total_len,
-                               torch.get_num_threads())
+        fn(q.data_ptr(), q.stride(0), cache.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+           out.data_ptr(), b, h, kvh, d, bs, num_blocks, d**-0.5, total_len, torch.get_num_threads())
         return out
 
     def prefill_attention(self, q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, start: int) -> torch.Tensor:
@@ -236,13 +255,23 @@ class CpuKernels:
         """
         n, h, d = q.shape
         _, kvh, num_blocks, bs, _ = cache.shape
-        assert q.dtype == cache.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == d
+        fn = self._prefill_attention_kv8 if _kv8_layer(cache, d) else self._prefill_attention
+        assert q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == d
         assert cache.is_contiguous() and table.dtype == torch.int64 and table.is_contiguous()
         assert table.shape[0] * bs >= start + n
         out = torch.empty(n, h, d, dtype=torch.bfloat16)
-        self._prefill_attention(q.data_ptr(), q.stride(0), cache.data_ptr(), table.data_ptr(), start, n,
-                                out.data_ptr(), h, kvh, d, bs, num_blocks, d**-0.5, torch.get_num_threads())
+        fn(q.data_ptr(), q.stride(0), cache.data_ptr(), table.data_ptr(), start, n, out.data_ptr(), h, kvh, d, bs,
+           num_blocks, d**-0.5, torch.get_num_threads())
         return out
+
+    def quantize_kv8(self, x: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows x [N, D] bfloat16 (rows may be strided) into the 8-bit slots `slots` [N] (int64) of
+        out, int8 [.., D + 4] viewed as [S, D + 4]: the bits `quantize_kv` gives (slots unchecked)."""
+        n, d = x.shape
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and d % 16 == 0
+        assert out.dtype == torch.int8 and out.is_contiguous() and out.shape[-1] == d + KV8_SCALE_BYTES
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (n,)
+        self._quantize_kv8(x.data_ptr(), x.stride(0), n, d, slots.data_ptr(), out.data_ptr())
 
     def sample(self, logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor | None = None,
                top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,7 +303,9 @@ class CpuKernels:
         cache [layers, 2, KVH, num_blocks, block_size, D]; slots, positions, tables, lens: int64, as
         `decode_attention` and the runner's metadata have them (checked by the runner)."""
         t, e = x.shape
-        assert _bf16_rows(x) and e == layers.hidden and cache.is_contiguous() and cache.dtype == torch.bfloat16
+        kv8 = _kv8_layer(cache, layers.head_dim)
+        assert _bf16_rows(x) and e == layers.hidden and cache.is_contiguous()
+        assert kv8 or (cache.dtype == torch.bfloat16 and cache.shape[5] == layers.head_dim)
         assert cache.shape[0] == layers.num_layers and tuple(cache.shape[1:3]) == (2, layers.kv_heads)
         for v in (slots, positions, lens):
             assert v.dtype == torch.int64 and v.is_contiguous() and v.shape == (t,)
@@ -289,7 +320,7 @@ class CpuKernels:
             delta.data_ptr(), layers.pointers.data_ptr(), layers.kinds.data_ptr(), cache.data_ptr(),
             slots.data_ptr(), positions.data_ptr(), layers.cos.data_ptr(), layers.sin.data_ptr(), tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), total_len, t, layers.num_layers, e, h, kvh, d, f, cache.shape[4],
-            cache.shape[3], layers.eps, d**-0.5, torch.get_num_threads())
+            cache.shape[3], layers.eps, d**-0.5, torch.get_num_threads(), int(kv8))
         if rc:
             raise MemoryError("decode_layers: a kernel could not allocate its buffer")
         return delta

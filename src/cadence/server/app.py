@@ -244,6 +244,9 @@ def create_app(
     engine.stats_hooks.append(dashboard.record_step)
     exporter.rejection_listeners.append(dashboard.record_rejection)
     exporter.watch_engine(lambda: engine.is_healthy)
+    if render_metrics is None:  # a local engine (a fleet's replicas report their own caches)
+        core = engine.engine.core
+        exporter.record_kv_cache(core.kv_cache_dtype, core.num_blocks * core.config.cache.block_size)
     if engine.engine_thread_times() is not None:
         exporter.watch_thread_times(lambda: engine.engine_thread_times() or {})
     tracer = make_tracer(server_config, exporter)

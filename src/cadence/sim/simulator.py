@@ -187,6 +187,16 @@ class _Client:
 ExecutorFactory = Callable[[Any], Any]  # clock -> Executor
 
 
+def check_kv_cache_dtype(config: EngineConfig, cost_model: StepCostModel) -> None:
+    """A profile prices K/V bytes and attention as calibrated: --kv-cache-dtype int8 needs a profile
+    calibrated with it (its kv_bytes_per_token is the 8-bit cache's), not one of the model's dtype."""
+    wanted = config.cache.kv_cache_dtype
+    calibrated = str(cost_model.metadata.get("kv_cache_dtype", "auto"))
+    if wanted == "int8" and calibrated != "int8":
+        raise ValueError(f"kv_cache_dtype (--kv-cache-dtype): int8, but the profile was calibrated with a "
+                         f"{calibrated} KV cache; calibrate one with --kv-cache-dtype int8")
+
+
 class Simulator:
     """Runs a workload through N engine cores. One `run` per instance."""
 
@@ -202,6 +212,7 @@ class Simulator:
         if executor_factory is None:
             if cost_model is None:
                 raise ValueError("cost_model: required unless an executor factory is given")
+            check_kv_cache_dtype(config, cost_model)
             seeds = iter(range(options.seed, options.seed + options.replicas))
             executor_factory = lambda clock: SimExecutor(  # noqa: E731
                 cost_model, clock=clock, spec_acceptance=options.spec_acceptance, seed=next(seeds))

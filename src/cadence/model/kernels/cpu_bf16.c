@@ -6,6 +6,8 @@
  *   cadence_silu_mul      SwiGLU's silu(gate) * up from the fused gate-up output
  *   cadence_rope          rotary embedding of q and k, in place
  *   cadence_decode_attention, cadence_prefill_attention   attention over the paged KV cache
+ *   cadence_decode_attention_kv8, cadence_prefill_attention_kv8   the same over an 8-bit KV cache
+ *   cadence_quantize_kv8  K/V rows into the 8-bit cache's layout (int8 values and a float32 scale)
  *   cadence_decode_layers every decoder layer of an all-decode step in one call
  *   cadence_sample        one token per row: temperature, top-k, top-p, min-p, inverse CDF
  * Each works row by row with a fixed summation order, so a row's result never depends on the
@@ -473,6 +475,69 @@ static inline void load_chunk(const uint16_t *k_head, const uint16_t *v_head, co
         for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(vf[t] + c, load_bf16(v_head + rows[t] + c, 0xFFFF));
 }
 
+/* ---- the 8-bit KV cache ---------------------------------------------------------------------
+ *
+ * A slot of one KV head holds D int8 values and their float32 scale (D + 4 bytes): one token's K
+ * (or V) of that head, quantised alone, so a token's stored bits depend on nothing but its own K/V
+ * and exactness carries over. x = q * scale, with scale = max|x| / 127 and q = x / scale rounded to
+ * the nearest integer, ties to even (model/attention.py's `quantize_kv` computes the same bits). */
+#define KV8_SCALE_BYTES 4
+
+static void quantize_row_kv8(const uint16_t *x, int64_t d, int8_t *row) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load_bf16(x + c, 0xFFFF)));
+    const float scale = _mm512_reduce_max_ps(mx) / 127.0f;
+    for (int64_t c = 0; c < d; c += 16) {
+        __m512 v = _mm512_setzero_ps();
+        if (scale > 0.0f)
+            v = _mm512_roundscale_ps(_mm512_div_ps(load_bf16(x + c, 0xFFFF), _mm512_set1_ps(scale)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(row + c), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+    memcpy(row + d, &scale, KV8_SCALE_BYTES);
+}
+
+/* rows [n] of d bfloat16 (row i at x + i * x_stride) -> the 8-bit slots out + slot[i] * (d + 4). */
+void cadence_quantize_kv8(const uint16_t *x, int64_t x_stride, int64_t n, int64_t d, const int64_t *slot,
+                          int8_t *out) {
+    for (int64_t i = 0; i < n; i++) quantize_row_kv8(x + i * x_stride, d, out + slot[i] * (d + KV8_SCALE_BYTES));
+}
+
+/* As load_chunk, from the 8-bit cache: K's int8 values become bfloat16 (exactly: integers of at
+ * most 8 bits) in the pair layout, with each key's scale in ks[t] (scores are scaled per key after
+ * the dot products); V is dequantised to float32. Lanes past kn hold zeros. */
+static inline void load_chunk_kv8(const int8_t *k_head, const int8_t *v_head, const int64_t *table, int64_t t0,
+                                  int64_t kn, int64_t bs, int64_t d, __m512i *kt, float (*vf)[MAX_DIM], float *ks) {
+    const int64_t rb = d + KV8_SCALE_BYTES;
+    uint16_t kb[KC][MAX_DIM];
+    for (int64_t t = 0; t < KC; t++) {
+        if (t >= kn) {
+            memset(kb[t], 0, (size_t)d * 2);
+            ks[t] = 0.0f;
+            continue;
+        }
+        const int64_t pos = t0 + t, row = (table[pos / bs] * bs + pos % bs) * rb;
+        const int8_t *kr = k_head + row, *vr = v_head + row;
+        for (int64_t c = 0; c < d; c += 32) {
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(kr + c))));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(kr + c + 16))));
+            _mm512_storeu_si512(kb[t] + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        float vs;
+        memcpy(&ks[t], kr + d, KV8_SCALE_BYTES);
+        memcpy(&vs, vr + d, KV8_SCALE_BYTES);
+        for (int64_t c = 0; c < d; c += 16)
+            _mm512_storeu_ps(vf[t] + c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(vr + c)))), _mm512_set1_ps(vs)));
+    }
+    for (int64_t p0 = 0; p0 < d / 2; p0 += 16) {
+        __m512i r[16];
+        for (int t = 0; t < 16; t++) r[t] = _mm512_loadu_si512(kb[t] + 2 * p0);
+        transpose16(r);
+        for (int i = 0; i < 16; i++) kt[p0 + i] = r[i];
+    }
+}
+
 /* Scores of the chunk's KC keys for nv query vectors qv[]: up to four vdpbf16ps chains at a time
  * (independent chains hide the instruction's latency; each vector's chain is the same alone). */
 static inline void score_chunk(const uint16_t *const *qv, int64_t nv, const __m512i *kt, int64_t d,
@@ -538,12 +603,14 @@ static inline void attend_chunk(float *acc, float *m, __m512 *lv, const float *s
 /* Query tokens first .. first+qn-1 (positions start+first ..) of one request, the G query heads of
  * KV head j each, causally over the context in the paged cache through `table`.
  * q, out: the request's rows (row i at q + i * q_row_stride, out + i * heads * d). */
-static void attend_tile(const uint16_t *q, int64_t q_row_stride, const uint16_t *cache, const int64_t *table,
+static void attend_tile(const uint16_t *q, int64_t q_row_stride, const void *cache, const int64_t *table,
                         int64_t start, int64_t first, int64_t qn, int64_t j, uint16_t *out, int64_t heads,
-                        int64_t kvh, int64_t d, int64_t bs, int64_t num_blocks, float scale) {
+                        int64_t kvh, int64_t d, int64_t bs, int64_t num_blocks, float scale, int kv8) {
     const int64_t g_n = heads / kvh, nv = qn * g_n, keys = start + first + qn; /* the last query sees `keys` */
-    const uint16_t *k_head = cache + j * num_blocks * bs * d, *v_head = k_head + kvh * num_blocks * bs * d;
-    float acc[PQ * MAX_GROUP][MAX_DIM], m[PQ * MAX_GROUP], sc[PQ * MAX_GROUP][KC], vf[KC][MAX_DIM];
+    const int64_t slot_bytes = kv8 ? d + KV8_SCALE_BYTES : 2 * d;
+    const char *k_head = (const char *)cache + j * num_blocks * bs * slot_bytes,
+               *v_head = k_head + kvh * num_blocks * bs * slot_bytes;
+    float acc[PQ * MAX_GROUP][MAX_DIM], m[PQ * MAX_GROUP], sc[PQ * MAX_GROUP][KC], vf[KC][MAX_DIM], ks[KC];
     __m512 lv[PQ * MAX_GROUP];
     __m512i kt[MAX_DIM / 2];
     const uint16_t *qv[PQ * MAX_GROUP];
@@ -555,8 +622,13 @@ static void attend_tile(const uint16_t *q, int64_t q_row_stride, const uint16_t 
     }
     for (int64_t t0 = 0; t0 < keys; t0 += KC) {
         const int64_t kn = keys - t0 < KC ? keys - t0 : KC;
-        load_chunk(k_head, v_head, table, t0, kn, bs, d, kt, vf);
+        if (kv8)
+            load_chunk_kv8((const int8_t *)k_head, (const int8_t *)v_head, table, t0, kn, bs, d, kt, vf, ks);
+        else
+            load_chunk((const uint16_t *)k_head, (const uint16_t *)v_head, table, t0, kn, bs, d, kt, vf);
         score_chunk(qv, nv, kt, d, sc);
+        if (kv8) /* each key's dot product times its scale */
+            for (int64_t v = 0; v < nv; v++) _mm512_storeu_ps(sc[v], _mm512_mul_ps(_mm512_loadu_ps(sc[v]), _mm512_loadu_ps(ks)));
         for (int64_t v = 0; v < nv; v++) {
             const int64_t qpos = start + first + v / g_n;
             if (t0 > qpos) continue; /* this chunk is entirely in the query's future */
@@ -585,7 +657,20 @@ void cadence_decode_attention(const uint16_t *q, int64_t q_row_stride, const uin
     for (int64_t task = 0; task < rows * kvh; task++) {
         const int64_t r = task / kvh, j = task % kvh;
         attend_tile(q + r * q_row_stride, q_row_stride, cache, tables + r * table_width, lens[r] - 1, 0, 1, j,
-                    out + r * heads * d, heads, kvh, d, bs, num_blocks, scale);
+                    out + r * heads * d, heads, kvh, d, bs, num_blocks, scale, 0);
+    }
+}
+
+/* As cadence_decode_attention, over the 8-bit cache: [2, kvh, num_blocks, bs, d + 4] bytes. */
+void cadence_decode_attention_kv8(const uint16_t *q, int64_t q_row_stride, const int8_t *cache,
+                                  const int64_t *tables, int64_t table_width, const int64_t *lens,
+                                  uint16_t *out, int64_t rows, int64_t heads, int64_t kvh, int64_t d,
+                                  int64_t bs, int64_t num_blocks, float scale, int64_t total_len, int threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (total_len * kvh >= 2048)
+    for (int64_t task = 0; task < rows * kvh; task++) {
+        const int64_t r = task / kvh, j = task % kvh;
+        attend_tile(q + r * q_row_stride, q_row_stride, cache, tables + r * table_width, lens[r] - 1, 0, 1, j,
+                    out + r * heads * d, heads, kvh, d, bs, num_blocks, scale, 1);
     }
 }
 
@@ -601,7 +686,20 @@ void cadence_prefill_attention(const uint16_t *q, int64_t q_row_stride, const ui
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < kvh * tiles; task++) {
         const int64_t j = task % kvh, first = (task / kvh) * PQ, qn = n - first < PQ ? n - first : PQ;
-        attend_tile(q, q_row_stride, cache, table, start, first, qn, j, out, heads, kvh, d, bs, num_blocks, scale);
+        attend_tile(q, q_row_stride, cache, table, start, first, qn, j, out, heads, kvh, d, bs, num_blocks, scale, 0);
+    }
+}
+
+/* As cadence_prefill_attention, over the 8-bit cache (cadence_decode_attention_kv8's layout). */
+void cadence_prefill_attention_kv8(const uint16_t *q, int64_t q_row_stride, const int8_t *cache,
+                                   const int64_t *table, int64_t start, int64_t n, uint16_t *out,
+                                   int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t num_blocks,
+                                   float scale, int threads) {
+    const int64_t tiles = (n + PQ - 1) / PQ;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < kvh * tiles; task++) {
+        const int64_t j = task % kvh, first = (task / kvh) * PQ, qn = n - first < PQ ? n - first : PQ;
+        attend_tile(q, q_row_stride, cache, table, start, first, qn, j, out, heads, kvh, d, bs, num_blocks, scale, 1);
     }
 }
 
@@ -627,28 +725,41 @@ enum { DL_INPUT_NORM, DL_POST_NORM, DL_QKV, DL_QKV_BIAS, DL_O, DL_GATE_UP, DL_DO
  * x [T, E] is the embedded input, updated in place as the residual stream; on return `delta` holds
  * the last layer's MLP output, which the caller adds (as the Python path does). h, qkv, attn, gu and
  * act are scratch of [T, E], [T, (H + 2 KVH) D], [T, H D], [T, 2F], [T, F]. cache: all layers,
- * [layers][2][KVH][num_blocks * bs][D]; slots, pos: each row's cache slot and position; tables,
- * lens, total_len: as cadence_decode_attention. Returns 0, or -1 when a kernel ran out of memory. */
+ * [layers][2][KVH][num_blocks * bs][D] bfloat16, or with kv8 (last, so that callers and libraries
+ * from before it still agree) the 8-bit cache's D + 4 bytes a slot;
+ * slots, pos: each row's cache slot and position; tables, lens, total_len: as
+ * cadence_decode_attention. Returns 0, or -1 when a kernel ran out of memory. */
 int cadence_decode_layers(uint16_t *x, uint16_t *h, uint16_t *qkv, uint16_t *attn, uint16_t *gu, uint16_t *act,
-                          uint16_t *delta, const int64_t *w, const int64_t *kinds, uint16_t *cache,
+                          uint16_t *delta, const int64_t *w, const int64_t *kinds, void *cache,
                           const int64_t *slots, const int64_t *pos, const float *cos, const float *sin,
                           const int64_t *tables, int64_t table_width, const int64_t *lens, int64_t total_len,
                           int64_t t, int64_t layers, int64_t e, int64_t heads, int64_t kvh, int64_t d,
-                          int64_t f, int64_t bs, int64_t num_blocks, float eps, float scale, int threads) {
-    const int64_t width = (heads + 2 * kvh) * d, layer_elems = 2 * kvh * num_blocks * bs * d;
-    const int64_t plane = num_blocks * bs * d; /* one KV head's slots */
+                          int64_t f, int64_t bs, int64_t num_blocks, float eps, float scale, int threads,
+                          int64_t kv8) {
+    const int64_t width = (heads + 2 * kvh) * d, slot_bytes = kv8 ? d + KV8_SCALE_BYTES : 2 * d;
+    const int64_t plane = num_blocks * bs * slot_bytes, layer_bytes = 2 * kvh * plane; /* plane: one KV head's */
 #define PTR(i, field) ((void *)(intptr_t)w[(i) * DL_FIELDS + (field)])
     cadence_add_rms_norm(x, NULL, PTR(0, DL_INPUT_NORM), h, t, e, eps, threads);
     for (int64_t i = 0; i < layers; i++) {
         const int64_t *kind = kinds + 4 * i;
-        uint16_t *layer_cache = cache + i * layer_elems;
+        char *layer_cache = (char *)cache + i * layer_bytes;
         if (linear_any(kind[0], h, PTR(i, DL_QKV), PTR(i, DL_QKV_BIAS), qkv, t, width, e, threads)) return -1;
         cadence_rope(qkv, pos, cos, sin, t, heads + 2 * kvh, heads + kvh, d, threads);
         for (int64_t r = 0; r < t; r++) /* K then V of each KV head into the row's slot */
-            for (int64_t s = 0; s < 2 * kvh; s++)
-                memcpy(layer_cache + s * plane + slots[r] * d, qkv + r * width + (heads + s) * d, (size_t)d * 2);
-        cadence_decode_attention(qkv, width, layer_cache, tables, table_width, lens, attn, t, heads, kvh, d, bs,
-                                 num_blocks, scale, total_len, threads);
+            for (int64_t s = 0; s < 2 * kvh; s++) {
+                const uint16_t *src = qkv + r * width + (heads + s) * d;
+                char *dst = layer_cache + s * plane + slots[r] * slot_bytes;
+                if (kv8)
+                    quantize_row_kv8(src, d, (int8_t *)dst);
+                else
+                    memcpy(dst, src, (size_t)d * 2);
+            }
+        if (kv8)
+            cadence_decode_attention_kv8(qkv, width, (const int8_t *)layer_cache, tables, table_width, lens, attn, t,
+                                         heads, kvh, d, bs, num_blocks, scale, total_len, threads);
+        else
+            cadence_decode_attention(qkv, width, (const uint16_t *)layer_cache, tables, table_width, lens, attn, t,
+                                     heads, kvh, d, bs, num_blocks, scale, total_len, threads);
         if (linear_any(kind[1], attn, PTR(i, DL_O), NULL, delta, t, e, heads * d, threads)) return -1;
         cadence_add_rms_norm(x, delta, PTR(i, DL_POST_NORM), h, t, e, eps, threads);
         if (linear_any(kind[2], h, PTR(i, DL_GATE_UP), NULL, gu, t, 2 * f, e, threads)) return -1;

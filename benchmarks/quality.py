@@ -1,0 +1,193 @@
+"""Quality of cadence's reduced-precision configurations against the float32 model, on a fixed text.
+
+    .venv/bin/python benchmarks/quality.py [--configs bf16,kv8] [--tokens 20480] [--window 2048]
+        [--threads 1] [--json out.json]
+
+The text is the string contents of CPython's `pydoc_data/topics.py` (the help topics that ship
+with the interpreter: prose and code), joined in sorted topic order and tokenized without special
+tokens; its first `--tokens` tokens are cut into windows of `--window`, each fed to the model from
+position 0 in prefill chunks of `--chunk`, so later positions attend over long contexts read from
+the KV cache. Every position but a window's last predicts the next token. For each configuration:
+
+  perplexity    exp(mean negative log-likelihood of the text's next tokens)
+  vs bf16       its perplexity relative to the bf16 configuration's (when that one is run)
+  top-1 agree   the share of positions whose most likely token is the float32 model's
+
+Configurations (`CONFIGS`; a new one is a line there): f32, the reference (the float32 model on
+torch ops, always run); bf16, the model as served on bfloat16 (cadence's CPU kernels where the CPU
+has AVX512-BF16, GGUF Q4_1 layers on their four-bit values); kv8, bf16 with the 8-bit KV cache
+(--kv-cache-dtype int8). The default model's weights are the same in all (the GGUF's, dequantised
+exactly for float32). The figures depend on the text and so on the Python version: it is printed.
+"""
+
+from __future__ import annotations
+
+import cadence  # noqa: F401  (first: it sets cadence's OpenMP default, read when torch loads)
+
+# isort: split
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cadence.executor.model_runner import ModelRunner
+from cadence.model.attention import AttentionMetadata, SeqSpan
+from cadence.model.loader import Checkpoint, default_model_path, load_checkpoint
+from cadence.model.tokenizer import Tokenizer
+
+BLOCK = 16
+REFERENCE = "f32"
+
+
+@dataclass(frozen=True)
+class Config:
+    dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+    about: str = ""
+
+
+CONFIGS: dict[str, Config] = {
+    "f32": Config(torch.float32, about="float32 model, float32 KV cache (the reference)"),
+    "bf16": Config(torch.bfloat16, about="bfloat16 model and KV cache"),
+    "kv8": Config(torch.bfloat16, "int8", about="bfloat16 model, 8-bit KV cache"),
+}
+
+
+@dataclass
+class Score:
+    """Running sums over the text's predicted positions."""
+
+    nll: float = 0.0
+    positions: int = 0
+    agree: int = 0
+    top1: list[torch.Tensor] | None = None  # the most likely token at each position, in order
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.positions)
+
+
+def topic_text() -> str:
+    """CPython's pydoc_data/topics.py, its strings joined in sorted topic order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def text_tokens(tokenizer: Tokenizer, n: int) -> list[int]:
+    ids = tokenizer.encode(topic_text(), add_special_tokens=False)
+    if len(ids) < n:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than the {n} asked for")
+    return ids[:n]
+
+
+def make_runner(ckpt: Checkpoint, config: Config, window: int) -> ModelRunner:
+    runner = ModelRunner(ckpt.arch, ckpt.weights, dtype=config.dtype, q4_1=ckpt.q4_1,
+                         kv_cache_dtype=config.kv_cache_dtype)
+    runner.initialize_kv_cache(-(-window // BLOCK), BLOCK)
+    return runner
+
+
+def score_config(runner: ModelRunner, tokens: list[int], window: int, chunk: int,
+                 reference: Score | None) -> Score:
+    """Feed the text window by window (each from position 0, in prefill chunks) and score every
+    position's prediction of the next token; top-1 agreement against `reference` (None: keep the
+    top-1 tokens, this is the reference)."""
+    model, cpu = runner.model, torch.device("cpu")
+    assert runner.kv_cache is not None
+    score = Score(top1=[] if reference is None else None)
+    ref_top1 = torch.cat(reference.top1) if reference is not None and reference.top1 is not None else None
+    for w0 in range(0, len(tokens) - 1, window):
+        ids = tokens[w0 : w0 + window]
+        table = list(range(-(-len(ids) // BLOCK)))
+        for start in range(0, len(ids), chunk):
+            piece = ids[start : start + chunk]
+            meta = AttentionMetadata.build([SeqSpan(start, len(piece), table)], BLOCK, cpu, model.arch.num_kv_heads,
+                                           model.decode_kernels)
+            rows = min(len(piece), len(ids) - 1 - start)  # a window's last position predicts nothing here
+            if rows <= 0:  # only the window's last token: it predicts nothing, and nothing reads its K/V
+                continue
+            with torch.inference_mode():
+                logits = model(torch.tensor(piece), meta, runner.kv_cache, torch.arange(rows))
+            targets = torch.tensor(ids[start + 1 : start + 1 + rows])
+            logp = torch.log_softmax(logits.double(), dim=-1)
+            score.nll -= float(logp.gather(1, targets[:, None]).sum())
+            top1 = logits.argmax(dim=-1)
+            if ref_top1 is not None:
+                score.agree += int((top1 == ref_top1[score.positions : score.positions + rows]).sum())
+            elif score.top1 is not None:
+                score.top1.append(top1)
+            score.positions += rows
+    if reference is None:
+        score.agree = score.positions
+    return score
+
+
+def evaluate(names: list[str], tokens: list[int], window: int, chunk: int, ckpt: Checkpoint,
+             progress: bool = False) -> dict[str, dict[str, float]]:
+    """{config: {perplexity, agreement (0..1), positions, seconds}}, the reference first."""
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    out: dict[str, dict[str, float]] = {}
+    reference: Score | None = None
+    for name in [REFERENCE, *(n for n in names if n != REFERENCE)]:
+        t0 = time.perf_counter()
+        runner = make_runner(ckpt, CONFIGS[name], window)
+        score = score_config(runner, tokens, window, chunk, reference)
+        if name == REFERENCE:
+            reference = score
+        out[name] = {"perplexity": score.perplexity, "agreement": score.agree / score.positions,
+                     "positions": score.positions, "seconds": time.perf_counter() - t0}
+        if progress:
+            print(f"  {name}: perplexity {score.perplexity:.4f} ({out[name]['seconds']:.0f} s)", file=sys.stderr,
+                  flush=True)
+        del runner
+    return out
+
+
+def report(results: dict[str, dict[str, float]]) -> str:
+    base = results.get("bf16")
+    lines = [f"{'config':<8}{'perplexity':>12}{'vs bf16':>10}{'top-1 agree':>13}   what"]
+    for name, r in results.items():
+        rel = f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}%" if base else "-"
+        lines.append(f"{name:<8}{r['perplexity']:>12.4f}{rel:>10}{100 * r['agreement']:>12.2f}%   {CONFIGS[name].about}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="bf16,kv8", help=f"comma-separated, of {', '.join(CONFIGS)} (f32 always runs)")
+    ap.add_argument("--tokens", type=int, default=20480, help="tokens of the text to score")
+    ap.add_argument("--window", type=int, default=2048, help="context of each window (positions from 0)")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default="", help="GGUF file or Hugging Face directory (default: the default model)")
+    ap.add_argument("--json", default="", help="also write the figures to this JSON file")
+    args = ap.parse_args()
+    if min(args.tokens, args.window, args.chunk) < 2:
+        ap.error("--tokens, --window and --chunk must be >= 2")
+    torch.set_num_threads(args.threads)
+    path = Path(args.model) if args.model else default_model_path()
+    ckpt = load_checkpoint(path, torch.float32)
+    tokens = text_tokens(Tokenizer.from_model_path(path), args.tokens)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    print(f"{path.name}: {len(tokens)} tokens of pydoc_data/topics.py (Python {platform.python_version()}) in "
+          f"windows of {args.window}, chunks of {args.chunk}; torch {torch.__version__}, {args.threads} threads",
+          flush=True)
+    results = evaluate(names, tokens, args.window, args.chunk, ckpt, progress=True)
+    print(report(results))
+    if args.json:
+        meta = {"model": path.name, "tokens": len(tokens), "window": args.window, "chunk": args.chunk,
+                "python": platform.python_version(), "text": "pydoc_data/topics.py"}
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
