@@ -180,10 +180,18 @@ class BoundedExport(SpanProcessor):
 
 
 def _env_int(name: str, default: int) -> int:
-    try:
-        return max(1, int(os.environ.get(name, "") or default))
-    except ValueError:
+    """A positive count from the environment; anything else warns and gives `default` (as the SDK does)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
         return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        log.warning("%s=%r is not a positive integer: using %d", name, raw, default)
+        return default
+    return value
 
 
 def _resource() -> Resource:
