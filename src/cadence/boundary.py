@@ -231,6 +231,7 @@ class IterationStats:
     now: float = 0.0
     step_time: float = 0.0  # seconds spent in execute()
     num_prompt_tokens: int = 0  # prefill tokens computed this step
+    first_token_prompt_tokens: int = 0  # prompt tokens of the requests that sampled their first token this step
     num_generation_tokens: int = 0  # tokens sampled this step
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache

@@ -50,7 +50,8 @@ def test_fed_by_hand_the_vllm_series_mirror_cadences():
     lab = (("engine", "0"), ("model_name", "m1"))
     assert s[("vllm:num_requests_running", lab)] == 3 and s[("vllm:num_requests_waiting", lab)] == 4
     assert s[("vllm:kv_cache_usage_perc", lab)] == 0.25
-    assert s[("vllm:prompt_tokens_total", lab)] == 40 and s[("vllm:generation_tokens_total", lab)] == 3
+    assert s[("vllm:prompt_tokens_total", lab)] == 0  # no first token's request here says its prompt
+    assert s[("vllm:generation_tokens_total", lab)] == 3
     assert s[("vllm:num_preemptions_total", lab)] == 2
     assert s[("vllm:prefix_cache_queries_total", lab)] == 32 and s[("vllm:prefix_cache_hits_total", lab)] == 16
     assert s[("vllm:request_success_total", (("engine", "0"), ("finished_reason", "length"), ("model_name", "m1")))] == 1
@@ -92,7 +93,6 @@ def test_a_scrape_after_a_workload_has_the_vllm_series_agreeing_with_cadences(se
         assert series, f"{name} missing"
         assert all(dict(labels)["model_name"] == model for labels in series), name
     pairs = [
-        ("vllm:prompt_tokens_total", "cadence:prompt_tokens_total"),
         ("vllm:generation_tokens_total", "cadence:generation_tokens_total"),
         ("vllm:num_preemptions_total", "cadence:preempted_requests_total"),
         ("vllm:prefix_cache_queries_total", "cadence:prefix_cache_query_tokens_total"),
@@ -109,6 +109,10 @@ def test_a_scrape_after_a_workload_has_the_vllm_series_agreeing_with_cadences(se
     for v, c in pairs:
         assert total(s, v) == pytest.approx(total(s, c)), (v, c)
     assert total(s, "vllm:num_preemptions_total") > 0, "the workload was meant to preempt"
+    # As vLLM counts it: every request's whole prompt, prefix-cache hits included, once (at its first
+    # token), not the prompt tokens computed (hits left out, recomputation after preemption counted).
+    assert total(s, "vllm:prompt_tokens_total") == total(s, "vllm:request_prompt_tokens_sum")
+    assert total(s, "vllm:prompt_tokens_total") != total(s, "cadence:prompt_tokens_total")
     assert total(s, "vllm:prefix_cache_hits_total") > 0
     assert total(s, "vllm:request_success_total") == 8
     assert by_name(s, "vllm:request_success_total") == {
@@ -130,3 +134,15 @@ def test_speculative_decoding_counters_under_both_names():
     assert s[("cadence:spec_decode_num_accepted_tokens_per_pos_total", (("position", "2"),))] == 1
     assert s[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (*lab, ("position", "0")))] == 2
     assert s[("cadence:spec_decode_acceptance_ratio", ())] == 0.5
+
+
+def test_vllm_prompt_tokens_count_each_request_prompt_once_at_its_first_token():
+    exp = PrometheusExporter(vllm_model_name="m1")
+    # A step that computes 24 prompt tokens (a 40-token prompt with 16 found in the prefix cache)
+    # and samples that request's first token; then a recomputation after a preemption.
+    exp.record_step(IterationStats(num_prompt_tokens=24, num_generation_tokens=1, first_token_prompt_tokens=40,
+                                   first_token_latencies=[("a", 0.1)]), SchedulerStats(num_running=1))
+    exp.record_step(IterationStats(num_prompt_tokens=30, num_generation_tokens=1), SchedulerStats(num_running=1))
+    s = samples(exp.render()[0])
+    assert s[("vllm:prompt_tokens_total", (("engine", "0"), ("model_name", "m1")))] == 40
+    assert s[("cadence:prompt_tokens_total", ())] == 54

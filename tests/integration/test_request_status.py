@@ -115,3 +115,26 @@ def test_a_waiting_request_has_a_predicted_ttft_from_the_shipped_profile(server_
         rid = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).headers["x-request-id"]
         done = client.get(f"/v1/requests/{rid}").json()
     assert done["predicted_ttft"] is None and done["ttft"] is not None and done["ttft"] > 0
+
+
+def test_without_a_profile_only_a_request_before_its_first_token_says_why_there_is_no_prediction(
+        server_factory) -> None:
+    live = server_factory({"max_num_seqs": 1}, cost_profile="none")
+    long_body = {"prompt": "hold the seat", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=live.url, timeout=60) as client, client.stream("POST", "/v1/completions", json=long_body) as first:
+        holder = first.headers["x-request-id"]  # the stream's headers come with its first token
+        waiter = threading.Thread(target=lambda: httpx.post(
+            f"{live.url}/v1/completions", json={"prompt": "wait", "max_tokens": 2}, timeout=60))
+        waiter.start()
+        end = time.monotonic() + 30
+        while not waiting_ids(live):
+            assert time.monotonic() < end, "the second request never queued"
+            time.sleep(0.005)
+        waiting = client.get(f"/v1/requests/{waiting_ids(live)[0]}").json()
+        decoding = client.get(f"/v1/requests/{holder}").json()
+    waiter.join(60)
+    assert waiting["state"] == "waiting" and waiting["predicted_ttft"] is None
+    assert waiting["predicted_ttft_unavailable"] == "no cost-model profile is loaded"
+    # Its first token is out: there is nothing to predict, so no reason either (as with a profile).
+    assert decoding["state"] == "decoding" and decoding["ttft"] is not None
+    assert decoding["predicted_ttft"] is None and decoding["predicted_ttft_unavailable"] is None, decoding

@@ -230,3 +230,35 @@ def test_a_refused_connection_counts_failed_exports(monkeypatch, server_factory)
         assert _dropped(live.url).get("export_failed", 0) >= 1
     finally:
         live.app.state.tracer.shutdown(timeout=1.0)
+
+
+def test_a_request_whose_deadline_passes_while_it_waits_has_its_wait_in_its_span(receiver, server_factory):
+    """One seat, held: the second request waits for it until its deadline passes (HTTP 408). Its span
+    tells why it waited and how it ended, from the engine's own record of the request."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
+    try:
+        live = server_factory({"max_num_seqs": 1}, otlp_traces_endpoint=receiver.url)
+    finally:
+        mp.undo()
+    trace_id = "5" * 32
+    body = {"prompt": "hold", "max_tokens": 300, "stream": True, "stream_options": {"include_queue_status": True},
+            **NO_EOS}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=120) as holder:
+        lines = holder.iter_lines()
+        assert next(lines).startswith(": queued")  # admitted: the next one waits behind it
+        late = httpx.post(live.url + "/v1/completions", json={"prompt": "late", "max_tokens": 5, "deadline": 0.3},
+                          headers={"traceparent": f"00-{trace_id}-{PARENT_ID}-01"}, timeout=60)
+        for _ in lines:
+            pass
+    assert late.status_code == 408, late.text
+    with receiver.sink.cond:
+        receiver.sink.cond.wait_for(lambda: any(s.trace_id == trace_id for s in receiver.sink.spans), 30)
+        span = next(s for s in receiver.sink.spans if s.trace_id == trace_id)
+    assert span.status_code == STATUS_ERROR and span.attributes["error.type"] == "deadline"
+    assert span.attributes["gen_ai.response.finish_reasons"] == ["deadline"]
+    waits = [e[2]["cadence.wait_reason"] for e in span.events if e[0] == "waiting"]
+    assert "max_num_seqs" in waits, span.events
+    finished = [e[2] for e in span.events if e[0] == "finished"]
+    assert finished and finished[0]["finish_reason"] == "deadline"
+    live.app.state.tracer.shutdown()

@@ -68,3 +68,14 @@ def test_a_malformed_traceparent_starts_a_new_trace(grpc_served, traceparent):
     span = sink.wait(_complete(server, {"traceparent": traceparent, "tracestate": "a=b"}), timeout=60)
     assert span.parent_span_id == "" and span.trace_id not in (TRACE_ID, "0" * 32)
     assert span.trace_state == ""
+
+
+def test_a_tracestate_sent_in_several_header_lines_is_continued_whole(grpc_served):
+    # W3C: several tracestate lines are one list, joined with commas in the order received.
+    server, sink = grpc_served
+    headers = [("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"), ("tracestate", "a=1"), ("tracestate", "b=2,c=3")]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    span = sink.wait(r.json()["id"], timeout=60)
+    assert (span.trace_id, span.parent_span_id) == (TRACE_ID, PARENT_ID)
+    assert span.trace_state == "a=1,b=2,c=3"

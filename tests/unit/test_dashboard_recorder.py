@@ -249,3 +249,39 @@ def test_a_server_over_a_local_engine_counts_its_queues_and_a_fleet_ingress_does
     for rec in (local, ingress):
         assert rec.limits == Limits(300, 7)
     assert local.snapshot()["source"] == "engine" and ingress.snapshot()["source"] == "ingress"
+
+
+def test_a_census_from_before_an_unwatched_spell_is_not_shown_as_now():
+    clock = FakeClock()
+    source = CensusSource(QueueCensus({"a": 2}, {0: 2}, {"a": 1}, num_cached_free_blocks=30))
+    rec = DashboardRecorder(census=source, clock=clock)
+    rec.snapshot()
+    clock.t += 0.1
+    rec.record_step(IterationStats(num_generation_tokens=1), gauges(1, 2, free=60))
+    assert rec.snapshot()["queue"]["by_tenant"] == {"a": 2}
+    clock.t += WATCHED_FOR_S + 1  # nobody watches while the queue drains and the engine goes idle
+    rec.record_step(IterationStats(num_generation_tokens=1), gauges(1, 0, free=90))
+    rec.record_step(IterationStats(num_generation_tokens=1), gauges(0, 0, free=100))
+    clock.t += 30  # a reader opens the dashboard of the idle server: no step follows to count again
+    snap = rec.snapshot()
+    # Nothing waits or runs (the gauges say so): no rows, rather than the 2 requests of long ago.
+    assert snap["queue"] == {"waiting": 0, "by_tenant": {}, "by_priority": {}, "running_by_tenant": {},
+                             "age_s": None}
+    assert snap["kv"] == {"total": 100, "used": 0, "cached": None, "free": 100}  # not counted since
+
+
+def test_a_census_dropped_while_unwatched_is_unknown_while_requests_remain():
+    clock = FakeClock()
+    source = CensusSource(QueueCensus({"a": 2}, {0: 2}, {"a": 1}, num_cached_free_blocks=30))
+    rec = DashboardRecorder(census=source, clock=clock)
+    rec.snapshot()
+    clock.t += 0.1
+    rec.record_step(IterationStats(num_generation_tokens=1), gauges(1, 2, free=60))
+    clock.t += WATCHED_FOR_S + 1
+    rec.record_step(IterationStats(num_generation_tokens=1), gauges(2, 1, free=50))
+    snap = rec.snapshot()
+    assert snap["queue"]["by_tenant"] is None and snap["kv"]["cached"] is None
+    clock.t += 0.1  # watched again: the next step counts afresh
+    source.census = QueueCensus({"b": 1}, {3: 1}, {"a": 2}, num_cached_free_blocks=4)
+    rec.record_step(IterationStats(num_generation_tokens=1), gauges(2, 1, free=50))
+    assert rec.snapshot()["queue"]["by_tenant"] == {"b": 1}

@@ -134,3 +134,18 @@ def test_a_verification_row_beside_a_prefill_is_no_prefill_chunk() -> None:
     rows = [sr for out in executor.outputs for sr in out.scheduled if sr.request_id == "v" and sr.num_draft_tokens]
     assert rows, "the request was meant to speculate beside the prefill"
     assert _names(events.pop("v")) == ["prefill_chunk"]
+
+
+def test_a_request_that_ends_while_it_waits_records_why_it_waited() -> None:
+    # One seat, held: `second` waits (max_num_seqs) until it is aborted, never admitted.
+    engine, _, _ = make_engine(max_num_seqs=1)
+    events = engine.record_request_events()
+    first, second = make_request(prompt_len=4, max_tokens=10), make_request(prompt_len=4, max_tokens=3)
+    for r in (first, second):
+        engine.add_request(r)
+        events.track(r.request_id)
+    for _ in range(3):
+        engine.step()
+    engine.abort_requests([second.request_id])
+    assert _waits(events.pop(second.request_id)) == [{"cadence.wait_reason": "max_num_seqs", "cadence.step": 1}]
+    assert engine.scheduler.on_end_waiting == events.ended_waiting

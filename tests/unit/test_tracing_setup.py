@@ -109,3 +109,18 @@ def test_failed_exports_are_counted(monkeypatch):
     provider.force_flush()
     assert drops == {"export_failed": 2}
     provider.shutdown()
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "many"])
+def test_a_bad_queue_size_falls_back_to_the_default_with_a_warning(monkeypatch, caplog, value):
+    # As the OpenTelemetry SDK does with a value it cannot use: not a queue of one span.
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", value)
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", value)
+    with caplog.at_level("WARNING", logger="cadence.server"):
+        export = BoundedExport(BlockingExporter(SpanExportResult.SUCCESS), lambda reason, n: None)
+    try:
+        assert export.max_queue == 2048
+        assert export._batch._batch_processor._max_export_batch_size == 512
+        assert "OTEL_BSP_MAX_QUEUE_SIZE" in caplog.text and "OTEL_BSP_MAX_EXPORT_BATCH_SIZE" in caplog.text
+    finally:
+        export.shutdown()

@@ -511,10 +511,10 @@ class AsyncEngine:
 
     def _predicted(self, req: Request, snap: RequestSnapshot) -> RequestSnapshot:
         """The snapshot with its predicted time to first token (or why there is none)."""
+        if snap.state in ("decoding", "finished") or req.first_token_time is not None:
+            return snap  # its first token is out: nothing to predict
         if self.predictor is None:
             return replace(snap, predicted_ttft_unavailable="no cost-model profile is loaded")
-        if snap.state in ("decoding", "finished") or req.first_token_time is not None:
-            return snap
         p = self.predictor.predict(self.core.scheduler, req, self.clock.now())
         return replace(snap, predicted_ttft=p.ttft_s, predicted_ttft_unavailable=p.unavailable)
 

@@ -202,6 +202,7 @@ class EngineCore:
         if self.events is None:
             self.events = RequestEventRecorder(self.clock)
             self.scheduler.on_preempt = self.events.preempted
+            self.scheduler.on_end_waiting = self.events.ended_waiting
         return self.events
 
     # ------------------------------------------------------------------ the loop

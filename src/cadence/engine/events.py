@@ -161,6 +161,15 @@ class RequestEventRecorder:
             out.append(EngineEvent(WAITING, max(run.time, since), attrs))
         return out
 
+    def ended_waiting(self, request: Request, step: int) -> None:
+        """The scheduler's listener for a request that ends while it waits: why it waited, up to
+        `step` (the latest), as its admission would have recorded it."""
+        rid = request.request_id
+        since = self._waiting_since.pop(rid, None)
+        if since is not None and rid in self._events:
+            for event in self._waits(request, since, step + 1):
+                self._add(rid, event)
+
     def preempted(self, request: Request, tokens_lost: int, reason: str) -> None:
         """The scheduler's preemption listener: `request` loses `tokens_lost` computed tokens."""
         rid = request.request_id

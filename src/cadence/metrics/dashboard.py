@@ -102,10 +102,17 @@ class DashboardRecorder:
             if it is not None:
                 self._record_iteration(now, it, st)
         source = self._census_source
-        if st is not None and source is not None and self._census_due(now, st):
+        if st is None or source is None:
+            return
+        if self._census_due(now, st):
             census = self._fold(source())
             with self._lock:
                 self._census, self._census_at = census, now
+        elif not self._watched(now) and self._census is not None:
+            # The queues moved in a step that no census followed: an old count would show requests
+            # long gone (the engine takes no step while idle, so nothing would ever replace it).
+            with self._lock:
+                self._census, self._census_at = None, None
 
     def _record_iteration(self, now: float, it: IterationStats, st: SchedulerStats | None) -> None:
         decode_rows = len(it.token_latencies)
@@ -127,8 +134,11 @@ class DashboardRecorder:
             self._preemptions.append((now, it.num_preemptions))
             self._total_preemptions += it.num_preemptions
 
+    def _watched(self, now: float) -> bool:
+        return self._read_at is not None and now - self._read_at <= WATCHED_FOR_S
+
     def _census_due(self, now: float, st: SchedulerStats) -> bool:
-        if self._census_source is None or self._read_at is None or now - self._read_at > WATCHED_FOR_S:
+        if self._census_source is None or not self._watched(now):
             return False
         if self._census_at is None or now - self._census_at >= CENSUS_EVERY_S:
             return True
@@ -221,6 +231,9 @@ def _queue_json(
 ) -> dict[str, Any]:
     waiting = gauges.num_waiting if gauges else 0
     if census is None or at is None:
+        # Uncounted; but an engine that holds no request has nothing to list.
+        if gauges is not None and gauges.num_waiting == 0 and gauges.num_running == 0:
+            return {"waiting": 0, "by_tenant": {}, "by_priority": {}, "running_by_tenant": {}, "age_s": None}
         return {"waiting": waiting, "by_tenant": None, "by_priority": None, "running_by_tenant": None, "age_s": None}
     return {
         "waiting": waiting,

@@ -86,7 +86,8 @@ class VllmMetrics:
         self.gpu_kv_usage.set(st.kv_usage)
 
     def record_step(self, it: IterationStats) -> None:
-        for counter, amount in ((self.prompt_tokens, it.num_prompt_tokens),
+        # vLLM counts a request's whole prompt (prefix-cache hits too) once, as its first token comes.
+        for counter, amount in ((self.prompt_tokens, it.first_token_prompt_tokens),
                                 (self.generation_tokens, it.num_generation_tokens),
                                 (self.preemptions, it.num_preemptions),
                                 (self.cache_queries, it.prefix_cache_queries),

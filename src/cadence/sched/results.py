@@ -191,6 +191,7 @@ class StepResults:
         if last is None:  # the first token
             req.first_token_time = now
             stats.first_token_latencies.append((req.tenant, now - req.arrival_time))
+            stats.first_token_prompt_tokens += req.num_prompt_tokens
         else:
             if req.first_token_time is None:  # a decode leg's first token here: the request's next one
                 req.first_token_time = now

@@ -91,6 +91,8 @@ class Scheduler(SchedulerIntrospection):
         self.revision = 0
         # Told of each preemption before it happens (request, tokens it loses, reason); None: nobody.
         self.on_preempt: Callable[[Request, int, str], None] | None = None
+        # Told of a request that ends while it waits (aborted, expired, evicted), with the latest step.
+        self.on_end_waiting: Callable[[Request, int], None] | None = None
         self.results = StepResults(self.requests, kv, self.waiting, max_model_len, self.speculation, self.finish)
 
     # ------------------------------------------------------------------ admission
@@ -412,6 +414,8 @@ class Scheduler(SchedulerIntrospection):
         else:
             self.waiting.remove(req)
             self.kv.free(req)  # holds no blocks, but may hold a hash memo
+            if self.on_end_waiting is not None:
+                self.on_end_waiting(req, self._step)
         if self.speculation is not None:
             self.speculation.forget(req.request_id)
         req.status = status

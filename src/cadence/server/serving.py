@@ -231,7 +231,7 @@ class OpenAIServing:
                 done = self._finisher(job, stream, usage, trace)
                 return self._streaming(job, fmt, None, stream, done, usage, trace, preamble)
             try:
-                first = await self._first(stream)
+                first = await self._first(stream, usage)
             except BaseException as e:
                 await stream.aclose()
                 if isinstance(e, CadenceError) and e.kind is ErrorKind.FAIR_SHARE:
@@ -318,9 +318,10 @@ class OpenAIServing:
             raise
 
     @staticmethod
-    async def _first(stream: RequestStream) -> StreamDelta:
+    async def _first(stream: RequestStream, usage: UsageTracker) -> StreamDelta:
         first = await anext(stream)
-        if first.finished and not first.token_ids:
+        if first.finished and not first.token_ids and first.finish_reason in ("deadline", "abort"):
+            usage.add(stream.index_of(first.request_id), first)  # for its span: how it waited and ended
             if first.finish_reason == "deadline":
                 raise CadenceError(ErrorKind.DEADLINE, "the request's deadline passed before it was served")
             if first.finish_reason == "abort":
@@ -369,7 +370,7 @@ class OpenAIServing:
             if preamble:
                 yield preamble
             if first is None:
-                first = await self._first(stream)
+                first = await self._first(stream, usage)
             for start in fmt.start_chunks():
                 yield sse(_with_usage(start, job, usage))
             d: StreamDelta | None = first

@@ -180,10 +180,18 @@ class BoundedExport(SpanProcessor):
 
 
 def _env_int(name: str, default: int) -> int:
-    try:
-        return max(1, int(os.environ.get(name, "") or default))
-    except ValueError:
+    """A positive count from the environment; anything else warns and gives `default` (as the SDK does)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
         return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        log.warning("%s=%r is not a positive integer: using %d", name, raw, default)
+        return default
+    return value
 
 
 def _resource() -> Resource:
@@ -253,7 +261,7 @@ class RequestTracer:
     def begin(self, headers: Mapping[str, str], start_ns: int | None = None) -> RequestTrace:
         """Start the request's span (`start_ns`: when the server received it; now by default). A
         malformed traceparent is ignored (W3C): the request starts a new trace."""
-        parent = propagate.extract(headers)
+        parent = propagate.extract(_one_line_per_field(headers))
         start = start_ns or time.time_ns()
         span = self._tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER, start_time=start)
         return RequestTrace(parent, start, span=span)
@@ -299,6 +307,23 @@ class RequestTracer:
         t = threading.Thread(target=self.provider.shutdown, name="cadence-trace-shutdown", daemon=True)
         t.start()
         t.join(timeout)
+
+
+LIST_FIELDS = ("tracestate", "baggage")  # W3C: several header lines of these are one comma-separated list
+
+
+def _one_line_per_field(headers: Mapping[str, str]) -> Mapping[str, str]:
+    """The request's headers as the propagators read them: a list field sent in several lines joined
+    in the order received (a mapping reads only the first line); any other field, its first line."""
+    getlist = getattr(headers, "getlist", None)
+    if getlist is None or all(len(getlist(name)) < 2 for name in LIST_FIELDS):
+        return headers
+    out = {name: headers[name] for name in headers}
+    for name in LIST_FIELDS:
+        lines = getlist(name)
+        if len(lines) > 1:
+            out[name] = ",".join(lines)
+    return out
 
 
 def _metrics(trace: RequestTrace) -> list[RequestMetrics]:
