@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_cpu_kernels import kernel_model, needs_kernels
+from test_int8_kernels import int8_model, needs_vnni
 
 from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.executor.model_runner import ModelRunner
@@ -29,6 +30,18 @@ VOCAB, BLOCK, NUM_BLOCKS = 300, 4, 256
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 pytestmark = needs_kernels
+
+
+@cache
+def int8_runner() -> ModelRunner:
+    """A random model of Q4_1 and Q8_0 layers and a Q8_0 output layer, on int8 activations."""
+    arch, weights, q4_1, q8_0 = int8_model(seed=21)
+    runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0, activation_dtype="int8")
+    assert runner.model.fused_decode is not None
+    assert runner.model.fused_decode.kinds[:, 1:].unique().tolist() == [2, 3]  # o, gate-up: Q4_1; down: Q8_0
+    assert runner.model.lm_head.i8_format == "Q8_0"
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK)
+    return runner
 
 
 @cache
@@ -104,7 +117,19 @@ def run_with_neighbours(runner: ModelRunner, target: Stream, rng: random.Random,
 @given(seed=st.integers(0, 2**32 - 1), prompt_len=st.integers(1, 70), decodes=st.integers(1, 24),
        variant=st.sampled_from([(False, False), (True, False), (False, True)]))
 def test_logits_bit_identical_however_computed(seed, prompt_len, decodes, variant):
-    runner = kernel_runner(*variant)
+    check_bit_identical(kernel_runner(*variant), seed, prompt_len, decodes)
+
+
+@needs_vnni
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), prompt_len=st.integers(1, 70), decodes=st.integers(1, 24))
+def test_int8_activations_bit_identical_however_computed(seed, prompt_len, decodes):
+    """The same with int8 activations: each row quantized on its own, the same kernels for a prefill
+    chunk's rows and in the all-decode step."""
+    check_bit_identical(int8_runner(), seed, prompt_len, decodes)
+
+
+def check_bit_identical(runner: ModelRunner, seed: int, prompt_len: int, decodes: int) -> None:
     rng = random.Random(seed)
     tokens = [rng.randrange(VOCAB) for _ in range(prompt_len + decodes)]
     free = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)

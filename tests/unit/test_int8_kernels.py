@@ -10,9 +10,11 @@ most half a step, sx / 2 = max|x| / 254 of its block.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from test_cpu_kernels import bf16, needs_kernels, q4_1_matrix
+from test_cpu_kernels import bf16, kernel_model, needs_kernels, q4_1_matrix
 
 from cadence.model import cpu_kernels as ck
 
@@ -27,13 +29,13 @@ def kernels() -> ck.CpuKernels:
     return k
 
 
-def q8_0_matrix(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def q8_0_matrix(n: int, k: int, seed: int, scale: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
     """A random [n, k] matrix quantized by gguf's own Q8_0 code: (its blocks, uint8 [n, k/32*34];
     the float64 weights they stand for, d * q)."""
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy() * 0.05
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy() * scale
     raw = quantize(w.astype("float32"), GGMLQuantizationType.Q8_0)
     exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).astype("float64"))
     return torch.from_numpy(raw.copy()).view(torch.uint8).reshape(n, -1), exact
@@ -115,3 +117,18 @@ def test_packing_refuses_partial_blocks(kernels):
     raw4, _ = q4_1_matrix(64, 64, seed=1)
     with pytest.raises(AssertionError):
         kernels.pack_q4_1_i8(raw4, 64, 48)
+
+
+def int8_model(seed: int) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(arch, weights, q4_1, q8_0) of a random model as a GGUF's: the projections Q4_1 but the down
+    projections Q8_0, and the (tied) embedding Q8_0, as the default model's; the weights the blocks'
+    exact values."""
+    arch, weights, q4_1 = kernel_model(True, False, seed=seed)
+    q8_0 = {}
+    for name in [n for n in weights if n.endswith("down_proj.weight") or n == "model.embed_tokens.weight"]:
+        q4_1.pop(name, None)
+        scale = 1.0 if "embed" in name else 0.05  # embeddings ~1, as a real model's
+        q8_0[name], exact = q8_0_matrix(*weights[name].shape, seed=seed + len(q8_0), scale=scale)
+        weights[name] = exact.float()
+    return arch, weights, q4_1, q8_0
+

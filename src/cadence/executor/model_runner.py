@@ -47,13 +47,16 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         seed: int = 0,
         q4_1: dict[str, torch.Tensor] | None = None,
+        q8_0: dict[str, torch.Tensor] | None = None,
+        activation_dtype: str = "auto",
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype: {dtype} is not supported (float32, bfloat16, float16)")
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
-        self.model = LlamaModel(arch, weights, dtype=dtype, device=self.device, q4_1=q4_1)
+        self.model = LlamaModel(arch, weights, dtype=dtype, device=self.device, q4_1=q4_1, q8_0=q8_0,
+                                activation_dtype=activation_dtype)
         self.sampler = Sampler(self.device, seed)
         self.kv_cache: PagedKVCache | None = None
 
