@@ -421,11 +421,28 @@ static inline __attribute__((always_inline)) void i8_store(__m512 acc[6][4], con
     }
 }
 
-/* Q4_1: rows m0.. of qx (mt of them) against nv of the block's four 16-column vectors, from v0. */
+/* The integer sums of one block of 32 k: s[m][j] += sum over k of w[j] * qx[m] for rows 0..mt and
+ * vectors 0..nv, w[j * 8 + g] the weights of vector j at k = 4g..4g+3. Rows and vectors go in the
+ * inner loops so that the mt x nv sums are independent chains (one `vpdpbusd` chain of 8 would wait
+ * on its latency). Integer sums are exact: their order does not change a bit. */
+static inline __attribute__((always_inline)) I8_TARGET void i8_sums(
+    __m512i s[6][4], const __m512i *w, const int8_t *qx, int64_t k, int mt, int nv) {
+    for (int g = 0; g < 8; g++)
+        for (int m = 0; m < mt; m++) {
+            int32_t four;
+            memcpy(&four, qx + m * k + 4 * g, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            for (int j = 0; j < nv; j++) s[m][j] = _mm512_dpbusd_epi32(s[m][j], w[j * 8 + g], xb);
+        }
+}
+
+/* Q4_1: rows m0.. of qx (mt of them) against nv of the block's four 16-column vectors, from v0.
+ * A block's nibbles are widened once into `w` (on the stack, in L1) and read by every row. */
 static inline __attribute__((always_inline)) I8_TARGET void q4_i8_tile(
     const int8_t *qx, int64_t k, const float *sx, const float *ss, const uint8_t *qb, const float *bias,
     uint16_t *y, float *yf, int64_t n, int64_t col0, int mt, int nv, int v0) {
     __m512 acc[6][4];
+    __m512i s[6][4], w[32];
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     const int64_t kb = k / QK;
     for (int m = 0; m < mt; m++)
@@ -433,26 +450,21 @@ static inline __attribute__((always_inline)) I8_TARGET void q4_i8_tile(
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *blk = qb + b * Q4_BYTES;
         const uint16_t *d = (const uint16_t *)(blk + QK / 2 * NB), *mn = d + NB;
-        for (int j = 0; j < nv; j++) {
-            const uint8_t *wq = blk + (v0 + j) * 256;
-            __m512i w[8];
+        for (int j = 0; j < nv; j++)
             for (int h = 0; h < 4; h++) {
-                const __m512i raw = _mm512_loadu_si512(wq + 64 * h);
-                w[h] = _mm512_and_si512(raw, low4);
-                w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                const __m512i raw = _mm512_loadu_si512(blk + (v0 + j) * 256 + 64 * h);
+                w[j * 8 + h] = _mm512_and_si512(raw, low4);
+                w[j * 8 + h + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
             }
+        for (int m = 0; m < mt; m++)
+            for (int j = 0; j < nv; j++) s[m][j] = _mm512_setzero_si512();
+        i8_sums(s, w, qx + b * QK, k, mt, nv);
+        for (int j = 0; j < nv; j++) {
             const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 16 * (v0 + j))));
             const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * (v0 + j))));
             for (int m = 0; m < mt; m++) {
-                const int8_t *xq = qx + m * k + b * QK;
-                __m512i s = _mm512_setzero_si512();
-                for (int g = 0; g < 8; g++) {
-                    int32_t four;
-                    memcpy(&four, xq + 4 * g, 4);
-                    s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(four));
-                }
                 const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[m * kb + b]));
-                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[m][j]);
+                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][j]), scale, acc[m][j]);
                 acc[m][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ss[m * kb + b]), acc[m][j]);
             }
         }
@@ -460,32 +472,26 @@ static inline __attribute__((always_inline)) I8_TARGET void q4_i8_tile(
     i8_store(acc, bias, y, yf, n, col0, mt, nv, v0);
 }
 
-/* Q8_0: as q4_i8_tile, on the Q8_0 layout. */
+/* Q8_0: as q4_i8_tile, on the Q8_0 layout (the weights read as stored). */
 static inline __attribute__((always_inline)) I8_TARGET void q8_i8_tile(
     const int8_t *qx, int64_t k, const float *sx, const int32_t *sq, const uint8_t *qb, const float *bias,
     uint16_t *y, float *yf, int64_t n, int64_t col0, int mt, int nv, int v0) {
     __m512 acc[6][4];
+    __m512i s[6][4];
     const int64_t kb = k / QK;
     for (int m = 0; m < mt; m++)
         for (int j = 0; j < nv; j++) acc[m][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *blk = qb + b * Q8_BYTES;
         const uint16_t *d = (const uint16_t *)(blk + QK * NB);
+        for (int m = 0; m < mt; m++) /* the sums start at -128 sum(qx): undoes the weights' + 128 */
+            for (int j = 0; j < nv; j++) s[m][j] = _mm512_set1_epi32(-128 * sq[m * kb + b]);
+        i8_sums(s, (const __m512i *)(blk + v0 * 512), qx + b * QK, k, mt, nv);
         for (int j = 0; j < nv; j++) {
-            const uint8_t *wq = blk + (v0 + j) * 512;
-            __m512i w[8];
-            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(wq + 64 * g);
             const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 16 * (v0 + j))));
             for (int m = 0; m < mt; m++) {
-                const int8_t *xq = qx + m * k + b * QK;
-                __m512i s = _mm512_set1_epi32(-128 * sq[m * kb + b]); /* undoes the weights' + 128 */
-                for (int g = 0; g < 8; g++) {
-                    int32_t four;
-                    memcpy(&four, xq + 4 * g, 4);
-                    s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(four));
-                }
                 const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[m * kb + b]));
-                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[m][j]);
+                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][j]), scale, acc[m][j]);
             }
         }
     }
