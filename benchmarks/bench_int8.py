@@ -29,6 +29,8 @@ import torch
 from cadence.model import cpu_kernels as ck
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+LABELS = {"qkv": "qkv 960 x 576, Q4_1", "gate_up": "gate-up 3072 x 576, Q4_1", "down": "down 576 x 1536, Q4_1",
+          "lm_head": "output 49152 x 576, Q8_0 (bfloat16 weights before)"}
 
 
 def blocks(n: int, k: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +100,8 @@ def main() -> None:
                   f"  ratio {statistics.median(ratios):.2f} ({min(ratios):.2f} .. {max(ratios):.2f})")
             out.setdefault(name, {})[str(m)] = t
     if args.json:
-        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "times_s": out}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "labels": LABELS, "times_s": out},
+                                              indent=1) + "\n")
 
 
 if __name__ == "__main__":
