@@ -84,3 +84,21 @@ def test_quality_on_a_short_text_pinned():
 
 
 PINNED_PERPLEXITY, PINNED_AGREEMENT = 17.4981, 0.9588  # int8, measured on the text above
+
+
+def test_default_model_on_int8_through_the_engine_alone_or_batched():
+    """`LLM(activation_dtype="int8")`: the default model's layers and output layer on the int8 kernels,
+    and each request's greedy tokens the same alone as in a batch whose prompts are cut into chunks."""
+    from cadence import LLM
+    from cadence.request import SamplingParams
+
+    llm = LLM(activation_dtype="int8", num_kv_blocks=128, max_num_batched_tokens=24)
+    model = llm.engine.core.executor.model
+    assert {lin.i8_format for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)} == {
+        "Q4_1"}
+    assert model.lm_head.i8_format == "Q8_0"
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3,"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    alone = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone and all(len(t) == 12 for t in together)
