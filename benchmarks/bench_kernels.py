@@ -64,7 +64,8 @@ def runner_with(kernels: ck.CpuKernels, ckpt, weights: str, num_blocks: int,
     with mock.patch.object(llama, "cpu_kernels", lambda: kernels):
         runner = ModelRunner(ckpt.arch, ckpt.weights, dtype=torch.bfloat16,
                              q4_1=ckpt.q4_1 if weights == "q4_1" else None,
-                             q8_0=ckpt.q8_0 if weights == "q4_1" else None, activation_dtype=activation_dtype)
+                             q8_0=ckpt.q8_0 if weights == "q4_1" else None,
+                             q4_0=ckpt.q4_0 if weights == "q4_1" else None, activation_dtype=activation_dtype)
     assert runner.model.kernels is kernels and runner.model.fused_decode is not None
     runner.initialize_kv_cache(num_blocks=num_blocks, block_size=BLOCK)
     return runner

@@ -143,11 +143,12 @@ def main() -> None:
         if dtype is not torch.bfloat16:
             ap.error("--weights q4_1: the four-bit kernels compute in bfloat16 (--dtype bfloat16)")
         ckpt = load_checkpoint(default_model_path(), torch.float32)
-        arch, weights, q4_1, q8_0 = ckpt.arch, ckpt.weights, ckpt.q4_1, ckpt.q8_0
+        arch, weights, q4_1, q8_0, q4_0 = ckpt.arch, ckpt.weights, ckpt.q4_1, ckpt.q8_0, ckpt.q4_0
     else:
         arch, weights, _ = load_weights(torch.float32)
-        q4_1 = q8_0 = None
-    runner = ModelRunner(arch, weights, dtype=dtype, q4_1=q4_1, q8_0=q8_0, activation_dtype=args.activation_dtype)
+        q4_1 = q8_0 = q4_0 = None
+    runner = ModelRunner(arch, weights, dtype=dtype, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0,
+                         activation_dtype=args.activation_dtype)
     sizes = [int(s) for s in args.streams.split(",")]
     per_stream = -(-(args.context + 4 * args.steps + 16) // BLOCK)
     runner.initialize_kv_cache(num_blocks=per_stream * max(sizes) + 1, block_size=BLOCK)

@@ -10,7 +10,7 @@ one prefill from position 0, and each of its positions but the last predicts the
 Three configurations of the same checkpoint (the default model unless --model):
   float32   the reference: torch ops on the dequantised weights, float32 activations
   bfloat16  the default path: cadence's kernels, Q4_1 layers on their blocks, bfloat16 activations
-  int8      --activation-dtype int8: Q4_1 / Q8_0 layers and the Q8_0 output layer on int8 activations
+  int8      --activation-dtype int8: Q4_1 / Q4_0 / Q8_0 layers and a Q8_0 output layer on int8 activations
 For each: perplexity, its ratio to bfloat16's, and top-1 agreement with float32 (the share of
 positions where both predict the same next token).
 """
@@ -57,7 +57,7 @@ def text_windows(tokenizer: Tokenizer, tokens: int, window: int) -> list[list[in
 
 def make_runner(ckpt: Checkpoint, config: str, window: int) -> ModelRunner:
     dtype = torch.float32 if config == "float32" else torch.bfloat16
-    runner = ModelRunner(ckpt.arch, ckpt.weights, dtype=dtype, q4_1=ckpt.q4_1, q8_0=ckpt.q8_0,
+    runner = ModelRunner(ckpt.arch, ckpt.weights, dtype=dtype, q4_1=ckpt.q4_1, q8_0=ckpt.q8_0, q4_0=ckpt.q4_0,
                          activation_dtype="int8" if config == "int8" else "auto")
     runner.initialize_kv_cache(num_blocks=-(-window // BLOCK), block_size=BLOCK)
     return runner

@@ -40,7 +40,7 @@ def test_int8_on_a_model_without_quantized_layers_fails_start_up():
     with pytest.raises(ValueError, match="^activation_dtype: int8 needs ") as exc:
         LLM(tiny=True, activation_dtype="int8", dtype="bfloat16", num_kv_blocks=16)
     if cpu_kernels() is not None and has_vnni():
-        assert "needs a GGUF checkpoint with Q4_1 or Q8_0 matrices" in str(exc.value)
+        assert "needs a GGUF checkpoint with Q4_1, Q4_0 or Q8_0 matrices" in str(exc.value)
 
 
 def test_int8_in_float32_fails_start_up():

@@ -19,24 +19,26 @@ pytestmark = [needs_kernels, needs_vnni]
 
 
 def test_quantized_layers_and_the_output_layer_take_the_integer_path():
-    arch, weights, q4_1, q8_0 = int8_model(seed=3)
-    runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0, activation_dtype="int8")
+    arch, weights, q4_1, q8_0, q4_0 = int8_model(seed=3)
+    runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0,
+                         activation_dtype="int8")
     model = runner.model
     for layer in model.layers:
         assert (layer.qkv.i8_format, layer.o.i8_format, layer.gate_up.i8_format, layer.down.i8_format) == (
-            "Q4_1", "Q4_1", "Q4_1", "Q8_0")
+            "Q4_1", "Q4_0", "Q4_1", "Q8_0")
         assert layer.qkv.q4_1 is None and layer.qkv.packed is None and layer.qkv.weight is None  # one copy
     assert model.lm_head.i8_format == "Q8_0" and "int8 activations" in model.lm_head.path
     assert model.fused_decode is not None and model.fused_decode.kinds.tolist() == [[2, 2, 2, 3]] * arch.num_layers
     # The same checkpoint with bfloat16 activations (the default): none of it.
-    plain = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0).model
+    plain = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0).model
     assert plain.layers[0].down.i8 is None and plain.lm_head.i8 is None and plain.layers[0].qkv.q4_1 is not None
+    assert plain.layers[0].o.i8 is None and plain.layers[0].o.packed is not None  # Q4_0: dequantised, as before
     # Logits of a prefill: close to the bfloat16 path's (the same weights, noisier activations).
     runner.initialize_kv_cache(16, 16)
     tokens = [random.Random(0).randrange(arch.vocab_size) for _ in range(40)]
     window_logits = load_benchmark("quality_int8").window_logits
     got = window_logits(runner, tokens)
-    other = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0)
+    other = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0)
     other.initialize_kv_cache(16, 16)
     want = window_logits(other, tokens)
     assert not torch.equal(got, want)

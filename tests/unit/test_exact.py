@@ -34,11 +34,12 @@ pytestmark = needs_kernels
 
 @cache
 def int8_runner() -> ModelRunner:
-    """A random model of Q4_1 and Q8_0 layers and a Q8_0 output layer, on int8 activations."""
-    arch, weights, q4_1, q8_0 = int8_model(seed=21)
-    runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0, activation_dtype="int8")
+    """A random model of Q4_1, Q4_0 and Q8_0 layers and a Q8_0 output layer, on int8 activations."""
+    arch, weights, q4_1, q8_0, q4_0 = int8_model(seed=21)
+    runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0,
+                         activation_dtype="int8")
     assert runner.model.fused_decode is not None
-    assert runner.model.fused_decode.kinds[:, 1:].unique().tolist() == [2, 3]  # o, gate-up: Q4_1; down: Q8_0
+    assert runner.model.fused_decode.kinds[:, 1:].unique().tolist() == [2, 3]  # o: Q4_0, gate-up: Q4_1; down: Q8_0
     assert runner.model.lm_head.i8_format == "Q8_0"
     runner.initialize_kv_cache(NUM_BLOCKS, BLOCK)
     return runner

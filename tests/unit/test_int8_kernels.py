@@ -29,15 +29,16 @@ def kernels() -> ck.CpuKernels:
     return k
 
 
-def q8_0_matrix(n: int, k: int, seed: int, scale: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random [n, k] matrix quantized by gguf's own Q8_0 code: (its blocks, uint8 [n, k/32*34];
-    the float64 weights they stand for, d * q)."""
+def q8_0_matrix(n: int, k: int, seed: int, scale: float = 0.05, kind: str = "Q8_0") -> tuple[torch.Tensor, torch.Tensor]:
+    """A random [n, k] matrix quantized by gguf's own code, Q8_0 (or `kind`): (its blocks, uint8
+    [n, k/32*34] for Q8_0; the float64 weights they stand for, d * q)."""
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
+    qtype = GGMLQuantizationType[kind]
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy() * scale
-    raw = quantize(w.astype("float32"), GGMLQuantizationType.Q8_0)
-    exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).astype("float64"))
+    raw = quantize(w.astype("float32"), qtype)
+    exact = torch.from_numpy(dequantize(raw, qtype).astype("float64"))
     return torch.from_numpy(raw.copy()).view(torch.uint8).reshape(n, -1), exact
 
 
@@ -110,6 +111,18 @@ def test_q8_0_i8_matches_float64_and_is_batch_invariant(kernels, n, k):
     rows_batch_invariant(lambda v: kernels.linear_q8_0_i8_f32(v, packed, n, bias), x, f32)
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (17, 32)])
+def test_q4_0_i8_matches_float64_and_is_batch_invariant(kernels, n, k):
+    """Q4_0 (w = d (q - 8)) packed as Q4_1 with m = -8 d, through the Q4_1 kernel."""
+    raw, w = q8_0_matrix(n, k, seed=26, kind="Q4_0")
+    assert raw.shape == (n, k // 32 * 18)
+    x = bf16(40, k, seed=27)
+    packed = kernels.pack_q4_0_i8(raw, n, k)
+    got = kernels.linear_q4_1_i8(x, packed, n, None)
+    check(got, x, w, None, 2**-8)
+    rows_batch_invariant(lambda v: kernels.linear_q4_1_i8(v, packed, n, None), x, got)
+
+
 def test_packing_refuses_partial_blocks(kernels):
     raw, _ = q8_0_matrix(64, 64, seed=1)
     with pytest.raises(AssertionError):
@@ -120,15 +133,18 @@ def test_packing_refuses_partial_blocks(kernels):
 
 
 def int8_model(seed: int) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(arch, weights, q4_1, q8_0) of a random model as a GGUF's: the projections Q4_1 but the down
-    projections Q8_0, and the (tied) embedding Q8_0, as the default model's; the weights the blocks'
-    exact values."""
+    """(arch, weights, q4_1, q8_0, q4_0) of a random model as a GGUF's: the projections Q4_1 but the
+    down projections Q8_0 and the o projections Q4_0, and the (tied) embedding Q8_0, as the default
+    model's; the weights the blocks' exact values."""
     arch, weights, q4_1 = kernel_model(True, False, seed=seed)
-    q8_0 = {}
-    for name in [n for n in weights if n.endswith("down_proj.weight") or n == "model.embed_tokens.weight"]:
+    q8_0, q4_0 = {}, {}
+    for name in [n for n in weights if n.endswith(("down_proj.weight", "o_proj.weight"))
+                 or n == "model.embed_tokens.weight"]:
         q4_1.pop(name, None)
         scale = 1.0 if "embed" in name else 0.05  # embeddings ~1, as a real model's
-        q8_0[name], exact = q8_0_matrix(*weights[name].shape, seed=seed + len(q8_0), scale=scale)
+        kind, out = ("Q4_0", q4_0) if "o_proj" in name else ("Q8_0", q8_0)
+        out[name], exact = q8_0_matrix(*weights[name].shape, seed=seed + len(q8_0) + len(q4_0), scale=scale,
+                                       kind=kind)
         weights[name] = exact.float()
-    return arch, weights, q4_1, q8_0
+    return arch, weights, q4_1, q8_0, q4_0
 

@@ -126,13 +126,14 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
     tokenizer = Tokenizer.from_model_path(path, limits, read_chat_template(config.model.chat_template))
     q4_1: dict[str, torch.Tensor] = {}
     q8_0: dict[str, torch.Tensor] = {}
+    q4_0: dict[str, torch.Tensor] = {}
     if tiny:
         arch = tiny_arch(tokenizer.vocab_size)
         weights = random_weights(arch, seed=config.model.seed)
     else:
         ckpt = load_checkpoint(path, dtype)
-        arch, weights, q4_1, q8_0 = ckpt.arch, ckpt.weights, ckpt.q4_1, ckpt.q8_0
-    runner = ModelRunner(arch, weights, dtype=dtype, device=device, q4_1=q4_1, q8_0=q8_0,
+        arch, weights, q4_1, q8_0, q4_0 = ckpt.arch, ckpt.weights, ckpt.q4_1, ckpt.q8_0, ckpt.q4_0
+    runner = ModelRunner(arch, weights, dtype=dtype, device=device, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0,
                          activation_dtype=config.model.activation_dtype)
     config = resolve_kv_cache_fraction(config, device)
     max_len = config.model.max_model_len or min(arch.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)

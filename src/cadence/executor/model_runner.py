@@ -48,6 +48,7 @@ class ModelRunner:
         seed: int = 0,
         q4_1: dict[str, torch.Tensor] | None = None,
         q8_0: dict[str, torch.Tensor] | None = None,
+        q4_0: dict[str, torch.Tensor] | None = None,
         activation_dtype: str = "auto",
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -56,7 +57,7 @@ class ModelRunner:
         self.dtype = dtype
         self.device = torch.device(device)
         self.model = LlamaModel(arch, weights, dtype=dtype, device=self.device, q4_1=q4_1, q8_0=q8_0,
-                                activation_dtype=activation_dtype)
+                                q4_0=q4_0, activation_dtype=activation_dtype)
         self.sampler = Sampler(self.device, seed)
         self.kv_cache: PagedKVCache | None = None
 

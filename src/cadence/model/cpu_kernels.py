@@ -5,7 +5,7 @@ bound by how fast the weights stream from memory. oneDNN's bfloat16 GEMV reads t
 the machine's bandwidth; `linear`, on a layout packed for it at load, reads them at about the
 bandwidth. The rest of a small step is per-op overhead (~1,000 torch ops): `add_rms_norm`,
 `silu_mul` and `rope_` do in one call what takes torch three to eight. A GGUF's Q4_1 matrices
-run on their four-bit values (`pack_q4_1`, `linear_q4_1`); with int8 activations, Q4_1 and Q8_0
+run on their four-bit values (`pack_q4_1`, `linear_q4_1`); with int8 activations, Q4_1, Q4_0 and Q8_0
 matrices run on AVX512-VNNI's integer dot products (`linear_q4_1_i8`, `linear_q8_0_i8`); and a step of single-token decodes runs
 all decoder layers in one call (`decode_layers`). docs/performance.md has the figures. Every kernel computes a row the same way whatever else is in the batch, so a
 request's output does not depend on its neighbours.
@@ -44,6 +44,7 @@ BLOCK_COLS = 64  # output columns per packed block (NB in the C source)
 Q4_1_BLOCK, Q4_1_BYTES = 32, 20  # GGUF's Q4_1: 32 weights in 20 bytes (float16 d and m, 16 bytes of nibbles)
 Q4_1_PACKED_BYTES = Q4_1_BLOCK // 2 * BLOCK_COLS + BLOCK_COLS * 4  # per 64 columns x 32 k (Q4_BYTES in the C)
 Q8_0_BYTES = 34  # GGUF's Q8_0: 32 weights in 34 bytes (float16 d, 32 int8 q)
+Q4_0_BYTES = 18  # GGUF's Q4_0: 32 weights in 18 bytes (float16 d, 16 bytes of nibbles; w = d (q - 8))
 Q8_0_PACKED_BYTES = Q4_1_BLOCK * BLOCK_COLS + BLOCK_COLS * 2  # per 64 columns x 32 k (Q8_BYTES in the C)
 
 
@@ -58,6 +59,7 @@ _SIGNATURES: dict[str, tuple[type[Any] | None, list[type[Any]]]] = {
     "cadence_decode_layers": (_INT, [_P] * 15 + [_I64, _P] + [_I64] * 10 + [_F32, _F32, _INT]),
     "cadence_linear_q4_1": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_pack_q4_1_i8": (None, [_P, _P, _I64, _I64]),
+    "cadence_pack_q4_0_i8": (None, [_P, _P, _I64, _I64]),
     "cadence_pack_q8_0_i8": (None, [_P, _P, _I64, _I64]),
     "cadence_linear_q4_1_i8": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_linear_q8_0_i8": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
@@ -118,6 +120,7 @@ class CpuKernels:
         self._pack_q4_1 = lib.cadence_pack_q4_1
         self._linear_q4_1 = lib.cadence_linear_q4_1
         self._pack_q4_1_i8 = lib.cadence_pack_q4_1_i8
+        self._pack_q4_0_i8 = lib.cadence_pack_q4_0_i8
         self._pack_q8_0_i8 = lib.cadence_pack_q8_0_i8
         self._linear_q4_1_i8 = lib.cadence_linear_q4_1_i8
         self._linear_q8_0_i8 = lib.cadence_linear_q8_0_i8
@@ -173,6 +176,11 @@ class CpuKernels:
         """GGUF Q4_1 blocks of an [N, K] weight (as `pack_q4_1` takes them) -> the layout
         `linear_q4_1_i8` reads."""
         return self._pack_blocks(self._pack_q4_1_i8, raw, n, k, Q4_1_BYTES, Q4_1_PACKED_BYTES)
+
+    def pack_q4_0_i8(self, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """GGUF Q4_0 blocks of an [N, K] weight (uint8 [N, K/32*18]) -> `pack_q4_1_i8`'s layout (with
+        m = -8 d), which `linear_q4_1_i8` reads."""
+        return self._pack_blocks(self._pack_q4_0_i8, raw, n, k, Q4_0_BYTES, Q4_1_PACKED_BYTES)
 
     def pack_q8_0_i8(self, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """GGUF Q8_0 blocks of an [N, K] weight (uint8 [N, K/32*34]) -> the layout `linear_q8_0_i8` reads."""

@@ -97,20 +97,21 @@ class Linear:
     Given `q4_1` (the GGUF blocks of this matrix) and the bfloat16 kernels, the layer computes on
     the four-bit values instead (`CpuKernels.linear_q4_1`): a third of the bytes a decode step reads.
 
-    With `int8` (the engine's `activation_dtype`), on a CPU with AVX512-VNNI, a Q4_1 or Q8_0 matrix
-    (`q4_1`, `q8_0`) is multiplied by its input quantized per row and block of 32 to int8, in
-    integers (`CpuKernels.linear_q4_1_i8`, `linear_q8_0_i8`): `i8` holds it in that layout and
-    `i8_format` says which.
+    With `int8` (the engine's `activation_dtype`), on a CPU with AVX512-VNNI, a Q4_1, Q4_0 or Q8_0
+    matrix (`q4_1`, `q4_0`, `q8_0`) is multiplied by its input quantized per row and block of 32 to int8, in
+    integers (`CpuKernels.linear_q4_1_i8`, which also takes Q4_0 packed as Q4_1 with m = -8 d, and
+    `linear_q8_0_i8`): `i8` holds it in that layout and `i8_format` says which.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, q4_1: torch.Tensor | None = None,
-                 *, q8_0: torch.Tensor | None = None, int8: bool = False) -> None:
+                 *, q8_0: torch.Tensor | None = None, q4_0: torch.Tensor | None = None,
+                 int8: bool = False) -> None:
         self.shape = tuple(weight.shape)  # (out, in)
         self.bias = bias
         self.kernel = cpu_kernels() if CpuKernels.supports(weight) else None
         # The kernel adds a float32 bias; torch's paths take `bias` as it is.
         self.kernel_bias = None if self.kernel is None or bias is None else bias.float().contiguous()
-        self.i8, self.i8_format = self._pack_i8(q4_1, q8_0) if int8 else (None, None)
+        self.i8, self.i8_format = self._pack_i8(q4_1, q8_0, q4_0) if int8 else (None, None)
         # A Q4_1 checkpoint's matrix, when the kernels are on: computed from its four-bit values.
         self.q4_1 = (self.kernel.pack_q4_1(q4_1, *self.shape)
                      if self.kernel is not None and q4_1 is not None and q4_1_kernels_enabled()
@@ -125,13 +126,17 @@ class Linear:
         self.weight = weight.contiguous() if self.packed is None and self.q4_1 is None and self.i8 is None else None
         self._forward = self._choose_forward()  # the one place the layer's path is chosen
 
-    def _pack_i8(self, q4_1: torch.Tensor | None, q8_0: torch.Tensor | None) -> tuple[torch.Tensor | None, str | None]:
+    def _pack_i8(self, q4_1: torch.Tensor | None, q8_0: torch.Tensor | None,
+                 q4_0: torch.Tensor | None) -> tuple[torch.Tensor | None, str | None]:
         """The matrix in the int8-activation kernels' layout, and its format; (None, None) where the
-        kernels or VNNI are missing or the matrix is not Q4_1 or Q8_0 (it keeps its bfloat16 path)."""
+        kernels or VNNI are missing or the matrix is not Q4_1, Q4_0 or Q8_0 (it keeps its bfloat16
+        path)."""
         if self.kernel is None or not has_vnni():
             return None, None
         if q4_1 is not None:
             return self.kernel.pack_q4_1_i8(q4_1, *self.shape), "Q4_1"
+        if q4_0 is not None:
+            return self.kernel.pack_q4_0_i8(q4_0, *self.shape), "Q4_0"
         if q8_0 is not None:
             return self.kernel.pack_q8_0_i8(q8_0, *self.shape), "Q8_0"
         return None, None
@@ -143,7 +148,7 @@ class Linear:
         if self.kernel is None:
             return None
         if self.i8 is not None:
-            return 2 if self.i8_format == "Q4_1" else 3
+            return 3 if self.i8_format == "Q8_0" else 2  # Q4_0 is packed as Q4_1
         return 1 if self.q4_1 is not None else 0 if self.packed is not None else None
 
     @property
@@ -267,7 +272,7 @@ def _take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 def _load_layer(
     arch: ModelArchConfig, weights: dict[str, torch.Tensor], i: int, dtype: torch.dtype, device: torch.device,
-    q4_1: dict[str, torch.Tensor], q8_0: dict[str, torch.Tensor], int8: bool,
+    q4_1: dict[str, torch.Tensor], q8_0: dict[str, torch.Tensor], q4_0: dict[str, torch.Tensor], int8: bool,
 ) -> LayerWeights:
     p = f"model.layers.{i}."
 
@@ -283,7 +288,10 @@ def _load_layer(
         return torch.cat(parts)
 
     def linear(weight: torch.Tensor, bias: torch.Tensor | None, *names: str) -> Linear:
-        return Linear(weight, bias, blocks(q4_1, *names), q8_0=blocks(q8_0, *names) if int8 else None, int8=int8)
+        if not int8:
+            return Linear(weight, bias, blocks(q4_1, *names))
+        return Linear(weight, bias, blocks(q4_1, *names), q8_0=blocks(q8_0, *names), q4_0=blocks(q4_0, *names),
+                      int8=True)
 
     qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
     expected = ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, arch.hidden_size)
@@ -320,24 +328,25 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         q4_1: dict[str, torch.Tensor] | None = None,
         q8_0: dict[str, torch.Tensor] | None = None,
+        q4_0: dict[str, torch.Tensor] | None = None,
         activation_dtype: str = "auto",
     ) -> None:
-        """`q4_1`, `q8_0`: a GGUF checkpoint's Q4_1 and Q8_0 matrices as stored (`Checkpoint.q4_1`,
-        `.q8_0`). In bfloat16 with the CPU kernels, Q4_1 layers compute on their blocks rather than on
-        the dequantised `weights`; with `activation_dtype` "int8", Q4_1 and Q8_0 layers (and a Q8_0
-        output layer) multiply them by int8-quantized activations (`Linear`). "int8" where it cannot
+        """`q4_1`, `q8_0`, `q4_0`: a GGUF checkpoint's Q4_1, Q8_0 and Q4_0 matrices as stored
+        (`Checkpoint.q4_1`, ...). In bfloat16 with the CPU kernels, Q4_1 layers compute on their blocks
+        rather than on the dequantised `weights`; with `activation_dtype` "int8", Q4_1, Q4_0 and Q8_0
+        layers (and a Q8_0 output layer) multiply them by int8-quantized activations (`Linear`). "int8" where it cannot
         apply to any layer is a ValueError saying why (`int8_refusal`)."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
-        q4_1, q8_0 = q4_1 or {}, q8_0 or {}
+        q4_1, q8_0, q4_0 = q4_1 or {}, q8_0 or {}, q4_0 or {}
         int8 = activation_dtype == "int8"
-        if int8 and (reason := int8_refusal(dtype, self.device, bool(q4_1 or q8_0))) is not None:
+        if int8 and (reason := int8_refusal(dtype, self.device, bool(q4_1 or q8_0 or q4_0))) is not None:
             raise ValueError(f"activation_dtype: int8 {reason}")
         self.embed = _take(weights, "model.embed_tokens.weight").to(self.device, dtype).contiguous()  # [V, E]
         if tuple(self.embed.shape) != (arch.vocab_size, arch.hidden_size):
             raise ValueError(f"embed_tokens shape {tuple(self.embed.shape)} does not match the architecture")
-        self.layers = [_load_layer(arch, weights, i, dtype, self.device, q4_1, q8_0, int8)
+        self.layers = [_load_layer(arch, weights, i, dtype, self.device, q4_1, q8_0, q4_0, int8)
                        for i in range(arch.num_layers)]
         self.norm = _take(weights, "model.norm.weight").to(self.device, dtype)
         # The output layer with int8 activations: on Q8_0 blocks only (its float32 logits' kernel).
@@ -475,8 +484,8 @@ def int8_refusal(dtype: torch.dtype, device: torch.device, quantized: bool) -> s
     if not has_vnni():
         return "needs a CPU with AVX512-VNNI (vpdpbusd); this one lacks it"
     if not quantized:
-        return ("needs a GGUF checkpoint with Q4_1 or Q8_0 matrices (it quantizes the activations those are "
-                "multiplied with); this one has none")
+        return ("needs a GGUF checkpoint with Q4_1, Q4_0 or Q8_0 matrices (it quantizes the activations those "
+                "are multiplied with); this one has none")
     return None
 
 

@@ -2,9 +2,9 @@
  *   cadence_pack, cadence_linear, cadence_linear_f32      y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
  *                                                         float32 sums, on a packed bfloat16 weight
  *   cadence_pack_q4_1, cadence_linear_q4_1                the same on GGUF Q4_1 blocks
- *   cadence_pack_q4_1_i8, cadence_linear_q4_1_i8, cadence_pack_q8_0_i8, cadence_linear_q8_0_i8,
- *   cadence_linear_q8_0_i8_f32                            GGUF Q4_1 / Q8_0 blocks against int8
- *                                                         activations (AVX512-VNNI)
+ *   cadence_pack_q4_1_i8, cadence_pack_q4_0_i8, cadence_linear_q4_1_i8, cadence_pack_q8_0_i8,
+ *   cadence_linear_q8_0_i8, cadence_linear_q8_0_i8_f32    GGUF Q4_1 / Q4_0 / Q8_0 blocks against
+ *                                                         int8 activations (AVX512-VNNI)
  *   cadence_add_rms_norm  residual += delta; out = rms_norm(residual) * w, in one pass
  *   cadence_silu_mul      SwiGLU's silu(gate) * up from the fused gate-up output
  *   cadence_rope          rotary embedding of q and k, in place
@@ -307,12 +307,13 @@ int cadence_linear_q4_1(const uint16_t *x, const uint8_t *packed, const float *b
 
 /* ---- quantized weights against int8 activations (AVX512-VNNI) ------------------------------
  *
- * The integer path for GGUF Q4_1 and Q8_0 layers, as llama.cpp computes them: each row of x is
+ * The integer path for GGUF Q4_1, Q4_0 and Q8_0 layers, as llama.cpp computes them: each row of x is
  * quantized per block of 32 k to int8 (scale sx = max|x| / 127, q = round(x * 127 / max|x|), ties to
  * even), and a block's products with the weights' stored integers are summed exactly in int32 by
  * `vpdpbusd` (64 unsigned x signed byte products an instruction, twice `vdpbf16ps`'s 32). Per block
  * and output column, in float32, blocks in increasing k:
  *   Q4_1 (w = d q4 + m):  y += (d sx) * sum(q4 qx) + m * (sx sum(qx))
+ *   Q4_0 (w = d (q4 - 8)): the same, with m = -8 d (packed into the Q4_1 layout)
  *   Q8_0 (w = d q8):      y += (d sx) * sum(q8 qx), with q8 stored as q8 + 128 (vpdpbusd's unsigned
  *                         operand) and the sum started at -128 sum(qx), so the int32 sum is exact
  * A row's result depends on its own values only (its quantization is its own, the integer sums are
@@ -321,35 +322,51 @@ int cadence_linear_q4_1(const uint16_t *x, const uint8_t *packed, const float *b
  *
  * Packed layouts, per 64 columns and block of 32 k; then the 64 columns' float16 d (and, for Q4_1,
  * float16 m) as GGUF has them:
- *   Q4_1 (cadence_pack_q4_1_i8, Q4_BYTES): for each 16-column vector, four 64-byte rows h: byte
+ *   Q4_1 and Q4_0 (cadence_pack_q4_1_i8, cadence_pack_q4_0_i8, Q4_BYTES): for each 16-column vector, four 64-byte rows h: byte
  *     4c + i of row h holds column c's q at k = 4h + i (low nibble) and k = 16 + 4h + i (high
  *     nibble): a row masked or shifted is the operand `vpdpbusd` multiplies by 4 broadcast int8 x.
  *   Q8_0 (cadence_pack_q8_0_i8, Q8_BYTES): for each 16-column vector, eight 64-byte rows g: byte
  *     4c + i holds column c's q + 128 at k = 4g + i. */
 #define Q8_RAW_BYTES 34 /* one GGUF Q8_0 block: float16 d, 32 int8 q */
+#define Q4_0_RAW_BYTES 18 /* one GGUF Q4_0 block: float16 d, 16 bytes of nibbles */
 #define Q8_BYTES (QK * NB + NB * 2)
 #define I8_TARGET __attribute__((target("avx512vnni")))
 
-void cadence_pack_q4_1_i8(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k) {
-    int64_t blocks = (n + NB - 1) / NB, kb = k / QK, row_bytes = kb * Q4_RAW_BYTES;
+/* raw Q4_1 [N][K/32][20 bytes: d, m, 16 bytes of nibbles] or, with q4_0, Q4_0 [N][K/32][18 bytes: d,
+ * nibbles; w = d (q - 8), stored as m = -8 d, exact in float16] -> the Q4_1 layout above. A raw
+ * byte t holds the block's q at k = t (low nibble) and k = 16 + t (high): the layout's byte itself. */
+static void pack_q4_i8(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k, int q4_0) {
+    const int64_t blocks = (n + NB - 1) / NB, kb = k / QK, raw_bytes = q4_0 ? Q4_0_RAW_BYTES : Q4_RAW_BYTES;
     memset(packed, 0, (size_t)(blocks * kb * Q4_BYTES));
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t j = 0; j < kb; j++) {
             uint8_t *dst = packed + (b * kb + j) * Q4_BYTES;
             uint8_t *d = dst + QK / 2 * NB, *mn = d + 2 * NB;
             for (int c = 0; c < NB && b * NB + c < n; c++) {
-                const uint8_t *raw_row = raw + (b * NB + c) * row_bytes;
-                memcpy(d + 2 * c, raw_row + j * Q4_RAW_BYTES, 2);
-                memcpy(mn + 2 * c, raw_row + j * Q4_RAW_BYTES + 2, 2);
+                const uint8_t *blk = raw + ((b * NB + c) * kb + j) * raw_bytes, *qs = blk + raw_bytes - 16;
+                memcpy(d + 2 * c, blk, 2);
+                if (q4_0) {
+                    uint16_t h;
+                    memcpy(&h, blk, 2);
+                    const __m512 m8 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_set1_epi16((short)h)), _mm512_set1_ps(-8.0f));
+                    h = (uint16_t)_mm256_extract_epi16(_mm512_cvtps_ph(m8, _MM_FROUND_TO_NEAREST_INT), 0);
+                    memcpy(mn + 2 * c, &h, 2);
+                } else {
+                    memcpy(mn + 2 * c, blk + 2, 2);
+                }
                 const int v = c / 16, cc = c % 16;
                 for (int h = 0; h < 4; h++)
-                    for (int i = 0; i < 4; i++) {
-                        const int lo = q4_value(raw_row, j * QK + 4 * h + i);
-                        const int hi = q4_value(raw_row, j * QK + 16 + 4 * h + i);
-                        dst[v * 256 + h * 64 + cc * 4 + i] = (uint8_t)(lo | (hi << 4));
-                    }
+                    for (int i = 0; i < 4; i++) dst[v * 256 + h * 64 + cc * 4 + i] = qs[4 * h + i];
             }
         }
+}
+
+void cadence_pack_q4_1_i8(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k) {
+    pack_q4_i8(raw, packed, n, k, 0);
+}
+
+void cadence_pack_q4_0_i8(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k) {
+    pack_q4_i8(raw, packed, n, k, 1);
 }
 
 /* raw [N][K/32][34 bytes] -> the Q8_0 layout above; columns past N get zeros (d = 0). */
