@@ -1,7 +1,7 @@
 """This tree's C kernels against another git revision's, in one process, alternating.
 
     .venv/bin/python benchmarks/bench_kernels.py --baseline HEAD~1 [--rounds 5] [--streams 1,8,32]
-        [--context 256] [--weights q4_1|bf16] [--activation-dtype auto|int8]
+        [--context 256] [--weights q4_1|bf16]
 
 Two ModelRunners on the default GGUF, alike but for the kernel library each computes with: this
 tree's `kernels/cpu_bf16.c` and the one at `--baseline` (read with `git show`, compiled with the
@@ -89,10 +89,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decode stream")
-    ap.add_argument("--weights", choices=("q4_1", "bf16"), default="q4_1",
-                    help="the GGUF's Q4_1 layers as served (default) or their bfloat16 dequantisation")
     ap.add_argument("--activation-dtype", choices=("auto", "int8"), default="auto",
                     help="int8: the quantized layers on int8 activations, both sides (needs --weights q4_1)")
+    ap.add_argument("--weights", choices=("q4_1", "bf16"), default="q4_1",
+                    help="the GGUF's Q4_1 layers as served (default) or their bfloat16 dequantisation")
     ap.add_argument("--json", default="", help="also write every round's tokens/s to this JSON file")
     args = ap.parse_args()
     if args.activation_dtype == "int8" and args.weights != "q4_1":

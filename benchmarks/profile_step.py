@@ -1,7 +1,7 @@
 """Where the time of a decode step goes: tokens/s and a per-kind breakdown from torch's profiler.
 
     .venv/bin/python benchmarks/profile_step.py [--streams 1,8,32] [--dtype bfloat16] [--threads N]
-        [--context 64] [--weights bf16|q4_1] [--activation-dtype auto|int8] [--ops 0]
+        [--context 64] [--weights bf16|q4_1] [--ops 0]
 
 For each batch size, streams of a `--context`-token prompt decode through `ModelRunner.execute`
 (flat batch, paged cache, sampler, exactly as the engine calls it; `--weights q4_1` keeps the
@@ -123,10 +123,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ops", type=int, default=0, help="also print the top N torch ops")
     ap.add_argument("--context", type=int, default=64, help="prompt tokens of each stream before it decodes")
+    ap.add_argument("--activation-dtype", choices=("auto", "int8"), default="auto",
+                    help="int8: the checkpoint's Q4_1, Q4_0 and Q8_0 layers on int8 activations (needs --weights q4_1)")
     ap.add_argument("--weights", choices=("bf16", "q4_1"), default="bf16",
                     help="q4_1: the checkpoint's four-bit layers as served (needs --dtype bfloat16)")
-    ap.add_argument("--activation-dtype", choices=("auto", "int8"), default="auto",
-                    help="int8: the checkpoint's Q4_1 and Q8_0 layers on int8 activations (needs --weights q4_1)")
     ap.add_argument("--json", default="", help="also write the step times and breakdowns to this JSON file")
     args = ap.parse_args()
     if args.activation_dtype == "int8" and args.weights != "q4_1":
@@ -137,8 +137,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {OMP_ENV}, "
-          f"load average {os.getloadavg()[0]:.1f}, {args.dtype}, {args.weights} weights, {args.activation_dtype} activations, "
-          f"{args.context}-token context")
+          f"load average {os.getloadavg()[0]:.1f}, {args.dtype}, {args.weights} weights, {args.context}-token context")
     if args.weights == "q4_1":
         if dtype is not torch.bfloat16:
             ap.error("--weights q4_1: the four-bit kernels compute in bfloat16 (--dtype bfloat16)")
@@ -149,6 +148,7 @@ def main() -> None:
         q4_1 = q8_0 = q4_0 = None
     runner = ModelRunner(arch, weights, dtype=dtype, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0,
                          activation_dtype=args.activation_dtype)
+    print(f"activations: {args.activation_dtype}")
     sizes = [int(s) for s in args.streams.split(",")]
     per_stream = -(-(args.context + 4 * args.steps + 16) // BLOCK)
     runner.initialize_kv_cache(num_blocks=per_stream * max(sizes) + 1, block_size=BLOCK)

@@ -22,10 +22,10 @@ POLICIES = ("fcfs", "priority", "fair", "deadline")
 HASH_ALGOS = ("sha256", "builtin")  # the prefix cache's block hashes (kv/hashing.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings (torch's names)
-DEVICES = ("auto", "cpu", "cuda")
 # auto: activations in --dtype; int8: a quantized checkpoint's linear layers quantize their inputs
 # to int8 per block of 32 (llama.cpp's arithmetic on its quantized types)
 ACTIVATION_DTYPES = ("auto", "int8")
+DEVICES = ("auto", "cpu", "cuda")
 METRICS_COMPAT = ("vllm",)  # --metrics-compat: other servers' metric names served beside cadence's
 OTLP_SCHEMES = ("http", "https", "grpc")  # --otlp-traces-endpoint: OTLP/HTTP over http(s); gRPC over any
 GiB = 1 << 30

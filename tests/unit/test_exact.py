@@ -118,7 +118,7 @@ def run_with_neighbours(runner: ModelRunner, target: Stream, rng: random.Random,
 @given(seed=st.integers(0, 2**32 - 1), prompt_len=st.integers(1, 70), decodes=st.integers(1, 24),
        variant=st.sampled_from([(False, False), (True, False), (False, True)]))
 def test_logits_bit_identical_however_computed(seed, prompt_len, decodes, variant):
-    check_bit_identical(kernel_runner(*variant), seed, prompt_len, decodes)
+    check_exact(kernel_runner(*variant), seed, prompt_len, decodes)
 
 
 @needs_vnni
@@ -127,10 +127,10 @@ def test_logits_bit_identical_however_computed(seed, prompt_len, decodes, varian
 def test_int8_activations_bit_identical_however_computed(seed, prompt_len, decodes):
     """The same with int8 activations: each row quantized on its own, the same kernels for a prefill
     chunk's rows and in the all-decode step."""
-    check_bit_identical(int8_runner(), seed, prompt_len, decodes)
+    check_exact(int8_runner(), seed, prompt_len, decodes)
 
 
-def check_bit_identical(runner: ModelRunner, seed: int, prompt_len: int, decodes: int) -> None:
+def check_exact(runner: ModelRunner, seed: int, prompt_len: int, decodes: int) -> None:
     rng = random.Random(seed)
     tokens = [rng.randrange(VOCAB) for _ in range(prompt_len + decodes)]
     free = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)

@@ -45,11 +45,11 @@ class ModelRunner:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        seed: int = 0,
-        q4_1: dict[str, torch.Tensor] | None = None,
         q8_0: dict[str, torch.Tensor] | None = None,
         q4_0: dict[str, torch.Tensor] | None = None,
         activation_dtype: str = "auto",
+        seed: int = 0,
+        q4_1: dict[str, torch.Tensor] | None = None,
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype: {dtype} is not supported (float32, bfloat16, float16)")
