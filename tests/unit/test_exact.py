@@ -33,6 +33,17 @@ pytestmark = needs_kernels
 
 
 @cache
+def kernel_runner(q4: bool, bias: bool) -> ModelRunner:
+    """A random bfloat16 model the kernels take whole (test_cpu_kernels.kernel_model)."""
+    arch, weights, q4_1 = kernel_model(q4, bias, seed=21)
+    runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1)
+    assert runner.model.fused_decode is not None and runner.model.decode_kernels is not None
+    assert (runner.model.layers[0].down.q4_1 is not None) == q4
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK)
+    return runner
+
+
+@cache
 def int8_runner() -> ModelRunner:
     """A random model of Q4_1, Q4_0 and Q8_0 layers and a Q8_0 output layer, on int8 activations."""
     arch, weights, q4_1, q8_0, q4_0 = int8_model(seed=21)
@@ -41,17 +52,6 @@ def int8_runner() -> ModelRunner:
     assert runner.model.fused_decode is not None
     assert runner.model.fused_decode.kinds[:, 1:].unique().tolist() == [2, 3]  # o: Q4_0, gate-up: Q4_1; down: Q8_0
     assert runner.model.lm_head.i8_format == "Q8_0"
-    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK)
-    return runner
-
-
-@cache
-def kernel_runner(q4: bool, bias: bool) -> ModelRunner:
-    """A random bfloat16 model the kernels take whole (test_cpu_kernels.kernel_model)."""
-    arch, weights, q4_1 = kernel_model(q4, bias, seed=21)
-    runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1)
-    assert runner.model.fused_decode is not None and runner.model.decode_kernels is not None
-    assert (runner.model.layers[0].down.q4_1 is not None) == q4
     runner.initialize_kv_cache(NUM_BLOCKS, BLOCK)
     return runner
 
@@ -121,15 +121,6 @@ def test_logits_bit_identical_however_computed(seed, prompt_len, decodes, varian
     check_exact(kernel_runner(*variant), seed, prompt_len, decodes)
 
 
-@needs_vnni
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), prompt_len=st.integers(1, 70), decodes=st.integers(1, 24))
-def test_int8_activations_bit_identical_however_computed(seed, prompt_len, decodes):
-    """The same with int8 activations: each row quantized on its own, the same kernels for a prefill
-    chunk's rows and in the all-decode step."""
-    check_exact(int8_runner(), seed, prompt_len, decodes)
-
-
 def check_exact(runner: ModelRunner, seed: int, prompt_len: int, decodes: int) -> None:
     rng = random.Random(seed)
     tokens = [rng.randrange(VOCAB) for _ in range(prompt_len + decodes)]
@@ -172,3 +163,12 @@ def test_attention_kernels_share_one_arithmetic():
             decoded = paged_attention(q, kv_new, cache.layer(0), meta)
             prefilled = kernels.prefill_attention(q, cache.layer(0), torch.tensor(table), length - 1)
             assert torch.equal(decoded, prefilled), (kvh, g, d, bs, length)
+
+
+@needs_vnni
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), prompt_len=st.integers(1, 70), decodes=st.integers(1, 24))
+def test_int8_activations_bit_identical_however_computed(seed, prompt_len, decodes):
+    """The same with int8 activations: each row quantized on its own, the same kernels for a prefill
+    chunk's rows and in the all-decode step."""
+    check_exact(int8_runner(), seed, prompt_len, decodes)
