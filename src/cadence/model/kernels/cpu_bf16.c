@@ -322,9 +322,10 @@ int cadence_linear_q4_1(const uint16_t *x, const uint8_t *packed, const float *b
  *
  * Packed layouts, per 64 columns and block of 32 k; then the 64 columns' float16 d (and, for Q4_1,
  * float16 m) as GGUF has them:
- *   Q4_1 and Q4_0 (cadence_pack_q4_1_i8, cadence_pack_q4_0_i8, Q4_BYTES): for each 16-column vector, four 64-byte rows h: byte
- *     4c + i of row h holds column c's q at k = 4h + i (low nibble) and k = 16 + 4h + i (high
- *     nibble): a row masked or shifted is the operand `vpdpbusd` multiplies by 4 broadcast int8 x.
+ *   Q4_1 and Q4_0 (cadence_pack_q4_1_i8, cadence_pack_q4_0_i8, Q4_BYTES): for each 16-column
+ *     vector, four 64-byte rows h: byte 4c + i of row h holds column c's q at k = 4h + i (low
+ *     nibble) and k = 16 + 4h + i (high nibble): a row masked or shifted is the operand `vpdpbusd`
+ *     multiplies by 4 broadcast int8 x.
  *   Q8_0 (cadence_pack_q8_0_i8, Q8_BYTES): for each 16-column vector, eight 64-byte rows g: byte
  *     4c + i holds column c's q + 128 at k = 4g + i. */
 #define Q8_RAW_BYTES 34 /* one GGUF Q8_0 block: float16 d, 32 int8 q */
@@ -348,8 +349,9 @@ static void pack_q4_i8(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k
                 if (q4_0) {
                     uint16_t h;
                     memcpy(&h, blk, 2);
-                    const __m512 m8 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_set1_epi16((short)h)), _mm512_set1_ps(-8.0f));
-                    h = (uint16_t)_mm256_extract_epi16(_mm512_cvtps_ph(m8, _MM_FROUND_TO_NEAREST_INT), 0);
+                    const __m512 d32 = _mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+                    const __m256i m16 = _mm512_cvtps_ph(_mm512_mul_ps(d32, _mm512_set1_ps(-8.0f)), _MM_FROUND_TO_NEAREST_INT);
+                    h = (uint16_t)_mm256_extract_epi16(m16, 0);
                     memcpy(mn + 2 * c, &h, 2);
                 } else {
                     memcpy(mn + 2 * c, blk + 2, 2);
