@@ -5,7 +5,8 @@
 
 Two ModelRunners on the default GGUF, alike but for the kernel library each computes with: this
 tree's `kernels/cpu_bf16.c` and the one at `--baseline` (read with `git show`, compiled with the
-same flags). Each round measures, for each side in turn:
+same flags; `--activation-dtype int8`: both on the GGUF's Q4_1 and Q8_0 layers with int8
+activations, as `cadence serve --activation-dtype int8` runs them). Each round measures, for each side in turn:
   prefill 1 x 512   one 512-token prompt in one step (tokens/s)
   prefill 4 x 128   four 128-token prompts in one step (tokens/s)
   decode xB         B streams of `--context`-token prompts, 20 decode steps (tokens/s)
@@ -61,11 +62,14 @@ def baseline_kernels(rev: str, workdir: Path) -> ck.CpuKernels:
 
 
 def runner_with(kernels: ck.CpuKernels, ckpt, weights: str, num_blocks: int,
-                kv_cache_dtype: str = "auto") -> ModelRunner:
+                kv_cache_dtype: str = "auto", activation_dtype: str = "auto") -> ModelRunner:
     """A runner whose every kernel call goes to `kernels` (the model fetches them at construction)."""
     with mock.patch.object(llama, "cpu_kernels", lambda: kernels):
         runner = ModelRunner(ckpt.arch, ckpt.weights, dtype=torch.bfloat16,
-                             q4_1=ckpt.q4_1 if weights == "q4_1" else None, kv_cache_dtype=kv_cache_dtype)
+                             q4_1=ckpt.q4_1 if weights == "q4_1" else None,
+                             q8_0=ckpt.q8_0 if weights == "q4_1" else None,
+                             q4_0=ckpt.q4_0 if weights == "q4_1" else None, kv_cache_dtype=kv_cache_dtype,
+                             activation_dtype=activation_dtype)
     assert runner.model.kernels is kernels and runner.model.fused_decode is not None
     runner.initialize_kv_cache(num_blocks=num_blocks, block_size=BLOCK)
     return runner
@@ -89,12 +93,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decode stream")
+    ap.add_argument("--activation-dtype", choices=("auto", "int8"), default="auto",
+                    help="int8: the quantized layers on int8 activations, both sides (needs --weights q4_1)")
     ap.add_argument("--weights", choices=("q4_1", "bf16"), default="q4_1",
                     help="the GGUF's Q4_1 layers as served (default) or their bfloat16 dequantisation")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
                     help="this tree's side on the model's dtype's KV cache or the 8-bit one (the baseline: auto)")
     ap.add_argument("--json", default="", help="also write every round's tokens/s to this JSON file")
     args = ap.parse_args()
+    if args.activation_dtype == "int8" and args.weights != "q4_1":
+        ap.error("--activation-dtype int8: runs on the checkpoint's quantized blocks (--weights q4_1)")
     if args.rounds < 1 or args.context < 1:
         ap.error("--rounds and --context must be >= 1")
     streams = [int(s) for s in args.streams.split(",")]
@@ -111,9 +119,10 @@ def main() -> None:
     per_stream = -(-(args.context + DECODE_STEPS * (args.rounds + 1) + 1) // BLOCK)
     num_blocks = max(per_stream * max(streams), 64) + 8
     with tempfile.TemporaryDirectory() as tmp:
-        sides = {"this tree": runner_with(ours, ckpt, args.weights, num_blocks, args.kv_cache_dtype),
+        act = args.activation_dtype
+        sides = {"this tree": runner_with(ours, ckpt, args.weights, num_blocks, args.kv_cache_dtype, act),
                  args.baseline: runner_with(baseline_kernels(args.baseline, Path(tmp)), ckpt, args.weights,
-                                            num_blocks)}
+                                            num_blocks, args.kv_cache_dtype, act)}
         work: dict[str, Callable[[ModelRunner, int], float]] = {
             "prefill 1 x 512": lambda r, s, p=[tokens(512)]: prefill_rate(r, p, s),
             "prefill 4 x 128": lambda r, s, p=[tokens(128) for _ in range(4)]: prefill_rate(r, p, s),

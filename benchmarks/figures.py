@@ -180,6 +180,37 @@ def fmt_q4(out: Path) -> str:
     return _table(("workload", "Q4_1 blocks / bfloat16 weights"), ("---", "---:"), rows)
 
 
+def fmt_int8_quality(out: Path) -> str:
+    """quality_int8.py --json: perplexity and top-1 agreement with float32 per activation dtype."""
+    scores = _json(_outputs(out, ".json")[0])["scores"]
+    base = scores["bfloat16"]["perplexity"]
+    rows = []
+    for key, label in (("float32", "float32 (reference, the dequantised weights)"), ("bfloat16", "bfloat16 (default)"),
+                       ("int8", "int8")):
+        s = scores[key]
+        vs = "0" if key == "bfloat16" else f"{s['perplexity'] / base - 1:+.2%}"
+        agree = "100%" if s["top1_agreement"] == 1 else f"{s['top1_agreement']:.2%}"
+        rows.append((label, f"{s['perplexity']:.4f}", vs, agree))
+    return _table(("activations", "perplexity", "vs bfloat16", "top-1 agreement with float32"),
+                  ("---", "---:", "---:", "---:"), rows)
+
+
+def fmt_int8_kernels(out: Path) -> str:
+    """bench_int8.py --json: per layer and row count, the median of the rounds' bfloat16 / int8 time ratios."""
+    r = _json(_outputs(out, ".json")[0])
+    counts = sorted({int(m) for by_rows in r["times_s"].values() for m in by_rows})
+    rows = []
+    for name, by_rows in r["times_s"].items():
+        cells = []
+        for m in counts:
+            t = by_rows.get(str(m))
+            ratios = [] if t is None else [a / b for a, b in zip(t["bfloat16"], t["int8"], strict=True)]
+            cells.append(f"{statistics.median(ratios):.2f}x" if ratios else "n/a")
+        rows.append((r["labels"][name], *cells))
+    head = ("layer", *(f"{m} row{'s' if m > 1 else ''}" for m in counts))
+    return _table(head, ("---", *("---:",) * len(counts)), rows)
+
+
 def _kernel_workload(name: str) -> str:
     m = re.fullmatch(r"decode x(\d+) \(context (\d+)\)", name)
     return f"decode x{m[1]}, {int(m[2]):,}-token context" if m else name
@@ -487,6 +518,11 @@ FIGURES: tuple[Figure, ...] = (
            3, True, fmt_decode_context, extra="--json {out}/cmd{i}.json"),
     Figure("q4-vs-bf16", "docs/performance.md", "Q4_1 layers on their four-bit values",
            (f"{PY} benchmarks/bench_q4.py",), 2, True, fmt_q4, extra="--json {out}/cmd{i}.json"),
+    Figure("int8-quality", "docs/performance.md", "int8 activations on AVX512-VNNI",
+           (f"{PY} benchmarks/quality_int8.py --tokens 20480 --window 1024 --threads 1",), 5, False, fmt_int8_quality,
+           extra="--json {out}/cmd{i}.json"),
+    Figure("int8-kernels", "docs/performance.md", "int8 activations on AVX512-VNNI",
+           (f"{PY} benchmarks/bench_int8.py --rounds 5",), 3, True, fmt_int8_kernels, extra="--json {out}/cmd{i}.json"),
     Figure("kernels-exact", "docs/performance.md", "Exact by construction",
            (f"{PY} benchmarks/bench_kernels.py --baseline 6e4b3e4 --rounds 9",
             f"{PY} benchmarks/bench_kernels.py --baseline 6e4b3e4 --rounds 15 --streams 1,32",

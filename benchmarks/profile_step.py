@@ -5,7 +5,9 @@
 
 For each batch size, streams of a `--context`-token prompt decode through `ModelRunner.execute`
 (flat batch, paged cache, sampler, exactly as the engine calls it; `--weights q4_1` keeps the
-GGUF's four-bit layers as the server does, bf16 dequantises them) and the script prints the step
+GGUF's four-bit layers as the server does, bf16 dequantises them; `--activation-dtype int8` with
+`--weights q4_1` runs its Q4_1 and Q8_0 layers on int8 activations, as `cadence serve
+--activation-dtype int8` does) and the script prints the step
 time, then the profiled self time per kind of op: linear layers, attention (gather, kernels,
 masks), norms, RoPE, sampling, host-side preparation and the rest. `--kv-cache-dtype int8` runs
 on the 8-bit KV cache (as `cadence serve --kv-cache-dtype int8`). `--ops N` also prints the top N
@@ -122,12 +124,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ops", type=int, default=0, help="also print the top N torch ops")
     ap.add_argument("--context", type=int, default=64, help="prompt tokens of each stream before it decodes")
+    ap.add_argument("--activation-dtype", choices=("auto", "int8"), default="auto",
+                    help="int8: the checkpoint's Q4_1, Q4_0 and Q8_0 layers on int8 activations (needs --weights q4_1)")
     ap.add_argument("--weights", choices=("bf16", "q4_1"), default="bf16",
                     help="q4_1: the checkpoint's four-bit layers as served (needs --dtype bfloat16)")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
                     help="the KV cache's storage: the model's dtype, or the 8-bit cache")
     ap.add_argument("--json", default="", help="also write the step times and breakdowns to this JSON file")
     args = ap.parse_args()
+    if args.activation_dtype == "int8" and args.weights != "q4_1":
+        ap.error("--activation-dtype int8: runs on the checkpoint's quantized blocks (--weights q4_1)")
     if args.context < 1:
         ap.error("--context: must be >= 1")
     if args.threads:
@@ -140,17 +146,20 @@ def main() -> None:
         if dtype is not torch.bfloat16:
             ap.error("--weights q4_1: the four-bit kernels compute in bfloat16 (--dtype bfloat16)")
         ckpt = load_checkpoint(default_model_path(), torch.float32)
-        arch, weights, q4_1 = ckpt.arch, ckpt.weights, ckpt.q4_1
+        arch, weights, q4_1, q8_0, q4_0 = ckpt.arch, ckpt.weights, ckpt.q4_1, ckpt.q8_0, ckpt.q4_0
     else:
         arch, weights, _ = load_weights(torch.float32)
-        q4_1 = None
-    runner = ModelRunner(arch, weights, dtype=dtype, q4_1=q4_1, kv_cache_dtype=args.kv_cache_dtype)
+        q4_1 = q8_0 = q4_0 = None
+    runner = ModelRunner(arch, weights, dtype=dtype, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0,
+                         kv_cache_dtype=args.kv_cache_dtype, activation_dtype=args.activation_dtype)
+    print(f"activations: {args.activation_dtype}")
     sizes = [int(s) for s in args.streams.split(",")]
     per_stream = -(-(args.context + 4 * args.steps + 16) // BLOCK)
     runner.initialize_kv_cache(num_blocks=per_stream * max(sizes) + 1, block_size=BLOCK)
     rng = random.Random(0)
     prompts = [[rng.randrange(arch.vocab_size) for _ in range(args.context)] for _ in range(max(sizes))]
     result = result_json(args.context, args.weights, args.dtype, torch.get_num_threads())
+    result["activation_dtype"] = args.activation_dtype
     for b in sizes:
         s = Profiled(runner, prompts[:b], 4 * args.steps, 0)
         s.decode(3)

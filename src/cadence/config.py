@@ -22,6 +22,9 @@ POLICIES = ("fcfs", "priority", "fair", "deadline")
 HASH_ALGOS = ("sha256", "builtin")  # the prefix cache's block hashes (kv/hashing.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings (torch's names)
+# auto: activations in --dtype; int8: a quantized checkpoint's linear layers quantize their inputs
+# to int8 per block of 32 (llama.cpp's arithmetic on its quantized types)
+ACTIVATION_DTYPES = ("auto", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 # --kv-cache-dtype: auto (the model's dtype) or int8 (8-bit values and a scale per token and KV head).
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -108,6 +111,7 @@ class ModelConfig:
     model: str | None = None  # GGUF file or Hugging Face directory; None = the default model
     dtype: str = "auto"  # auto: bfloat16 where the CPU or GPU has fast bf16, else float32
     device: str = "auto"  # auto: cuda when present, else cpu
+    activation_dtype: str = "auto"  # auto: the activations in `dtype`; int8: see ACTIVATION_DTYPES
     max_model_len: int | None = None  # None: the model's context length, capped at 8192
     served_model_name: str | None = None
     chat_template: str | None = None  # a Jinja chat template, or a file holding one, instead of the model's
@@ -126,6 +130,8 @@ class ModelConfig:
         _check_types(self)
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}")
+        _require(self.activation_dtype in ACTIVATION_DTYPES, "activation_dtype",
+                 f"must be one of {ACTIVATION_DTYPES}")
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         _require(self.step_timeout >= 0, "step_timeout", "must be >= 0 seconds (0: no watchdog)")
@@ -466,6 +472,9 @@ OPTION_HELP: dict[str, str] = {
     "dtype": "weights and activations; auto: bfloat16 where the CPU or GPU computes it fast, else float32 "
              "(half: float16, float: float32, as in vLLM)",
     "device": "auto: CUDA when present, else the CPU",
+    "activation_dtype": "what a quantized checkpoint's linear layers multiply their weights with; auto: activations "
+                        "in --dtype; int8: each input row quantized per block of 32 to int8, summed in integers "
+                        "against the GGUF Q4_1, Q4_0 and Q8_0 blocks as stored (bfloat16 on a CPU with AVX512-VNNI only)",
     "max_model_len": "longest context (prompt + output) a request may use: 4096, or 32k (32000), 32K (32768), "
                      "1m (1000000), as vLLM reads them (none: the model's, at most 8192)",
     "served_model_name": "the model name the API answers to (none: the model file's name up to its first dot, "
@@ -511,7 +520,8 @@ OPTION_HELP: dict[str, str] = {
                           '{"method": "draft_model", "model": PATH, "num_speculative_tokens": K} (none: off)',
 }
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": (*DTYPES, *DTYPE_ALIASES), "device": DEVICES, "scheduler": SCHEDULERS, "policy": POLICIES,
+    "dtype": (*DTYPES, *DTYPE_ALIASES), "device": DEVICES, "activation_dtype": ACTIVATION_DTYPES,
+    "scheduler": SCHEDULERS, "policy": POLICIES,
     "prefix_caching_hash_algo": HASH_ALGOS,
 }
 

@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_cpu_kernels import kernel_model, needs_kernels
+from test_int8_kernels import int8_model, needs_vnni
 
 from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.executor.model_runner import ModelRunner
@@ -39,6 +40,19 @@ def kernel_runner(q4: bool, bias: bool, kv_cache_dtype: str = "auto") -> ModelRu
     runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, kv_cache_dtype=kv_cache_dtype)
     assert runner.model.fused_decode is not None and runner.model.decode_kernels is not None
     assert (runner.model.layers[0].down.q4_1 is not None) == q4
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK)
+    return runner
+
+
+@cache
+def int8_runner() -> ModelRunner:
+    """A random model of Q4_1, Q4_0 and Q8_0 layers and a Q8_0 output layer, on int8 activations."""
+    arch, weights, q4_1, q8_0, q4_0 = int8_model(seed=21)
+    runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0,
+                         activation_dtype="int8")
+    assert runner.model.fused_decode is not None
+    assert runner.model.fused_decode.kinds[:, 1:].unique().tolist() == [2, 3]  # o: Q4_0, gate-up: Q4_1; down: Q8_0
+    assert runner.model.lm_head.i8_format == "Q8_0"
     runner.initialize_kv_cache(NUM_BLOCKS, BLOCK)
     return runner
 
@@ -164,3 +178,12 @@ def test_attention_kernels_share_one_arithmetic(kv_cache_dtype):
             decoded = paged_attention(q, kv_new, cache.layer(0), meta)
             prefilled = kernels.prefill_attention(q, cache.layer(0), torch.tensor(table), length - 1)
             assert torch.equal(decoded, prefilled), (kvh, g, d, bs, length)
+
+
+@needs_vnni
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), prompt_len=st.integers(1, 70), decodes=st.integers(1, 24))
+def test_int8_activations_bit_identical_however_computed(seed, prompt_len, decodes):
+    """The same with int8 activations: each row quantized on its own, the same kernels for a prefill
+    chunk's rows and in the all-decode step."""
+    check_exact(int8_runner(), seed, prompt_len, decodes)

@@ -320,6 +320,21 @@ def test_model_benchmark_tables(tmp_path: Path) -> None:
 # -- --update-docs ----------------------------------------------------------------------------------
 
 
+def test_int8_tables(tmp_path: Path) -> None:
+    scores = {"float32": (12.4177, 1.0), "bfloat16": (12.4145, 0.9846), "int8": (12.4386, 0.9633)}
+    quality = {"scores": {k: {"perplexity": p, "top1_agreement": a, "positions": 20460, "seconds": 1.0}
+                          for k, (p, a) in scores.items()}}
+    table = fig.fmt_int8_quality(_write(tmp_path / "quality", quality))
+    assert table == _block("int8-quality")
+    bench = load_benchmark("bench_int8")
+    times = {name: {str(m): {"bfloat16": [2.0, 3.0, 2.0], "int8": [1.0, 1.0, 1.0]} for m in (1, 8, 32, 512)}
+             for name in bench.SHAPES}
+    table = fig.fmt_int8_kernels(_write(tmp_path / "kernels", {"threads": 2, "labels": bench.LABELS, "times_s": times}))
+    doc = _block("int8-kernels")
+    assert _head(table) == _head(doc) and _first_column(table) == _first_column(doc)
+    assert table.splitlines()[2] == "| qkv 960 x 576, Q4_1 | 2.00x | 2.00x | 2.00x | 2.00x |"
+
+
 def test_update_docs_replaces_only_between_the_markers(tmp_path: Path) -> None:
     f = fig.BY_NAME["q4-vs-bf16"]
     (tmp_path / "docs").mkdir()

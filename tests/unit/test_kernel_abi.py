@@ -64,6 +64,7 @@ def test_decode_layer_pointer_row_matches_the_c_enum() -> None:
 
 
 @pytest.mark.parametrize("c_name,py_value", [
+    ("Q8_RAW_BYTES", ck.Q8_0_BYTES), ("Q4_0_RAW_BYTES", ck.Q4_0_BYTES),
     ("MAX_GROUP", ck.MAX_GROUP), ("MAX_DIM", ck.MAX_HEAD_DIM), ("NB", ck.BLOCK_COLS), ("QK", ck.Q4_1_BLOCK),
     ("Q4_RAW_BYTES", ck.Q4_1_BYTES), ("KV8_SCALE_BYTES", ck.KV8_SCALE_BYTES),
 ])

@@ -126,14 +126,16 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
     )
     tokenizer = Tokenizer.from_model_path(path, limits, read_chat_template(config.model.chat_template))
     q4_1: dict[str, torch.Tensor] = {}
+    q8_0: dict[str, torch.Tensor] = {}
+    q4_0: dict[str, torch.Tensor] = {}
     if tiny:
         arch = tiny_arch(tokenizer.vocab_size)
         weights = random_weights(arch, seed=config.model.seed)
     else:
         ckpt = load_checkpoint(path, dtype)
-        arch, weights, q4_1 = ckpt.arch, ckpt.weights, ckpt.q4_1
-    runner = ModelRunner(arch, weights, dtype=dtype, device=device, q4_1=q4_1,
-                         kv_cache_dtype=config.cache.kv_cache_dtype)
+        arch, weights, q4_1, q8_0, q4_0 = ckpt.arch, ckpt.weights, ckpt.q4_1, ckpt.q8_0, ckpt.q4_0
+    runner = ModelRunner(arch, weights, dtype=dtype, device=device, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0,
+                         kv_cache_dtype=config.cache.kv_cache_dtype, activation_dtype=config.model.activation_dtype)
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         assert spec.model is not None  # (validated)

@@ -46,6 +46,9 @@ class ModelRunner:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        q8_0: dict[str, torch.Tensor] | None = None,
+        q4_0: dict[str, torch.Tensor] | None = None,
+        activation_dtype: str = "auto",
         seed: int = 0,
         q4_1: dict[str, torch.Tensor] | None = None,
         kv_cache_dtype: str = "auto",
@@ -58,7 +61,8 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype  # auto: K/V in `dtype`; int8: the 8-bit layout
         self.device = torch.device(device)
-        self.model = LlamaModel(arch, weights, dtype=dtype, device=self.device, q4_1=q4_1)
+        self.model = LlamaModel(arch, weights, dtype=dtype, device=self.device, q4_1=q4_1, q8_0=q8_0,
+                                q4_0=q4_0, activation_dtype=activation_dtype)
         self.sampler = Sampler(self.device, seed)
         self.kv_cache: PagedKVCache | None = None
         # Speculative decoding with a draft model: proposes the next drafts after each step.

@@ -5,7 +5,8 @@ bound by how fast the weights stream from memory. oneDNN's bfloat16 GEMV reads t
 the machine's bandwidth; `linear`, on a layout packed for it at load, reads them at about the
 bandwidth. The rest of a small step is per-op overhead (~1,000 torch ops): `add_rms_norm`,
 `silu_mul` and `rope_` do in one call what takes torch three to eight. A GGUF's Q4_1 matrices
-run on their four-bit values (`pack_q4_1`, `linear_q4_1`), and a step of single-token decodes runs
+run on their four-bit values (`pack_q4_1`, `linear_q4_1`); with int8 activations, Q4_1, Q4_0 and Q8_0
+matrices run on AVX512-VNNI's integer dot products (`linear_q4_1_i8`, `linear_q8_0_i8`); and a step of single-token decodes runs
 all decoder layers in one call (`decode_layers`). docs/performance.md has the figures. Every kernel computes a row the same way whatever else is in the batch, so a
 request's output does not depend on its neighbours.
 
@@ -42,6 +43,9 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"
 BLOCK_COLS = 64  # output columns per packed block (NB in the C source)
 Q4_1_BLOCK, Q4_1_BYTES = 32, 20  # GGUF's Q4_1: 32 weights in 20 bytes (float16 d and m, 16 bytes of nibbles)
 Q4_1_PACKED_BYTES = Q4_1_BLOCK // 2 * BLOCK_COLS + BLOCK_COLS * 4  # per 64 columns x 32 k (Q4_BYTES in the C)
+Q8_0_BYTES = 34  # GGUF's Q8_0: 32 weights in 34 bytes (float16 d, 32 int8 q)
+Q4_0_BYTES = 18  # GGUF's Q4_0: 32 weights in 18 bytes (float16 d, 16 bytes of nibbles; w = d (q - 8))
+Q8_0_PACKED_BYTES = Q4_1_BLOCK * BLOCK_COLS + BLOCK_COLS * 2  # per 64 columns x 32 k (Q8_BYTES in the C)
 
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -54,6 +58,12 @@ _SIGNATURES: dict[str, tuple[type[Any] | None, list[type[Any]]]] = {
     "cadence_pack_q4_1": (None, [_P, _P, _I64, _I64]),
     "cadence_decode_layers": (_INT, [_P] * 15 + [_I64, _P] + [_I64] * 10 + [_F32, _F32, _INT, _I64]),
     "cadence_linear_q4_1": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "cadence_pack_q4_1_i8": (None, [_P, _P, _I64, _I64]),
+    "cadence_pack_q4_0_i8": (None, [_P, _P, _I64, _I64]),
+    "cadence_pack_q8_0_i8": (None, [_P, _P, _I64, _I64]),
+    "cadence_linear_q4_1_i8": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "cadence_linear_q8_0_i8": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "cadence_linear_q8_0_i8_f32": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_add_rms_norm": (None, [_P, _P, _P, _P, _I64, _I64, _F32, _INT]),
     "cadence_silu_mul": (None, [_P, _P, _I64, _I64, _INT]),
     "cadence_rope": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT]),
@@ -78,8 +88,9 @@ KV8_SCALE_BYTES = 4  # the 8-bit cache's float32 scale after each slot's int8 va
 class DecodeLayers:
     """A model's decoder layers as `decode_layers` reads them: per layer the addresses of its input
     norm, post norm, qkv, qkv bias (0: none), o, gate-up and down weights (`DL_*` in the C), and each
-    linear's kind (0: `pack`'s bfloat16 layout, 1: `pack_q4_1`'s). `keep` holds the tensors those
-    addresses point into, so they live as long as this does."""
+    linear's kind (0: `pack`'s bfloat16 layout, 1: `pack_q4_1`'s, 2: `pack_q4_1_i8`'s, 3:
+    `pack_q8_0_i8`'s). `keep` holds the tensors those addresses point into, so they live as long as
+    this does."""
 
     pointers: torch.Tensor  # [layers, len(DL_FIELDS)] int64
     kinds: torch.Tensor  # [layers, 4] int64
@@ -123,6 +134,12 @@ class CpuKernels:
         self._linear_f32 = lib.cadence_linear_f32
         self._pack_q4_1 = lib.cadence_pack_q4_1
         self._linear_q4_1 = lib.cadence_linear_q4_1
+        self._pack_q4_1_i8 = lib.cadence_pack_q4_1_i8
+        self._pack_q4_0_i8 = lib.cadence_pack_q4_0_i8
+        self._pack_q8_0_i8 = lib.cadence_pack_q8_0_i8
+        self._linear_q4_1_i8 = lib.cadence_linear_q4_1_i8
+        self._linear_q8_0_i8 = lib.cadence_linear_q8_0_i8
+        self._linear_q8_0_i8_f32 = lib.cadence_linear_q8_0_i8_f32
         self._add_rms_norm = lib.cadence_add_rms_norm
         self._silu_mul = lib.cadence_silu_mul
         self._rope = lib.cadence_rope
@@ -170,6 +187,46 @@ class CpuKernels:
         """As `linear`, on `pack_q4_1`'s layout: the checkpoint's exact weights (d q + m in float32,
         not rounded to bfloat16), each row computed the same way whatever the batch."""
         return self._matmul(self._linear_q4_1, x, packed, n, bias, torch.bfloat16)
+
+    # -- int8 activations against the checkpoint's quantized blocks (AVX512-VNNI: `has_vnni`) --
+
+    def pack_q4_1_i8(self, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """GGUF Q4_1 blocks of an [N, K] weight (as `pack_q4_1` takes them) -> the layout
+        `linear_q4_1_i8` reads."""
+        return self._pack_blocks(self._pack_q4_1_i8, raw, n, k, Q4_1_BYTES, Q4_1_PACKED_BYTES)
+
+    def pack_q4_0_i8(self, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """GGUF Q4_0 blocks of an [N, K] weight (uint8 [N, K/32*18]) -> `pack_q4_1_i8`'s layout (with
+        m = -8 d), which `linear_q4_1_i8` reads."""
+        return self._pack_blocks(self._pack_q4_0_i8, raw, n, k, Q4_0_BYTES, Q4_1_PACKED_BYTES)
+
+    def pack_q8_0_i8(self, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """GGUF Q8_0 blocks of an [N, K] weight (uint8 [N, K/32*34]) -> the layout `linear_q8_0_i8` reads."""
+        return self._pack_blocks(self._pack_q8_0_i8, raw, n, k, Q8_0_BYTES, Q8_0_PACKED_BYTES)
+
+    def _pack_blocks(self, fn: Callable[..., None], raw: torch.Tensor, n: int, k: int, raw_bytes: int,
+                     packed_bytes: int) -> torch.Tensor:
+        assert has_vnni(), "the int8 kernels need AVX512-VNNI"
+        assert k % Q4_1_BLOCK == 0, "pack: K must be a multiple of 32"
+        assert raw.dtype == torch.uint8 and tuple(raw.shape) == (n, k // Q4_1_BLOCK * raw_bytes)
+        raw = raw.contiguous()
+        packed = torch.empty(-(-n // BLOCK_COLS) * (k // Q4_1_BLOCK) * packed_bytes, dtype=torch.uint8)
+        fn(raw.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+
+    def linear_q4_1_i8(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """As `linear_q4_1`, with each row of x quantized per block of 32 to int8 (its own scale
+        per block) and the products summed exactly in integers: each row the same whatever the batch."""
+        return self._matmul(self._linear_q4_1_i8, x, packed, n, bias, torch.bfloat16)
+
+    def linear_q8_0_i8(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """As `linear_q4_1_i8`, on `pack_q8_0_i8`'s layout."""
+        return self._matmul(self._linear_q8_0_i8, x, packed, n, bias, torch.bfloat16)
+
+    def linear_q8_0_i8_f32(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+        """As `linear_q8_0_i8`, the output float32 and unrounded: the logits."""
+        return self._matmul(self._linear_q8_0_i8_f32, x, packed, n, bias, torch.float32)
 
     @staticmethod
     def _matmul(fn: Callable[..., int | None], x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
@@ -341,6 +398,11 @@ def cpu_flags() -> frozenset[str]:
 
 def _cpu_has_avx512_bf16() -> bool:
     return {"avx512_bf16", "avx512bw"} <= cpu_flags()
+
+
+def has_vnni() -> bool:
+    """Whether the CPU has AVX512-VNNI's `vpdpbusd`, which the int8-activation kernels use."""
+    return "avx512_vnni" in cpu_flags()
 
 
 def _cache_dir() -> Path:

@@ -24,7 +24,14 @@ import torch.nn.functional as F
 
 from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import AttentionMetadata, PagedDecode, PagedKVCache, paged_attention
-from cadence.model.cpu_kernels import DL_FIELDS, CpuKernels, DecodeLayers, cpu_kernels, q4_1_kernels_enabled
+from cadence.model.cpu_kernels import (
+    DL_FIELDS,
+    CpuKernels,
+    DecodeLayers,
+    cpu_kernels,
+    has_vnni,
+    q4_1_kernels_enabled,
+)
 
 log = logging.getLogger("cadence.model")
 
@@ -89,26 +96,65 @@ class Linear:
 
     Given `q4_1` (the GGUF blocks of this matrix) and the bfloat16 kernels, the layer computes on
     the four-bit values instead (`CpuKernels.linear_q4_1`): a third of the bytes a decode step reads.
+
+    With `int8` (the engine's `activation_dtype`), on a CPU with AVX512-VNNI, a Q4_1, Q4_0 or Q8_0
+    matrix (`q4_1`, `q4_0`, `q8_0`) is multiplied by its input quantized per row and block of 32 to int8, in
+    integers (`CpuKernels.linear_q4_1_i8`, which also takes Q4_0 packed as Q4_1 with m = -8 d, and
+    `linear_q8_0_i8`): `i8` holds it in that layout and `i8_format` says which.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, q4_1: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, q4_1: torch.Tensor | None = None,
+                 *, q8_0: torch.Tensor | None = None, q4_0: torch.Tensor | None = None,
+                 int8: bool = False) -> None:
         self.shape = tuple(weight.shape)  # (out, in)
         self.bias = bias
         self.kernel = cpu_kernels() if CpuKernels.supports(weight) else None
         # The kernel adds a float32 bias; torch's paths take `bias` as it is.
         self.kernel_bias = None if self.kernel is None or bias is None else bias.float().contiguous()
+        self.i8, self.i8_format = self._pack_i8(q4_1, q8_0, q4_0) if int8 else (None, None)
         # A Q4_1 checkpoint's matrix, when the kernels are on: computed from its four-bit values.
         self.q4_1 = (self.kernel.pack_q4_1(q4_1, *self.shape)
-                     if self.kernel is not None and q4_1 is not None and q4_1_kernels_enabled() else None)
-        if self.q4_1 is not None:
+                     if self.kernel is not None and q4_1 is not None and q4_1_kernels_enabled()
+                     and self.i8 is None else None)
+        if self.q4_1 is not None or self.i8 is not None:
             self.packed = None
         elif self.kernel is not None:
             self.packed = self.kernel.pack(weight)
         else:
             self.packed = _pack_for_cpu(weight.contiguous(), bias)
         # Keep only one copy of the weight: the packed one when there is one.
-        self.weight = weight.contiguous() if self.packed is None and self.q4_1 is None else None
+        self.weight = weight.contiguous() if self.packed is None and self.q4_1 is None and self.i8 is None else None
         self._forward = self._choose_forward()  # the one place the layer's path is chosen
+
+    def _pack_i8(self, q4_1: torch.Tensor | None, q8_0: torch.Tensor | None,
+                 q4_0: torch.Tensor | None) -> tuple[torch.Tensor | None, str | None]:
+        """The matrix in the int8-activation kernels' layout, and its format; (None, None) where the
+        kernels or VNNI are missing or the matrix is not Q4_1, Q4_0 or Q8_0 (it keeps its bfloat16
+        path)."""
+        if self.kernel is None or not has_vnni():
+            return None, None
+        if q4_1 is not None:
+            return self.kernel.pack_q4_1_i8(q4_1, *self.shape), "Q4_1"
+        if q4_0 is not None:
+            return self.kernel.pack_q4_0_i8(q4_0, *self.shape), "Q4_0"
+        if q8_0 is not None:
+            return self.kernel.pack_q8_0_i8(q8_0, *self.shape), "Q8_0"
+        return None, None
+
+    @property
+    def fused_kind(self) -> int | None:
+        """The layer's weight kind in `CpuKernels.decode_layers` (`DecodeLayers.kinds`); None when
+        it is not on the kernels."""
+        if self.kernel is None:
+            return None
+        if self.i8 is not None:
+            return 3 if self.i8_format == "Q8_0" else 2  # Q4_0 is packed as Q4_1
+        return 1 if self.q4_1 is not None else 0 if self.packed is not None else None
+
+    @property
+    def kernel_weight(self) -> torch.Tensor | None:
+        """The weight `fused_kind` names."""
+        return self.i8 if self.i8 is not None else self.q4_1 if self.q4_1 is not None else self.packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x)
@@ -123,6 +169,12 @@ class Linear:
         unrounded sums, else the path's output converted."""
         n, kernel, bias = self.shape[0], self.kernel, self.kernel_bias
         self._float32: Callable[[torch.Tensor], torch.Tensor] = lambda x: self(x).float()
+        if kernel is not None and self.i8 is not None:
+            i8, self.path = self.i8, f"cadence's kernel on the checkpoint's {self.i8_format} blocks, int8 activations"
+            if self.i8_format == "Q8_0":
+                self._float32 = lambda x: kernel.linear_q8_0_i8_f32(x, i8, n, bias)
+                return lambda x: kernel.linear_q8_0_i8(x, i8, n, bias)
+            return lambda x: kernel.linear_q4_1_i8(x, i8, n, bias)
         if kernel is not None and self.q4_1 is not None:
             q4, self.path = self.q4_1, "cadence's kernel on the checkpoint's Q4_1 blocks"
             return lambda x: kernel.linear_q4_1(x, q4, n, bias)
@@ -220,20 +272,26 @@ def _take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 def _load_layer(
     arch: ModelArchConfig, weights: dict[str, torch.Tensor], i: int, dtype: torch.dtype, device: torch.device,
-    q4_1: dict[str, torch.Tensor],
+    q4_1: dict[str, torch.Tensor], q8_0: dict[str, torch.Tensor], q4_0: dict[str, torch.Tensor], int8: bool,
 ) -> LayerWeights:
     p = f"model.layers.{i}."
 
     def w(name: str) -> torch.Tensor:
         return _take(weights, p + name).to(device=device, dtype=dtype)
 
-    def raw(*names: str) -> torch.Tensor | None:
-        """The Q4_1 blocks of these matrices, rows concatenated as the fused weight's; None unless
-        every part is Q4_1 (on CPU)."""
-        parts = [x for name in names if (x := q4_1.get(p + name)) is not None]
+    def blocks(stored: dict[str, torch.Tensor], *names: str) -> torch.Tensor | None:
+        """The stored blocks of these matrices, rows concatenated as the fused weight's; None unless
+        every part is in `stored` (on CPU)."""
+        parts = [x for name in names if (x := stored.get(p + name)) is not None]
         if device.type != "cpu" or len(parts) != len(names):
             return None
         return torch.cat(parts)
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None, *names: str) -> Linear:
+        if not int8:
+            return Linear(weight, bias, blocks(q4_1, *names))
+        return Linear(weight, bias, blocks(q4_1, *names), q8_0=blocks(q8_0, *names), q4_0=blocks(q4_0, *names),
+                      int8=True)
 
     qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
     expected = ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, arch.hidden_size)
@@ -244,12 +302,12 @@ def _load_layer(
         bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
     return LayerWeights(
         input_norm=w("input_layernorm.weight"),
-        qkv=Linear(qkv, bias, raw("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
-        o=Linear(w("self_attn.o_proj.weight"), None, raw("self_attn.o_proj.weight")),
+        qkv=linear(qkv, bias, "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        o=linear(w("self_attn.o_proj.weight"), None, "self_attn.o_proj.weight"),
         post_norm=w("post_attention_layernorm.weight"),
-        gate_up=Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None,
-                       raw("mlp.gate_proj.weight", "mlp.up_proj.weight")),
-        down=Linear(w("mlp.down_proj.weight"), None, raw("mlp.down_proj.weight")),
+        gate_up=linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None,
+                       "mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        down=linear(w("mlp.down_proj.weight"), None, "mlp.down_proj.weight"),
     )
 
 
@@ -269,22 +327,37 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         q4_1: dict[str, torch.Tensor] | None = None,
+        q8_0: dict[str, torch.Tensor] | None = None,
+        q4_0: dict[str, torch.Tensor] | None = None,
+        activation_dtype: str = "auto",
     ) -> None:
-        """`q4_1`: a GGUF checkpoint's Q4_1 matrices as stored (`Checkpoint.q4_1`); in bfloat16 with
-        the CPU kernels, those layers compute on them rather than on the dequantised `weights`."""
+        """`q4_1`, `q8_0`, `q4_0`: a GGUF checkpoint's Q4_1, Q8_0 and Q4_0 matrices as stored
+        (`Checkpoint.q4_1`, ...). In bfloat16 with the CPU kernels, Q4_1 layers compute on their blocks
+        rather than on the dequantised `weights`; with `activation_dtype` "int8", Q4_1, Q4_0 and Q8_0
+        layers (and a Q8_0 output layer) multiply them by int8-quantized activations (`Linear`). "int8" where it cannot
+        apply to any layer is a ValueError saying why (`int8_refusal`)."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
+        q4_1, q8_0, q4_0 = q4_1 or {}, q8_0 or {}, q4_0 or {}
+        int8 = activation_dtype == "int8"
+        if int8 and (reason := int8_refusal(dtype, self.device, bool(q4_1 or q8_0 or q4_0))) is not None:
+            raise ValueError(f"activation_dtype: int8 {reason}")
         self.embed = _take(weights, "model.embed_tokens.weight").to(self.device, dtype).contiguous()  # [V, E]
         if tuple(self.embed.shape) != (arch.vocab_size, arch.hidden_size):
             raise ValueError(f"embed_tokens shape {tuple(self.embed.shape)} does not match the architecture")
-        self.layers = [_load_layer(arch, weights, i, dtype, self.device, q4_1 or {}) for i in range(arch.num_layers)]
+        self.layers = [_load_layer(arch, weights, i, dtype, self.device, q4_1, q8_0, q4_0, int8)
+                       for i in range(arch.num_layers)]
         self.norm = _take(weights, "model.norm.weight").to(self.device, dtype)
+        # The output layer with int8 activations: on Q8_0 blocks only (its float32 logits' kernel).
         if arch.tie_word_embeddings or "lm_head.weight" not in weights:
             # Tied: the output projection is the embedding table (SmolLM2 and small Qwen2).
-            self.lm_head = Linear(self.embed)
+            head_q8 = q8_0.get("model.embed_tokens.weight") if int8 else None
+            self.lm_head = Linear(self.embed, q8_0=head_q8, int8=head_q8 is not None)
         else:
-            self.lm_head = Linear(weights["lm_head.weight"].to(self.device, dtype))  # [V, E]
+            head_q8 = q8_0.get("lm_head.weight") if int8 else None
+            self.lm_head = Linear(weights["lm_head.weight"].to(self.device, dtype), q8_0=head_q8,
+                                  int8=head_q8 is not None)  # [V, E]
         if self.lm_head.shape != (arch.vocab_size, arch.hidden_size):
             raise ValueError(f"lm_head shape {self.lm_head.shape} does not match the architecture")
         self.cos, self.sin = rope_tables(arch, self.device)
@@ -355,10 +428,10 @@ class LlamaModel:
                                                       "qkv_bias": layer.qkv.kernel_bias}
             kind = []
             for name, lin in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
-                weight = lin.q4_1 if lin.q4_1 is not None else lin.packed if lin.kernel is not None else None
-                if weight is None or (lin is not layer.qkv and lin.kernel_bias is not None):
+                weight, fused_kind = lin.kernel_weight, lin.fused_kind
+                if weight is None or fused_kind is None or (lin is not layer.qkv and lin.kernel_bias is not None):
                     return None
-                kind.append(1 if lin.q4_1 is not None else 0)
+                kind.append(fused_kind)
                 fields[name] = weight
             row = [fields[name] for name in DL_FIELDS]
             if any(t is not None and not t.is_contiguous() for t in row):
@@ -398,6 +471,22 @@ class LlamaModel:
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         return layer.down(self.ops.silu_mul(layer.gate_up(x)))  # SwiGLU, [T, 2F] -> [T, F] -> [T, E]
+
+
+def int8_refusal(dtype: torch.dtype, device: torch.device, quantized: bool) -> str | None:
+    """Why int8 activations cannot apply to a model (None: they can). Asked for explicitly, they are
+    refused with the reason rather than ignored, so that a run meant to measure them never measures
+    the bfloat16 path instead."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return f"needs --dtype bfloat16 on the CPU (this model is {str(dtype).removeprefix('torch.')} on {device.type})"
+    if cpu_kernels() is None:
+        return "needs cadence's CPU kernels (AVX512-BF16 and a C compiler; the log says why they are off)"
+    if not has_vnni():
+        return "needs a CPU with AVX512-VNNI (vpdpbusd); this one lacks it"
+    if not quantized:
+        return ("needs a GGUF checkpoint with Q4_1, Q4_0 or Q8_0 matrices (it quantizes the activations those "
+                "are multiplied with); this one has none")
+    return None
 
 
 def _all_decode(meta: AttentionMetadata, num_rows: int) -> bool:

@@ -39,6 +39,10 @@ class Checkpoint:
     # GGUF Q4_1 matrices as stored (uint8 [rows, K/32 * 20], rows in Hugging Face order), beside
     # their dequantised copy in `weights`: the CPU kernels compute on the four-bit values directly.
     q4_1: dict[str, torch.Tensor] = field(default_factory=dict)
+    # GGUF Q8_0 and Q4_0 matrices the same way (uint8 [rows, K/32 * 34], [rows, K/32 * 18]): the
+    # int8-activation kernels use them.
+    q8_0: dict[str, torch.Tensor] = field(default_factory=dict)
+    q4_0: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -269,6 +273,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     permuted = _GGUF_PERMUTED[arch.architecture]
     weights: dict[str, torch.Tensor] = {}
     q4_1: dict[str, torch.Tensor] = {}
+    q8_0: dict[str, torch.Tensor] = {}
+    q4_0: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
@@ -277,10 +283,11 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         _check_tensor(path, name, shape, expected)
         heads = permuted.get(name.split(".", 3)[-1])  # keyed by the per-layer part of the name
         weights[name] = _dequantize(path, t, dtype, heads, arch)
-        if t.tensor_type.name == "Q4_1" and len(shape) == 2 and shape[1] % 32 == 0:
-            q4_1[name] = _raw_rows(t, shape, heads, arch)
+        blocks = {"Q4_1": q4_1, "Q8_0": q8_0, "Q4_0": q4_0}.get(t.tensor_type.name)
+        if blocks is not None and len(shape) == 2 and shape[1] % 32 == 0:
+            blocks[name] = _raw_rows(t, shape, heads, arch)
     _check_complete(path, weights, expected)
-    return Checkpoint(arch, weights, path, "gguf", q4_1)
+    return Checkpoint(arch, weights, path, "gguf", q4_1, q8_0, q4_0)
 
 
 def _raw_rows(t: Any, shape: tuple[int, ...], heads: Any, arch: ModelArchConfig) -> torch.Tensor:

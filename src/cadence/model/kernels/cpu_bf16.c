@@ -2,6 +2,9 @@
  *   cadence_pack, cadence_linear, cadence_linear_f32      y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
  *                                                         float32 sums, on a packed bfloat16 weight
  *   cadence_pack_q4_1, cadence_linear_q4_1                the same on GGUF Q4_1 blocks
+ *   cadence_pack_q4_1_i8, cadence_pack_q4_0_i8, cadence_linear_q4_1_i8, cadence_pack_q8_0_i8,
+ *   cadence_linear_q8_0_i8, cadence_linear_q8_0_i8_f32    GGUF Q4_1 / Q4_0 / Q8_0 blocks against
+ *                                                         int8 activations (AVX512-VNNI)
  *   cadence_add_rms_norm  residual += delta; out = rms_norm(residual) * w, in one pass
  *   cadence_silu_mul      SwiGLU's silu(gate) * up from the fused gate-up output
  *   cadence_rope          rotary embedding of q and k, in place
@@ -302,6 +305,275 @@ int cadence_linear_q4_1(const uint16_t *x, const uint8_t *packed, const float *b
     for (int64_t b = 0; b < blocks; b++) q4_block(x, m, k, xs, packed + b * kb * Q4_BYTES, bias, y, n, b * NB);
     free(xs);
     return 0;
+}
+
+/* ---- quantized weights against int8 activations (AVX512-VNNI) ------------------------------
+ *
+ * The integer path for GGUF Q4_1, Q4_0 and Q8_0 layers, as llama.cpp computes them: each row of x is
+ * quantized per block of 32 k to int8 (scale sx = max|x| / 127, q = round(x * 127 / max|x|), ties to
+ * even), and a block's products with the weights' stored integers are summed exactly in int32 by
+ * `vpdpbusd` (64 unsigned x signed byte products an instruction, twice `vdpbf16ps`'s 32). Per block
+ * and output column, in float32, blocks in increasing k:
+ *   Q4_1 (w = d q4 + m):  y += (d sx) * sum(q4 qx) + m * (sx sum(qx))
+ *   Q4_0 (w = d (q4 - 8)): the same, with m = -8 d (packed into the Q4_1 layout)
+ *   Q8_0 (w = d q8):      y += (d sx) * sum(q8 qx), with q8 stored as q8 + 128 (vpdpbusd's unsigned
+ *                         operand) and the sum started at -128 sum(qx), so the int32 sum is exact
+ * A row's result depends on its own values only (its quantization is its own, the integer sums are
+ * exact, the float sums go in a fixed order, and every tile shape does the same operations per row
+ * and column), so the batch invariance of the other kernels holds here too.
+ *
+ * Packed layouts, per 64 columns and block of 32 k; then the 64 columns' float16 d (and, for Q4_1,
+ * float16 m) as GGUF has them:
+ *   Q4_1 and Q4_0 (cadence_pack_q4_1_i8, cadence_pack_q4_0_i8, Q4_BYTES): for each 16-column
+ *     vector, four 64-byte rows h: byte 4c + i of row h holds column c's q at k = 4h + i (low
+ *     nibble) and k = 16 + 4h + i (high nibble): a row masked or shifted is the operand `vpdpbusd`
+ *     multiplies by 4 broadcast int8 x.
+ *   Q8_0 (cadence_pack_q8_0_i8, Q8_BYTES): for each 16-column vector, eight 64-byte rows g: byte
+ *     4c + i holds column c's q + 128 at k = 4g + i. */
+#define Q8_RAW_BYTES 34 /* one GGUF Q8_0 block: float16 d, 32 int8 q */
+#define Q4_0_RAW_BYTES 18 /* one GGUF Q4_0 block: float16 d, 16 bytes of nibbles */
+#define Q8_BYTES (QK * NB + NB * 2)
+#define I8_TARGET __attribute__((target("avx512vnni")))
+
+/* raw Q4_1 [N][K/32][20 bytes: d, m, 16 bytes of nibbles] or, with q4_0, Q4_0 [N][K/32][18 bytes: d,
+ * nibbles; w = d (q - 8), stored as m = -8 d, exact in float16] -> the Q4_1 layout above. A raw
+ * byte t holds the block's q at k = t (low nibble) and k = 16 + t (high): the layout's byte itself. */
+static void pack_q4_i8(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k, int q4_0) {
+    const int64_t blocks = (n + NB - 1) / NB, kb = k / QK, raw_bytes = q4_0 ? Q4_0_RAW_BYTES : Q4_RAW_BYTES;
+    memset(packed, 0, (size_t)(blocks * kb * Q4_BYTES));
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t j = 0; j < kb; j++) {
+            uint8_t *dst = packed + (b * kb + j) * Q4_BYTES;
+            uint8_t *d = dst + QK / 2 * NB, *mn = d + 2 * NB;
+            for (int c = 0; c < NB && b * NB + c < n; c++) {
+                const uint8_t *blk = raw + ((b * NB + c) * kb + j) * raw_bytes, *qs = blk + raw_bytes - 16;
+                memcpy(d + 2 * c, blk, 2);
+                if (q4_0) {
+                    uint16_t h;
+                    memcpy(&h, blk, 2);
+                    const __m512 d32 = _mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+                    const __m256i m16 = _mm512_cvtps_ph(_mm512_mul_ps(d32, _mm512_set1_ps(-8.0f)), _MM_FROUND_TO_NEAREST_INT);
+                    h = (uint16_t)_mm256_extract_epi16(m16, 0);
+                    memcpy(mn + 2 * c, &h, 2);
+                } else {
+                    memcpy(mn + 2 * c, blk + 2, 2);
+                }
+                const int v = c / 16, cc = c % 16;
+                for (int h = 0; h < 4; h++)
+                    for (int i = 0; i < 4; i++) dst[v * 256 + h * 64 + cc * 4 + i] = qs[4 * h + i];
+            }
+        }
+}
+
+void cadence_pack_q4_1_i8(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k) {
+    pack_q4_i8(raw, packed, n, k, 0);
+}
+
+void cadence_pack_q4_0_i8(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k) {
+    pack_q4_i8(raw, packed, n, k, 1);
+}
+
+/* raw [N][K/32][34 bytes] -> the Q8_0 layout above; columns past N get zeros (d = 0). */
+void cadence_pack_q8_0_i8(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k) {
+    int64_t blocks = (n + NB - 1) / NB, kb = k / QK, row_bytes = kb * Q8_RAW_BYTES;
+    memset(packed, 0, (size_t)(blocks * kb * Q8_BYTES));
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t j = 0; j < kb; j++) {
+            uint8_t *dst = packed + (b * kb + j) * Q8_BYTES, *d = dst + QK * NB;
+            for (int c = 0; c < NB && b * NB + c < n; c++) {
+                const uint8_t *blk = raw + (b * NB + c) * row_bytes + j * Q8_RAW_BYTES;
+                memcpy(d + 2 * c, blk, 2);
+                const int v = c / 16, cc = c % 16;
+                for (int g = 0; g < 8; g++)
+                    for (int i = 0; i < 4; i++) dst[v * 512 + g * 64 + cc * 4 + i] = (uint8_t)(blk[2 + 4 * g + i] ^ 0x80);
+            }
+        }
+}
+
+/* A batch's activations quantized per row and block of 32: qx [M, K] int8, and per [M, K/32]
+ * block its scale sx, the sum of its qx (sq) and sx * sq (ss). One allocation (`mem`). */
+typedef struct {
+    int8_t *qx;
+    float *sx, *ss;
+    int32_t *sq;
+    void *mem;
+} i8_rows;
+
+static int quantize_rows_i8(const uint16_t *x, int64_t m, int64_t k, i8_rows *r) {
+    const int64_t kb = k / QK;
+    r->mem = malloc((size_t)(m * k) + 3 * (size_t)(m * kb) * 4);
+    if (!r->mem) return -1;
+    r->qx = r->mem; /* m * k is a multiple of 32: the float arrays after it are aligned */
+    r->sx = (float *)(r->qx + m * k);
+    r->ss = r->sx + m * kb;
+    r->sq = (int32_t *)(r->ss + m * kb);
+    for (int64_t i = 0; i < m * kb; i++) {
+        const uint16_t *p = x + i * QK; /* row i / kb, block i % kb: rows are contiguous */
+        const __m512 a = load_bf16(p, 0xFFFF), c = load_bf16(p + 16, 0xFFFF);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* round to nearest even */
+        const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
+        _mm_storeu_si128((__m128i *)(r->qx + i * QK), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(r->qx + i * QK + 16), _mm512_cvtsepi32_epi8(qc));
+        r->sx[i] = amax / 127.0f;
+        r->sq[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+        r->ss[i] = r->sx[i] * (float)r->sq[i];
+    }
+    return 0;
+}
+
+/* Store a tile's sums (+ bias) for rows 0..mt of vectors v0..v0+nv: bfloat16 into y, or float32
+ * into yf when given. */
+static inline __attribute__((always_inline)) void i8_store(__m512 acc[6][4], const float *bias, uint16_t *y,
+                                                           float *yf, int64_t n, int64_t col0, int mt, int nv, int v0) {
+    for (int j = 0; j < nv; j++) {
+        int64_t c = col0 + 16 * (v0 + j);
+        if (c >= n) break;
+        __mmask16 mask = tail_mask(n - c);
+        __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
+        for (int m = 0; m < mt; m++) {
+            __m512 sum = _mm512_add_ps(acc[m][j], bv);
+            if (yf)
+                _mm512_mask_storeu_ps(yf + m * n + c, mask, sum);
+            else
+                store_bf16(y + m * n + c, sum, mask);
+        }
+    }
+}
+
+/* The integer sums of one block of 32 k: s[m][j] += sum over k of w[j] * qx[m] for rows 0..mt and
+ * vectors 0..nv, w[j * 8 + g] the weights of vector j at k = 4g..4g+3. Rows and vectors go in the
+ * inner loops so that the mt x nv sums are independent chains (one `vpdpbusd` chain of 8 would wait
+ * on its latency). Integer sums are exact: their order does not change a bit. */
+static inline __attribute__((always_inline)) I8_TARGET void i8_sums(
+    __m512i s[6][4], const __m512i *w, const int8_t *qx, int64_t k, int mt, int nv) {
+    for (int g = 0; g < 8; g++)
+        for (int m = 0; m < mt; m++) {
+            int32_t four;
+            memcpy(&four, qx + m * k + 4 * g, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            for (int j = 0; j < nv; j++) s[m][j] = _mm512_dpbusd_epi32(s[m][j], w[j * 8 + g], xb);
+        }
+}
+
+/* Q4_1: rows m0.. of qx (mt of them) against nv of the block's four 16-column vectors, from v0.
+ * A block's nibbles are widened once into `w` (on the stack, in L1) and read by every row. */
+static inline __attribute__((always_inline)) I8_TARGET void q4_i8_tile(
+    const int8_t *qx, int64_t k, const float *sx, const float *ss, const uint8_t *qb, const float *bias,
+    uint16_t *y, float *yf, int64_t n, int64_t col0, int mt, int nv, int v0) {
+    __m512 acc[6][4];
+    __m512i s[6][4], w[32];
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const int64_t kb = k / QK;
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < nv; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *blk = qb + b * Q4_BYTES;
+        const uint16_t *d = (const uint16_t *)(blk + QK / 2 * NB), *mn = d + NB;
+        for (int j = 0; j < nv; j++)
+            for (int h = 0; h < 4; h++) {
+                const __m512i raw = _mm512_loadu_si512(blk + (v0 + j) * 256 + 64 * h);
+                w[j * 8 + h] = _mm512_and_si512(raw, low4);
+                w[j * 8 + h + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            }
+        for (int m = 0; m < mt; m++)
+            for (int j = 0; j < nv; j++) s[m][j] = _mm512_setzero_si512();
+        i8_sums(s, w, qx + b * QK, k, mt, nv);
+        for (int j = 0; j < nv; j++) {
+            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 16 * (v0 + j))));
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * (v0 + j))));
+            for (int m = 0; m < mt; m++) {
+                const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[m * kb + b]));
+                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][j]), scale, acc[m][j]);
+                acc[m][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ss[m * kb + b]), acc[m][j]);
+            }
+        }
+    }
+    i8_store(acc, bias, y, yf, n, col0, mt, nv, v0);
+}
+
+/* Q8_0: as q4_i8_tile, on the Q8_0 layout (the weights read as stored). */
+static inline __attribute__((always_inline)) I8_TARGET void q8_i8_tile(
+    const int8_t *qx, int64_t k, const float *sx, const int32_t *sq, const uint8_t *qb, const float *bias,
+    uint16_t *y, float *yf, int64_t n, int64_t col0, int mt, int nv, int v0) {
+    __m512 acc[6][4];
+    __m512i s[6][4];
+    const int64_t kb = k / QK;
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < nv; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *blk = qb + b * Q8_BYTES;
+        const uint16_t *d = (const uint16_t *)(blk + QK * NB);
+        for (int m = 0; m < mt; m++) /* the sums start at -128 sum(qx): undoes the weights' + 128 */
+            for (int j = 0; j < nv; j++) s[m][j] = _mm512_set1_epi32(-128 * sq[m * kb + b]);
+        i8_sums(s, (const __m512i *)(blk + v0 * 512), qx + b * QK, k, mt, nv);
+        for (int j = 0; j < nv; j++) {
+            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 16 * (v0 + j))));
+            for (int m = 0; m < mt; m++) {
+                const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[m * kb + b]));
+                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][j]), scale, acc[m][j]);
+            }
+        }
+    }
+    i8_store(acc, bias, y, yf, n, col0, mt, nv, v0);
+}
+
+/* One block of 64 columns for every row, tiled as q4_block: 3-row tiles over 64 columns for small
+ * batches, 6-row tiles over 32 columns from Q4_WIDE_ROWS rows on. */
+static I8_TARGET void i8_block(int q8, const i8_rows *r, int64_t m, int64_t k, const uint8_t *qb,
+                               const float *bias, uint16_t *y, float *yf, int64_t n, int64_t col0) {
+    int64_t kb = k / QK, m0 = 0;
+#define I8_AT(row) r->qx + (row) * k, k, r->sx + (row) * kb
+#define I8_OUT(row) qb, bias, y ? y + (row) * n : NULL, yf ? yf + (row) * n : NULL, n, col0
+#define I8_TILE(row, mt, nv, v0)                                                                   \
+    do {                                                                                             \
+        if (q8)                                                                                      \
+            q8_i8_tile(I8_AT(row), r->sq + (row) * kb, I8_OUT(row), mt, nv, v0);                     \
+        else                                                                                         \
+            q4_i8_tile(I8_AT(row), r->ss + (row) * kb, I8_OUT(row), mt, nv, v0);                     \
+    } while (0)
+    if (m >= Q4_WIDE_ROWS)
+        for (; m0 + 6 <= m; m0 += 6) {
+            I8_TILE(m0, 6, 2, 0);
+            I8_TILE(m0, 6, 2, 2);
+        }
+    for (; m0 + 3 <= m; m0 += 3) I8_TILE(m0, 3, 4, 0);
+    if (m - m0 == 2) I8_TILE(m0, 2, 4, 0);
+    if (m - m0 == 1) I8_TILE(m0, 1, 4, 0);
+#undef I8_TILE
+#undef I8_OUT
+#undef I8_AT
+}
+
+static int linear_i8(int q8, const uint16_t *x, const uint8_t *packed, const float *bias, uint16_t *y, float *yf,
+                     int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t blocks = (n + NB - 1) / NB, block_bytes = (k / QK) * (q8 ? Q8_BYTES : Q4_BYTES);
+    i8_rows r;
+    if (quantize_rows_i8(x, m, k, &r)) return -1;
+#pragma omp parallel for schedule(guided) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) i8_block(q8, &r, m, k, packed + b * block_bytes, bias, y, yf, n, b * NB);
+    free(r.mem);
+    return 0;
+}
+
+/* As cadence_linear_q4_1, on cadence_pack_q4_1_i8's layout, with int8 activations (above). The
+ * Q8_0 ones on cadence_pack_q8_0_i8's, into bfloat16 or (_f32) float32. K a multiple of 32; the
+ * CPU must have AVX512-VNNI (model/cpu_kernels.py checks). Return 0, or -1 when the quantized
+ * activations' buffer cannot be allocated. */
+int cadence_linear_q4_1_i8(const uint16_t *x, const uint8_t *packed, const float *bias, uint16_t *y,
+                           int64_t m, int64_t n, int64_t k, int threads) {
+    return linear_i8(0, x, packed, bias, y, NULL, m, n, k, threads);
+}
+
+int cadence_linear_q8_0_i8(const uint16_t *x, const uint8_t *packed, const float *bias, uint16_t *y,
+                           int64_t m, int64_t n, int64_t k, int threads) {
+    return linear_i8(1, x, packed, bias, y, NULL, m, n, k, threads);
+}
+
+int cadence_linear_q8_0_i8_f32(const uint16_t *x, const uint8_t *packed, const float *bias, float *y,
+                               int64_t m, int64_t n, int64_t k, int threads) {
+    return linear_i8(1, x, packed, bias, NULL, y, m, n, k, threads);
 }
 
 /* ---- elementwise kernels ------------------------------------------------------------------- */
@@ -705,10 +977,13 @@ void cadence_prefill_attention_kv8(const uint16_t *q, int64_t q_row_stride, cons
 
 /* ---- a whole decode step's decoder layers in one call -------------------------------------- */
 
-/* Linear layer weights of one layer, by kind: 0 = cadence_pack's bfloat16 layout, 1 = Q4_1. */
+/* Linear layer weights of one layer, by kind: 0 = cadence_pack's bfloat16 layout, 1 = Q4_1, and with
+ * int8 activations 2 = Q4_1 (cadence_pack_q4_1_i8), 3 = Q8_0 (cadence_pack_q8_0_i8). */
 static int linear_any(int64_t kind, const uint16_t *x, const void *packed, const float *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k, int threads) {
     if (kind == 1) return cadence_linear_q4_1(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
+    if (kind == 2) return cadence_linear_q4_1_i8(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
+    if (kind == 3) return cadence_linear_q8_0_i8(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
     cadence_linear(x, (const uint16_t *)packed, bias, y, m, n, k, threads);
     return 0;
 }
