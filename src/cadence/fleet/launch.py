@@ -77,7 +77,7 @@ def deploy_pools(engine_config: EngineConfig, server_config: ServerConfig, fleet
     off; return the `Ingress` over handles obtained in this process."""
     from ray import serve
 
-    from cadence.fleet.deploy import build_pools
+    from cadence.fleet.deploy import build_pools, max_held
     from cadence.fleet.ingress import build_ingress
 
     pools = build_pools(engine_config, server_config, fleet)
@@ -88,7 +88,8 @@ def deploy_pools(engine_config: EngineConfig, server_config: ServerConfig, fleet
     replicas, *prefill = handles.values()
     info = replicas.info.remote().result(timeout_s=120)
     return build_ingress(replicas, info, engine_config, server_config, prefill=prefill[0] if prefill else None,
-                         kv_transfer_timeout_s=pools.kv_transfer_timeout_s, behind_proxy=False)
+                         kv_transfer_timeout_s=pools.kv_transfer_timeout_s, behind_proxy=False,
+                         max_held=max_held(fleet, engine_config))
 
 
 def _ingress_server(ingress: Any, server_config: ServerConfig) -> Any:
