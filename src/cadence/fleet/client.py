@@ -34,6 +34,7 @@ from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 from cadence.routing import fingerprints
 from cadence.server.engine_client import TRACE_CARRIER
+from cadence.server.request_status import MAX_REQUEST_ID_CHARS
 from cadence.structured import StructuredOutputs
 
 log = logging.getLogger("cadence.fleet")
@@ -97,6 +98,16 @@ def note_replica(name: str) -> None:
 def _serve_request_id() -> str | None:
     slot = _REPLICA_SLOT.get()
     return slot.get("serve_id") if slot is not None else None
+
+
+def check_request_id() -> None:
+    """A 400 for a client's X-Request-Id longer than `GET /v1/requests/{id}` takes: the ingress
+    names the request by it and remembers it (the last PLACED_KEEP), so an unbounded one would
+    hold memory and could never be looked up."""
+    serve_id = _serve_request_id()
+    if serve_id is not None and len(serve_id) > MAX_REQUEST_ID_CHARS:
+        raise CadenceError(ErrorKind.INVALID_REQUEST, f"X-Request-Id: {len(serve_id)} characters, over the "
+                           f"{MAX_REQUEST_ID_CHARS} a request id may have")
 
 
 @dataclass(frozen=True)
@@ -304,6 +315,7 @@ class FleetClient:
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         if request_id in self._live:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
+        check_request_id()
         self.check_room()
         call = GenerateCall(tuple(prompts), params, request_id, policy, self.chain(prompts[0], policy.cache_salt),
                             TRACE_CARRIER.get(), queue_status)

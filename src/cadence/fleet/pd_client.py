@@ -48,6 +48,7 @@ from cadence.fleet.client import (
     FleetStream,
     ReplicaLost,
     admission,
+    check_request_id,
     note_replica,
     ray_unavailable,
 )
@@ -114,6 +115,7 @@ class PDFleetClient(FleetClient):
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         if request_id in self._live or request_id in self._handoffs:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
+        check_request_id()
         self.check_room()
         h = _HandOff(request_id, policy, len(prompts[0]), time.monotonic(), TRACE_CARRIER.get())
         self._handoffs[request_id] = h
