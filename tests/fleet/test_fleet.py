@@ -167,6 +167,8 @@ def test_a_burst_is_refused_at_the_ingress_only_beyond_what_it_holds(fleet) -> N
     for r in answers:
         if r.status_code == 429:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full", r.text
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:  # what the burst held is let go
+        assert all(complete(c, f"After the burst {i}").status_code == 200 for i in range(3))
 
 
 def test_tenants_priorities_and_deadlines_reach_the_replicas(fleet) -> None:
