@@ -96,3 +96,4 @@ def test_an_x_request_id_at_the_limit_names_the_request(tokenizer) -> None:
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == rid
     assert len(handle.calls) == 1 and client._serve_ids.get(rid) == r.json()["id"]
+    assert client.num_in_flight == 0  # (what the ingress holds is let go with the response)
