@@ -295,6 +295,8 @@ def fleet_options(args: argparse.Namespace, engine_cfg: EngineConfig) -> tuple[E
     replicas = (1 if args.replicas is None else args.replicas) if prefill is None else prefill + decode
     if replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {replicas}")
+    if args.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests: must be >= 1, got {args.max_queued_requests}")
     if args.replica_threads is not None and args.replica_threads < 1:
         raise ValueError(f"--replica-threads: must be >= 1, got {args.replica_threads}")
     threads = args.replica_threads or engine_cfg.model.num_threads or max(1, (os.cpu_count() or 1) // replicas)

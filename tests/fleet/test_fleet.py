@@ -148,6 +148,29 @@ def test_every_replica_full_gives_429_with_retry_after(fleet) -> None:
             assert r.json()["error"]["type"]
 
 
+def test_a_burst_is_refused_at_the_ingress_only_beyond_what_it_holds(fleet) -> None:
+    # The ingress holds 14 requests at once: two replicas' 6 seats each (max_num_seqs 4 +
+    # max_queue_len 2) and 2 more (max_queued_requests). Of 20 arriving together it refuses at
+    # most the 6 beyond that ("every replica is full"); Serve's own bound counts a request as
+    # queued while it is being routed and used to refuse a burst down to a few requests. (A
+    # replica's engine may still refuse some itself: its waiting queue can fill before its next
+    # step moves requests into the running batch, as on a single server.)
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=fleet.url, timeout=120) as c:
+            bodies = [{"prompt": f"Burst {i}", "max_tokens": 40, "ignore_eos": True} for i in range(20)]
+            return await asyncio.gather(*[c.post("/v1/completions", json=b) for b in bodies])
+
+    answers = asyncio.run(burst())
+    codes = Counter(r.status_code for r in answers)
+    at_ingress = [r for r in answers if r.status_code == 429 and "every replica is full" in r.text]
+    assert set(codes) <= {200, 429} and len(at_ingress) <= 20 - 14, (codes, len(at_ingress))
+    for r in answers:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full", r.text
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:  # what the burst held is let go
+        assert all(complete(c, f"After the burst {i}").status_code == 200 for i in range(3))
+
+
 def test_tenants_priorities_and_deadlines_reach_the_replicas(fleet) -> None:
     name = "cadence:finished_requests_total"
     with httpx.Client(base_url=fleet.url, timeout=60) as c:

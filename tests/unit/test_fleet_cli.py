@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -27,10 +28,24 @@ def test_an_unreachable_ray_address_is_a_clear_error_at_once() -> None:
     assert time.monotonic() - t0 < 60
 
 
+def test_a_port_in_use_is_a_clear_error_before_ray_starts(capsys) -> None:
+    import ray
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        assert main(["serve", "--tiny", "--replicas", "1", "--port", str(port)]) == 2
+    assert f"--port: cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert not ray.is_initialized() and time.monotonic() - t0 < 10
+
+
 @pytest.mark.parametrize("flags,says", [
     (["--router", "least-loaded"], "--router: a fleet option"),
     (["--replica-threads", "2"], "--replica-threads: a fleet option"),
     (["--replicas", "2", "--replica-threads", "0"], "--replica-threads: must be >= 1"),
+    (["--replicas", "2", "--max-queued-requests", "0"], "--max-queued-requests: must be >= 1, got 0"),
 ])
 def test_fleet_flags_without_a_fleet_or_out_of_range_are_refused(flags, says, capsys) -> None:
     assert main(["serve", "--tiny", *flags]) == 2

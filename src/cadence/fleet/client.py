@@ -34,6 +34,7 @@ from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 from cadence.routing import fingerprints
 from cadence.server.engine_client import TRACE_CARRIER
+from cadence.server.request_status import MAX_REQUEST_ID_CHARS
 from cadence.structured import StructuredOutputs
 
 log = logging.getLogger("cadence.fleet")
@@ -97,6 +98,16 @@ def note_replica(name: str) -> None:
 def _serve_request_id() -> str | None:
     slot = _REPLICA_SLOT.get()
     return slot.get("serve_id") if slot is not None else None
+
+
+def check_request_id() -> None:
+    """A 400 for a client's X-Request-Id longer than `GET /v1/requests/{id}` takes: the ingress
+    names the request by it and remembers it (the last PLACED_KEEP), so an unbounded one would
+    hold memory and could never be looked up."""
+    serve_id = _serve_request_id()
+    if serve_id is not None and len(serve_id) > MAX_REQUEST_ID_CHARS:
+        raise CadenceError(ErrorKind.INVALID_REQUEST, f"X-Request-Id: {len(serve_id)} characters, over the "
+                           f"{MAX_REQUEST_ID_CHARS} a request id may have")
 
 
 @dataclass(frozen=True)
@@ -228,8 +239,14 @@ class FleetStream:
 class FleetClient:
     """The HTTP layer's engine: a Ray Serve handle to the replicas (see the module docstring)."""
 
-    def __init__(self, handle: Any, info: ReplicaInfo, tokenizer: Any, engine_config: EngineConfig) -> None:
+    def __init__(self, handle: Any, info: ReplicaInfo, tokenizer: Any, engine_config: EngineConfig,
+                 max_held: int | None = None) -> None:
+        """`max_held`: the most requests this ingress holds at once, waiting for a replica's
+        admission or streaming (the replicas' seats and `--max-queued-requests`); None: no bound
+        of its own."""
         self._handle = handle
+        self._max_held = max_held
+        self._admitting = 0  # requests sent to the replicas, not yet admitted or refused
         self._last_metrics: dict[str, str] = {}  # each replica's last exposition, by replica id
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
@@ -298,10 +315,16 @@ class FleetClient:
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         if request_id in self._live:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
+        check_request_id()
+        self.check_room()
         call = GenerateCall(tuple(prompts), params, request_id, policy, self.chain(prompts[0], policy.cache_salt),
                             TRACE_CARRIER.get(), queue_status)
-        gen = handle.options(stream=True).generate.remote(call)
-        first = await admission(gen, "replica")
+        self._admitting += 1
+        try:
+            gen = handle.options(stream=True).generate.remote(call)
+            first = await admission(gen, "replica")
+        finally:
+            self._admitting -= 1
         note_replica(first.replica)
         self._remember(request_id, first.replica)
         total = len(prompts) * params.n
@@ -310,6 +333,18 @@ class FleetClient:
         stream.admission = first.status
         self._live[request_id] = stream
         return stream
+
+    def check_room(self) -> None:
+        """429 when this ingress already holds `max_held` requests. The bound is kept here rather
+        than left to Serve's `max_queued_requests`, which counts a request as queued while it is
+        being routed: a burst would be refused far below the replicas' free seats."""
+        if self._max_held is not None and self._admitting + self.num_held() >= self._max_held:
+            raise AdmissionError(ErrorKind.QUEUE_FULL, "every replica is full; retry later",
+                                 retry_after=BUSY_RETRY_AFTER_S)
+
+    def num_held(self) -> int:
+        """Requests admitted by a replica whose streams are open."""
+        return len(self._live)
 
     def _remember(self, request_id: str, replica: str) -> None:
         self._place(request_id, replica)

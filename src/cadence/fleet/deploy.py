@@ -6,9 +6,9 @@ the ingress in its own process (fleet/launch.py).
 
 Queues are bounded at both levels: a replica takes at most its engine's `max_num_seqs` plus its
 queue (`max_queue_len`) at once, so Serve never throttles below what continuous batching can use
-and cadence's own admission decides within a replica; beyond that Serve queues at most
-`max_queued_requests` per ingress and refuses the rest, which the ingress answers 429 with
-Retry-After.
+and cadence's own admission decides within a replica; beyond that the ingress holds at most
+`max_queued_requests` more (its `FleetClient` counts them: `max_held`) and answers the rest 429
+with Retry-After.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ INGRESS_NAME = "CadenceIngress"
 REPLICA_NAME = "CadenceReplica"
 PREFILL_NAME = "CadencePrefill"  # the pools of a fleet with disaggregated prefill and decode
 DECODE_NAME = "CadenceDecode"
+CONTROL_CALLS = 64  # room in Serve's queue for the ingress's own calls (metrics, request status)
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,11 @@ class CadenceIngress:
     `cadence serve --replicas` hosts the same app in its own process, fleet/launch.py)."""
 
     def __init__(self, replicas: Any, engine_config: EngineConfig, server_config: ServerConfig,
-                 prefill: Any = None, kv_transfer_timeout_s: float = 30.0) -> None:
-        """`replicas`: the replica deployment (the decode pool when `prefill`, the prefill pool, is given)."""
+                 prefill: Any = None, kv_transfer_timeout_s: float = 30.0, max_held: int | None = None) -> None:
+        """`replicas`: the replica deployment (the decode pool when `prefill`, the prefill pool, is
+        given); `max_held`: the requests the ingress holds at once (`max_held`)."""
         self._replicas = replicas
+        self._max_held = max_held
         self._prefill = prefill
         self._kv_transfer_timeout_s = kv_transfer_timeout_s
         self._engine_config = engine_config
@@ -95,7 +98,7 @@ class CadenceIngress:
         info = await self._replicas.info.remote()
         ingress = build_ingress(self._replicas, info, self._engine_config, self._server_config,
                                 prefill=self._prefill, kv_transfer_timeout_s=self._kv_transfer_timeout_s,
-                                behind_proxy=True)
+                                behind_proxy=True, max_held=self._max_held)
         return ingress.app
 
 
@@ -142,9 +145,9 @@ def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, option
     `serve.run` takes; `serve run cadence.fleet:app`)."""
     pools = build_pools(engine_config, server_config, options)
     sched = engine_config.scheduler
-    ingress_args: dict[str, Any] = {}
+    ingress_args: dict[str, Any] = {"max_held": max_held(options, engine_config)}
     if pools.prefill is not None:
-        ingress_args = {"prefill": pools.prefill, "kv_transfer_timeout_s": pools.kv_transfer_timeout_s}
+        ingress_args.update(prefill=pools.prefill, kv_transfer_timeout_s=pools.kv_transfer_timeout_s)
     # The ingress only forwards: it takes what the replicas and their queue can hold, and twice
     # that again, so that a request over the replicas' bounds gets cadence's own 429 (JSON, with
     # Retry-After). Serve's proxy holds requests while it routes them to the ingress; beyond four
@@ -164,6 +167,13 @@ def build_fleet(engine_config: EngineConfig, server_config: ServerConfig, option
     return ingress.bind(pools.replicas, engine_config, server_config, **ingress_args)
 
 
+def max_held(options: FleetOptions, engine_config: EngineConfig) -> int:
+    """The requests the ingress holds at once: every replica's seats (`max_num_seqs` running plus
+    `max_queue_len` waiting) and `max_queued_requests` more; beyond it, 429."""
+    sched = engine_config.scheduler
+    return options.max_queued_requests + options.num_replicas * (sched.max_num_seqs + sched.max_queue_len)
+
+
 def _replica_deployment(cls: type, name: str, num_replicas: int, router: str, options: FleetOptions,
                         engine_config: EngineConfig, server_config: ServerConfig) -> Any:
     sched = engine_config.scheduler
@@ -174,7 +184,10 @@ def _replica_deployment(cls: type, name: str, num_replicas: int, router: str, op
         ray_actor_options={"num_cpus": options.replica_cpus},
         # (a decode replica's reservations and imports are calls too: room for one of each per seat)
         max_ongoing_requests=(sched.max_num_seqs + sched.max_queue_len) * (2 if options.disaggregated else 1),
-        max_queued_requests=options.max_queued_requests,
+        # The ingress bounds what it holds itself (`max_held`): Serve's bound, which counts a
+        # request as queued while it is being routed, only stops what gets past it (calls for
+        # metrics and request status besides).
+        max_queued_requests=max_held(options, engine_config) + CONTROL_CALLS,
         health_check_period_s=options.health_check_period_s,
         graceful_shutdown_timeout_s=server_config.shutdown_timeout,
         request_router_config=RequestRouterConfig(

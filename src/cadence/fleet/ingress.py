@@ -29,10 +29,11 @@ class Ingress:
 
 
 def build_ingress(replicas: Any, info: ReplicaInfo, engine_config: EngineConfig, server_config: ServerConfig, *,
-                  prefill: Any = None, kv_transfer_timeout_s: float = 30.0, behind_proxy: bool) -> Ingress:
+                  prefill: Any = None, kv_transfer_timeout_s: float = 30.0, behind_proxy: bool,
+                  max_held: int | None = None) -> Ingress:
     """The ingress app over the handle `replicas` (the decode pool when `prefill`, the prefill
     pool's handle, is given). `behind_proxy`: Serve's HTTP proxy is in front, and itself sends
-    back the request's X-Request-Id."""
+    back the request's X-Request-Id. `max_held`: the requests it holds at once (deploy.max_held)."""
     from cadence.fleet.client import FleetClient, ReplicaHeaderMiddleware
     from cadence.model.loader import default_model_path
     from cadence.model.tokenizer import Tokenizer
@@ -43,9 +44,10 @@ def build_ingress(replicas: Any, info: ReplicaInfo, engine_config: EngineConfig,
     if prefill is not None:
         from cadence.fleet.pd_client import PDFleetClient
 
-        client: FleetClient = PDFleetClient(prefill, replicas, info, tokenizer, engine_config, kv_transfer_timeout_s)
+        client: FleetClient = PDFleetClient(prefill, replicas, info, tokenizer, engine_config, kv_transfer_timeout_s,
+                                              max_held)
     else:
-        client = FleetClient(replicas, info, tokenizer, engine_config)
+        client = FleetClient(replicas, info, tokenizer, engine_config, max_held)
     app = create_app(client, server_config, render_metrics=client.render_metrics)
     app.add_middleware(ReplicaHeaderMiddleware, echo_request_id=not behind_proxy)
     return Ingress(app, client)

@@ -50,6 +50,20 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
                          f"with `ray start --head` there, or leave the flag out for a local Ray") from None
 
 
+def check_port_free(host: str, port: int) -> None:
+    """A clear error before Ray starts when the endpoint's port is taken (uvicorn would find out
+    only once the replicas are up, after Ray's start and the models' loading)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds it)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--port: cannot serve on {host}:{port} ({e.strerror or e})") from None
+
+
 def start_ray(opts: RayOptions) -> None:
     import ray
 
@@ -77,7 +91,7 @@ def deploy_pools(engine_config: EngineConfig, server_config: ServerConfig, fleet
     off; return the `Ingress` over handles obtained in this process."""
     from ray import serve
 
-    from cadence.fleet.deploy import build_pools
+    from cadence.fleet.deploy import build_pools, max_held
     from cadence.fleet.ingress import build_ingress
 
     pools = build_pools(engine_config, server_config, fleet)
@@ -88,7 +102,8 @@ def deploy_pools(engine_config: EngineConfig, server_config: ServerConfig, fleet
     replicas, *prefill = handles.values()
     info = replicas.info.remote().result(timeout_s=120)
     return build_ingress(replicas, info, engine_config, server_config, prefill=prefill[0] if prefill else None,
-                         kv_transfer_timeout_s=pools.kv_transfer_timeout_s, behind_proxy=False)
+                         kv_transfer_timeout_s=pools.kv_transfer_timeout_s, behind_proxy=False,
+                         max_held=max_held(fleet, engine_config))
 
 
 def _ingress_server(ingress: Any, server_config: ServerConfig) -> Any:
@@ -155,6 +170,7 @@ def stop_fleet() -> None:
 
 def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any, ray_opts: RayOptions) -> int:
     """Serve until SIGTERM (drained, as a single server drains) or SIGINT; return the exit code."""
+    check_port_free(server_config.host, server_config.port)
     try:
         start_ray(ray_opts)
         ingress = deploy_pools(engine_config, server_config, fleet)

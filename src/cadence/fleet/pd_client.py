@@ -48,6 +48,7 @@ from cadence.fleet.client import (
     FleetStream,
     ReplicaLost,
     admission,
+    check_request_id,
     note_replica,
     ray_unavailable,
 )
@@ -89,8 +90,8 @@ class PDFleetClient(FleetClient):
     plain fleet client's handle (requests served whole go there)."""
 
     def __init__(self, prefill: Any, decode: Any, info: ReplicaInfo, tokenizer: Any, engine_config: EngineConfig,
-                 transfer_timeout: float) -> None:
-        super().__init__(decode, info, tokenizer, engine_config)
+                 transfer_timeout: float, max_held: int | None = None) -> None:
+        super().__init__(decode, info, tokenizer, engine_config, max_held)
         self._prefill = prefill
         self._decode = decode
         self.transfer_timeout = transfer_timeout
@@ -114,6 +115,8 @@ class PDFleetClient(FleetClient):
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         if request_id in self._live or request_id in self._handoffs:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
+        check_request_id()
+        self.check_room()
         h = _HandOff(request_id, policy, len(prompts[0]), time.monotonic(), TRACE_CARRIER.get())
         self._handoffs[request_id] = h
         self._remember_serve_id(request_id)  # (found by it while it waits, before any response byte)
@@ -124,6 +127,10 @@ class PDFleetClient(FleetClient):
             raise
         self._live[request_id] = stream
         return stream
+
+    def num_held(self) -> int:
+        """Requests streaming, and those handed from prefill to decode (from their arrival)."""
+        return len(self._live.keys() | self._handoffs.keys())
 
     async def _start(self, h: _HandOff, prompt: list[int], params: SamplingParams) -> PDStream:
         key = f"{h.request_id}/{uuid.uuid4().hex[:12]}"
