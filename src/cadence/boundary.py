@@ -221,6 +221,7 @@ class FinishedRequestStats:
     # The prefill leg of a request handed to another engine at its first token: the request goes
     # on there, which counts it as finished (request-level series skip this record).
     handed_off: bool = False
+    max_tokens: int | None = None  # its max_tokens parameter (the whole request's, for a decode leg)
 
 
 @dataclass

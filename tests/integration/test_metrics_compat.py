@@ -20,7 +20,8 @@ VLLM_NAMES = [
     "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count",
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
     "vllm:request_success_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-    "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_sum",
+    "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_sum", "vllm:request_params_max_tokens_count",
+    "vllm:iteration_tokens_total_bucket",
 ]
 
 
@@ -44,7 +45,7 @@ def test_fed_by_hand_the_vllm_series_mirror_cadences():
     it = IterationStats(num_prompt_tokens=40, num_generation_tokens=3, num_preemptions=2, prefix_cache_queries=32,
                         prefix_cache_hits=16, token_latencies=[("a", 0.02), ("b", 0.03)],
                         first_token_latencies=[("a", 0.75)],
-                        finished=[FinishedRequestStats("r", "a", 0, "length", 5, 9, 0, m)])
+                        finished=[FinishedRequestStats("r", "a", 0, "length", 5, 9, 0, m, max_tokens=9)])
     exp.record_step(it, SchedulerStats(num_running=3, num_waiting=4, kv_usage=0.25))
     s = samples(exp.render()[0])
     lab = (("engine", "0"), ("model_name", "m1"))
@@ -64,6 +65,11 @@ def test_fed_by_hand_the_vllm_series_mirror_cadences():
     assert s[("vllm:request_inference_time_seconds_sum", lab)] == 1.5
     assert s[("vllm:e2e_request_latency_seconds_sum", lab)] == 2.0
     assert s[("vllm:request_generation_tokens_sum", lab)] == 9
+    assert s[("vllm:request_params_max_tokens_sum", lab)] == 9 and s[("vllm:request_params_max_tokens_count", lab)] == 1
+    # One step: no first token's prompt (as vllm:prompt_tokens_total), 3 tokens sampled.
+    assert s[("vllm:iteration_tokens_total_sum", lab)] == 3 and s[("vllm:iteration_tokens_total_count", lab)] == 1
+    exp.record_step(IterationStats(), None)  # a step that computed nothing (an abort between steps)
+    assert samples(exp.render()[0])[("vllm:iteration_tokens_total_count", lab)] == 1
 
 
 def test_the_serve_flag_reaches_the_server_config():
@@ -115,6 +121,10 @@ def test_a_scrape_after_a_workload_has_the_vllm_series_agreeing_with_cadences(se
     assert total(s, "vllm:prompt_tokens_total") != total(s, "cadence:prompt_tokens_total")
     assert total(s, "vllm:prefix_cache_hits_total") > 0
     assert total(s, "vllm:request_success_total") == 8
+    assert total(s, "vllm:request_params_max_tokens_count") == 8 and total(s, "vllm:request_params_max_tokens_sum") == 8 * 60
+    # Every token a step sampled, and every prompt once, is in one step's observation.
+    assert total(s, "vllm:iteration_tokens_total_sum") == (
+        total(s, "vllm:generation_tokens_total") + total(s, "vllm:prompt_tokens_total"))
     assert by_name(s, "vllm:request_success_total") == {
         (("engine", "0"), ("finished_reason", "length"), ("model_name", model)): 8.0}
 

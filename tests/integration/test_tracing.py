@@ -262,3 +262,67 @@ def test_a_request_whose_deadline_passes_while_it_waits_has_its_wait_in_its_span
     finished = [e[2] for e in span.events if e[0] == "finished"]
     assert finished and finished[0]["finish_reason"] == "deadline"
     live.app.state.tracer.shutdown()
+
+
+def _traced_server(server_factory: Any, receiver: HttpReceiver, **engine_options: Any) -> Any:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
+    try:
+        return server_factory(engine_options, otlp_traces_endpoint=receiver.url)
+    finally:
+        mp.undo()
+
+
+def test_a_stream_whose_client_leaves_after_a_few_tokens_has_its_story_in_its_span(receiver, server_factory):
+    """The client reads three tokens and closes the connection: the engine aborts the request, and
+    its span still says how it ran (scheduled, its prefill, its first token) and that it was aborted,
+    with the latencies it had. A client leaving is not a server error: the status stays unset."""
+    live = _traced_server(server_factory, receiver)
+    body = {"prompt": "tell me a long story", "max_tokens": 1000, "stream": True, **NO_EOS}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as r:
+        request_id = r.headers["x-request-id"]
+        lines = r.iter_lines()
+        data = [line for line in (next(lines) for _ in range(6)) if line.startswith("data: ")]
+        assert len(data) >= 3 and all("[DONE]" not in line for line in data)
+    span = receiver.sink.wait(request_id)
+    assert span.attributes["gen_ai.response.finish_reasons"] == ["abort"], span.attributes
+    names = [e[0] for e in span.events]
+    for name in ("queued", "scheduled", "prefill_chunk", "first_token", "finished"):
+        assert name in names, names
+    finished = next(e[2] for e in span.events if e[0] == "finished")
+    assert finished["finish_reason"] == "abort" and finished["cadence.num_preemptions"] == 0
+    for latency in ("time_in_queue", "time_to_first_token", "e2e", "time_in_model_decode"):
+        assert span.attributes[f"gen_ai.latency.{latency}"] >= 0, latency
+    assert span.status_code != STATUS_ERROR and "error.type" not in span.attributes
+    assert live.wait_idle()
+    live.app.state.tracer.shutdown()
+
+
+def test_a_stream_whose_client_leaves_while_queued_has_its_wait_in_its_span(receiver, server_factory):
+    """One seat, held by a long request: the second waits for it, and its client leaves before it is
+    admitted. Its span says why it waited, and that it ended aborted, never scheduled."""
+    live = _traced_server(server_factory, receiver, max_num_seqs=1)
+    queued = {"stream": True, "stream_options": {"include_queue_status": True}, **NO_EOS}
+    hold = {"prompt": "hold", "max_tokens": 1000, **queued}
+    with httpx.stream("POST", live.url + "/v1/completions", json=hold, timeout=60) as holder:
+        held = holder.iter_lines()
+        assert next(held).startswith(": queued")  # admitted: the next one waits behind it
+        with httpx.stream("POST", live.url + "/v1/completions", json={"prompt": "late", "max_tokens": 5, **queued},
+                          timeout=60) as late:
+            request_id = late.headers["x-request-id"]
+            lines = late.iter_lines()
+            assert "state=waiting" in next(lines)
+        span = receiver.sink.wait(request_id)
+        assert live.engine.num_in_flight == 1  # the holder still runs: the seat never came free
+        next(held)
+    assert span.attributes["gen_ai.response.finish_reasons"] == ["abort"], span.attributes
+    names = [e[0] for e in span.events]
+    assert "scheduled" not in names and "first_token" not in names, names
+    waits = [e[2]["cadence.wait_reason"] for e in span.events if e[0] == "waiting"]
+    assert "max_num_seqs" in waits, span.events
+    finished = next(e[2] for e in span.events if e[0] == "finished")
+    assert finished["finish_reason"] == "abort"
+    assert span.attributes["gen_ai.latency.e2e"] > 0
+    assert span.status_code != STATUS_ERROR and "error.type" not in span.attributes
+    assert live.wait_idle()
+    live.app.state.tracer.shutdown()

@@ -149,8 +149,9 @@ def test_census_is_taken_only_while_watched_and_at_most_every_interval():
         rec.record_step(step, gauges(1, 3, free=60))
     assert source.calls == 2
     snap = rec.snapshot()
-    assert snap["queue"] == {"waiting": 3, "by_tenant": {"a": 2, "b": 1}, "by_priority": {"0": 2, "5": 1},
-                             "running_by_tenant": {"a": 1}, "age_s": pytest.approx(0.4)}  # taken at 0.6 s, read at 1.0 s
+    assert snap["queue"] == {"waiting": 3, "counted": 3, "by_tenant": {"a": 2, "b": 1}, "other_tenants": 0,
+                             "by_priority": {"0": 2, "5": 1}, "running_by_tenant": {"a": 1},
+                             "age_s": pytest.approx(0.4)}  # taken at 0.6 s, read at 1.0 s
     assert snap["kv"] == {"total": 100, "used": 40, "cached": 30, "free": 30}
     clock.t += WATCHED_FOR_S + 1  # no reader for a while: no more census
     calls = source.calls
@@ -198,6 +199,24 @@ def test_a_tenant_sees_its_own_rows_and_whole_totals_only():
     assert "globex" not in repr(mine)
     everyone = rec.snapshot()
     assert everyone["queue"]["by_tenant"] == {"acme": 2, "globex": 3}
+
+
+def test_a_tenants_queue_rows_all_come_from_the_same_census():
+    """The census counted 6 waiting (alice 3, bob 3; all priority 0); a step later the live gauge
+    says 7. Alice's rows must add up with the priority rows: other tenants 3, not 7 - 3 = 4."""
+    clock = FakeClock()
+    census = QueueCensus({"alice": 3, "bob": 3}, {0: 6}, {}, 0)
+    rec = DashboardRecorder(census=CensusSource(census), known_tenants=["alice", "bob"], clock=clock)
+    rec.snapshot()
+    rec.record_step(IterationStats(num_generation_tokens=1), gauges(1, 6))  # the census is taken here
+    clock.t += CENSUS_EVERY_S / 10
+    rec.record_step(IterationStats(num_generation_tokens=1), gauges(1, 7))  # one more arrived since
+    q = rec.snapshot(tenant="alice")["queue"]
+    assert q["waiting"] == 7  # the live gauge
+    assert q["by_tenant"] == {"alice": 3} and q["other_tenants"] == 3 and q["by_priority"] == {"0": 6}
+    assert q["counted"] == sum(q["by_tenant"].values()) + q["other_tenants"] == sum(q["by_priority"].values())
+    everyone = rec.snapshot()["queue"]
+    assert everyone["other_tenants"] == 0 and everyone["counted"] == 6
 
 
 def test_tenant_names_are_bounded_and_key_tenants_keep_theirs():
@@ -265,8 +284,8 @@ def test_a_census_from_before_an_unwatched_spell_is_not_shown_as_now():
     clock.t += 30  # a reader opens the dashboard of the idle server: no step follows to count again
     snap = rec.snapshot()
     # Nothing waits or runs (the gauges say so): no rows, rather than the 2 requests of long ago.
-    assert snap["queue"] == {"waiting": 0, "by_tenant": {}, "by_priority": {}, "running_by_tenant": {},
-                             "age_s": None}
+    assert snap["queue"] == {"waiting": 0, "counted": 0, "by_tenant": {}, "other_tenants": 0, "by_priority": {},
+                             "running_by_tenant": {}, "age_s": None}
     assert snap["kv"] == {"total": 100, "used": 0, "cached": None, "free": 100}  # not counted since
 
 

@@ -78,6 +78,7 @@ def test_a_decode_leg_counts_no_prompt_tokens_its_first_token_is_a_gap_and_it_fi
     f = _one(stats)
     assert not f.handed_off
     assert (f.num_prompt_tokens, f.num_output_tokens) == (11, 6)
+    assert f.max_tokens == 6  # the request's: the leg's own 5, and the token emitted before it
     m = f.metrics
     assert m.queue_time == pytest.approx(0.1) and m.ttft == pytest.approx(0.3)
     assert m.e2e_latency == pytest.approx(req.finished_time - now + 0.5)

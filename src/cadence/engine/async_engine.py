@@ -41,7 +41,7 @@ from cadence.boundary import (
     WaitReason,
 )
 from cadence.clock import Clock
-from cadence.engine.async_stream import AbortItem, AddItem, DrainRate, Group, RequestStream
+from cadence.engine.async_stream import AbortItem, AbortRecord, AddItem, DrainRate, Group, RequestStream
 from cadence.engine.kv_transfer import KVTransfer
 from cadence.engine.output_processor import OutputProcessor, StreamDelta, attach_final_metrics
 from cadence.engine.thread_times import EngineThreadTimes, StepTimer, name_os_thread
@@ -591,22 +591,43 @@ class AsyncEngine:
             if group is None:
                 continue
             ids = sorted(group.open_ids)
-            events = self.core.events
+            traced = self.core.events is not None
+            outputs = {rid: self._proc.num_output_tokens(rid) for rid in ids} if traced else {}
             for rid in ids:
                 self._proc.remove(rid)
                 self._owner.pop(rid, None)
-                if events is not None:
-                    events.discard(rid)
             group.open_ids.clear()
             self._groups.pop(group.request_id, None)
             self._in_flight -= 1
+            batch: list[tuple[asyncio.Queue, Any]] = []
             try:
-                self.core.abort_requests(ids)
+                deltas = self.core.abort_requests(ids)
+                if traced:  # the span tells how far each choice got
+                    batch.append((group.queue, AbortRecord(self._abort_records(deltas, outputs))))
             finally:
+                self._forget_events(ids)
                 self._retire(group.request_id)
                 # Whoever still reads this stream must not wait forever.
                 error = item.error or CadenceError(ErrorKind.UNAVAILABLE, "request aborted")
-                self._call(group.loop, self._deliver, [(group.queue, error)])
+                batch.append((group.queue, error))
+                self._call(group.loop, self._deliver, batch)
+
+    def _abort_records(self, deltas: list[RequestDelta], outputs: dict[str, int]) -> tuple[StreamDelta, ...]:
+        """Each aborted choice's last record, with its events up to the abort (the core has recorded
+        the waits of one that ended while waiting)."""
+        events = self.core.events
+        assert events is not None
+        return tuple(StreamDelta(
+            d.request_id, finish_reason=d.finish_reason.value if d.finish_reason else "abort",
+            num_prompt_tokens=d.num_prompt_tokens, num_cached_tokens=d.num_cached_tokens,
+            num_output_tokens=outputs.get(d.request_id, 0), metrics=d.metrics, events=events.pop(d.request_id),
+        ) for d in deltas)
+
+    def _forget_events(self, ids: list[str]) -> None:
+        events = self.core.events
+        if events is not None:
+            for rid in ids:
+                events.discard(rid)
 
     def _finish_in_core(self, ids: list[str], status: RequestStatus) -> list[RequestDelta]:
         try:

@@ -39,6 +39,15 @@ class AddItem:
     emitted: int = 0  # the prompts' last tokens are output streamed already (OutputProcessor.add_request)
 
 
+@dataclass(frozen=True)
+class AbortRecord:
+    """The last record of a group's choices that an abort ended (finish reason `abort`, metrics and
+    engine events), for the request's trace. Queued before the abort's terminal error, only while
+    the engine records request events; a reader keeps it (`RequestStream.aborted`), never yields it."""
+
+    finals: tuple[StreamDelta, ...]
+
+
 @dataclass
 class AbortItem:
     request_id: str
@@ -60,6 +69,8 @@ class RequestStream:
         self._closed = False
         # With submit(queue_status=True): each choice's state as the engine admitted it.
         self.admission: tuple[RequestSnapshot, ...] | None = None
+        self.aborted: list[StreamDelta] = []  # the choices an abort ended, as the engine last saw them
+        self._errored = False  # the engine's terminal error was read: nothing more will come
 
     @property
     def request_id(self) -> str:
@@ -80,7 +91,11 @@ class RequestStream:
         if self._open == 0 or self._closed:
             raise StopAsyncIteration
         item = await self._group.queue.get()
+        while isinstance(item, AbortRecord):  # the abort's error comes next
+            self.aborted.extend(item.finals)
+            item = await self._group.queue.get()
         if isinstance(item, BaseException):
+            self._errored = True
             self._finish_early()
             raise item
         if (
@@ -108,6 +123,32 @@ class RequestStream:
         if not self._closed and self._open:
             self._abort(self.request_id)
         self._closed = True
+
+    async def last_records(self, timeout: float) -> list[StreamDelta]:
+        """After `aclose`: the last delta of each choice, finished before the abort (delivered and
+        not read) or ended by it (`aborted`), as far as they arrive within `timeout` seconds. Reads
+        what is left in the queue, up to the abort's terminal error."""
+        finals = {d.request_id: d for d in self.aborted}
+        if self._errored:
+            return list(finals.values())
+        queue = self._group.queue
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout
+        while len(finals) < self._open:  # the choices not read to their end
+            left = give_up - loop.time()
+            if left <= 0:
+                break
+            try:
+                item = await asyncio.wait_for(queue.get(), left)
+            except TimeoutError:
+                break
+            if isinstance(item, AbortRecord):
+                finals.update((d.request_id, d) for d in item.finals)
+            elif isinstance(item, BaseException):
+                break  # the abort's error: everything it ended came before it
+            elif item.finished:
+                finals[item.request_id] = item
+        return list(finals.values())
 
 
 class DrainRate:

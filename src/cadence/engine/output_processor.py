@@ -68,6 +68,11 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
+    def num_output_tokens(self, request_id: str) -> int:
+        """Tokens the request has streamed so far (0 once it has ended here)."""
+        st = self._states.get(request_id)
+        return st.num_output_tokens if st is not None else 0
+
     def __len__(self) -> int:
         return len(self._states)
 

@@ -229,15 +229,23 @@ def _sum_by(pairs: Iterable[tuple[Any, int]]) -> Counter:
 def _queue_json(
     census: QueueCensus | None, at: float | None, now: float, gauges: SchedulerStats | None, show: Callable[[str], bool]
 ) -> dict[str, Any]:
+    """The queue's rows. `waiting` is the live gauge; every other count comes from the one census,
+    so that the rows of a table add up together (the census may be up to CENSUS_EVERY_S older)."""
     waiting = gauges.num_waiting if gauges else 0
     if census is None or at is None:
         # Uncounted; but an engine that holds no request has nothing to list.
         if gauges is not None and gauges.num_waiting == 0 and gauges.num_running == 0:
-            return {"waiting": 0, "by_tenant": {}, "by_priority": {}, "running_by_tenant": {}, "age_s": None}
-        return {"waiting": waiting, "by_tenant": None, "by_priority": None, "running_by_tenant": None, "age_s": None}
+            return {"waiting": 0, "counted": 0, "by_tenant": {}, "other_tenants": 0, "by_priority": {},
+                    "running_by_tenant": {}, "age_s": None}
+        return {"waiting": waiting, "counted": None, "by_tenant": None, "other_tenants": None, "by_priority": None,
+                "running_by_tenant": None, "age_s": None}
+    by_tenant = _rows(census.waiting_by_tenant, show)
+    counted = sum(census.waiting_by_tenant.values())
     return {
         "waiting": waiting,
-        "by_tenant": _rows(census.waiting_by_tenant, show),
+        "counted": counted,
+        "by_tenant": by_tenant,
+        "other_tenants": counted - sum(by_tenant.values()),
         "by_priority": {str(p): n for p, n in sorted(census.waiting_by_priority.items())},
         "running_by_tenant": _rows(census.running_by_tenant, show),
         "age_s": round(now - at, 3),

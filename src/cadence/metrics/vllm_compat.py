@@ -20,6 +20,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # vLLM's 1-2-5 series
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LABELS = ("model_name", "engine")
 ENGINE = "0"
 
@@ -78,6 +79,10 @@ class VllmMetrics:
                                                "Number of prefill tokens processed.", TOKEN_COUNT_BUCKETS)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", TOKEN_COUNT_BUCKETS)
+        self.request_max_tokens = histogram("vllm:request_params_max_tokens",
+                                            "Histogram of the max_tokens request parameter.", TOKEN_COUNT_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS)
 
     def record_scheduler(self, st: SchedulerStats) -> None:
         self.running.set(st.num_running)
@@ -97,6 +102,9 @@ class VllmMetrics:
                                 (self.spec_accepted_tokens, it.num_accepted_tokens)):
             if amount > 0:
                 counter.inc(amount)
+        if it.num_prompt_tokens or it.num_generation_tokens:  # a step that computed something
+            # As vLLM: the prompts counted in vllm:prompt_tokens this step, and the tokens sampled.
+            self.iteration_tokens.observe(it.first_token_prompt_tokens + it.num_generation_tokens)
         for pos, n in enumerate(it.num_accepted_tokens_per_pos):
             self.spec_accepted_per_pos.labels(*self.labels, str(pos)).inc(n)
         for _, seconds in it.first_token_latencies:
@@ -109,6 +117,8 @@ class VllmMetrics:
         self.success.labels(*self.labels, f.finish_reason).inc()
         self.request_prompt_tokens.observe(f.num_prompt_tokens)
         self.request_generation_tokens.observe(f.num_output_tokens)
+        if f.max_tokens:
+            self.request_max_tokens.observe(f.max_tokens)
         m = f.metrics
         if m.e2e_latency is not None:
             self.e2e.observe(m.e2e_latency)

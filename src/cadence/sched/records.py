@@ -158,6 +158,7 @@ def finished_stats(req: Request) -> FinishedRequestStats:
         req.num_cached_tokens,
         request_metrics(req),
         handed_off=h is not None and h.leg == PREFILL_LEG and reason is FinishReason.LENGTH and req.error is None,
+        max_tokens=req.sampling_params.max_tokens,
     )
 
 
@@ -172,7 +173,8 @@ def _continued_stats(req: Request, reason: str, h: HandOff) -> FinishedRequestSt
                              req.num_preemptions)
     return FinishedRequestStats(req.request_id, req.tenant, req.priority, reason,
                                 req.num_prompt_tokens - h.num_emitted, req.num_output_tokens + h.num_emitted,
-                                req.num_cached_tokens, metrics)
+                                req.num_cached_tokens, metrics,
+                                max_tokens=req.sampling_params.max_tokens + h.num_emitted)
 
 
 def request_state(req: Request) -> str:

@@ -52,6 +52,10 @@ if TYPE_CHECKING:  # the OpenTelemetry SDK is loaded only when tracing is on
 
 log = logging.getLogger("cadence.server")
 
+# How long an aborted request's span waits for the engine's last records of it (the abort takes
+# effect between two steps); beyond, the span is ended with what it has.
+ABORT_RECORDS_WAIT_S = 30.0
+
 
 class DisconnectWatcher:
     """Calls `on_disconnect` when the client goes away (the ASGI `http.disconnect` message)."""
@@ -87,6 +91,7 @@ class OpenAIServing:
         self.active = 0  # generation requests whose response is not finished (drain waits for them)
         self.tenant_in_flight: Counter[str] = Counter()
         self.inputs = InputBuilder(engine, config)
+        self._trace_tasks: set[asyncio.Future] = set()  # spans waiting for an abort's records
 
     # -- routes -------------------------------------------------------------------------------------
 
@@ -212,7 +217,7 @@ class OpenAIServing:
             self._end_trace(job, trace, usage, e)
             raise
         handed_over = False
-        watcher = DisconnectWatcher(raw, lambda: self.engine.abort(job.request_id))
+        watcher = DisconnectWatcher(raw, lambda: self._client_left(job, trace))
         try:
             carried = None
             if trace is not None:
@@ -234,6 +239,7 @@ class OpenAIServing:
                 first = await self._first(stream, usage)
             except BaseException as e:
                 await stream.aclose()
+                _add_aborted(stream, usage)
                 if isinstance(e, CadenceError) and e.kind is ErrorKind.FAIR_SHARE:
                     self._count_refusal(e.kind)  # dropped from the queue for another tenant's request
                 raise
@@ -246,6 +252,7 @@ class OpenAIServing:
                 return JSONResponse(await self._collect(fmt, first, stream, usage), headers={"X-Request-Id": job.request_id})
             finally:
                 await stream.aclose()
+                _add_aborted(stream, usage)
         except CadenceError as e:
             e = job.in_request_terms(e)
             if trace is not None:
@@ -278,6 +285,34 @@ class OpenAIServing:
             return None
         return self.tracer.begin(raw.headers, received_ns)
 
+    def _client_left(self, job: Job, trace: RequestTrace | None) -> None:
+        if trace is not None:
+            trace.client_left = True
+        self.engine.abort(job.request_id)
+
+    def _end_trace_after_abort(self, job: Job, stream: RequestStream, usage: UsageTracker,
+                               trace: RequestTrace | None) -> None:
+        """End the span of a request whose stream closed before every choice finished: once the
+        engine has answered the abort with the choices' last records (events, metrics), in the
+        background, so that neither the abort nor the response waits for it."""
+        last_records = getattr(stream, "last_records", None)
+        if trace is None or last_records is None or len(usage.finals) >= len(job.prompts) * job.params.n:
+            self._end_trace(job, trace, usage)
+            return
+
+        async def end() -> None:
+            try:
+                for d in await last_records(ABORT_RECORDS_WAIT_S):
+                    i = stream.index_of(d.request_id)
+                    if i not in usage.finals:
+                        usage.add(i, d)
+            finally:
+                self._end_trace(job, trace, usage)
+
+        task = asyncio.ensure_future(end())
+        self._trace_tasks.add(task)
+        task.add_done_callback(self._trace_tasks.discard)
+
     def _end_trace(
         self, job: Job, trace: RequestTrace | None, usage: UsageTracker, error: BaseException | None = None
     ) -> None:
@@ -287,6 +322,8 @@ class OpenAIServing:
 
         try:
             trace.error = trace.error or error
+            if trace.client_left and _is_abort(trace.error):
+                trace.error = None  # the client went away: an abort, not a failure (its finish reason says so)
             trace.finals = usage.finals
             counts = usage.as_dict()
             p = job.params
@@ -351,7 +388,7 @@ class OpenAIServing:
                 done = True
                 await stream.aclose()
                 self._release(job)
-                self._end_trace(job, trace, usage)
+                self._end_trace_after_abort(job, stream, usage, trace)
 
         return finish
 
@@ -431,3 +468,16 @@ def _queue_preamble(snaps: tuple[Any, ...] | None) -> bytes:
     head = min(waiting, key=lambda s: s.queue_position) if waiting else snaps[0]
     predicted = [s.predicted_ttft for s in snaps if s.predicted_ttft is not None]
     return queue_comment(head.queue_position, min(predicted) if predicted else None, head.state)
+
+
+def _add_aborted(stream: RequestStream, usage: UsageTracker) -> None:
+    """The choices an abort ended, as the engine last saw them (read with the abort's error), for
+    the span; choices that finished before keep their own last delta."""
+    for d in getattr(stream, "aborted", ()):
+        i = stream.index_of(d.request_id)
+        if i not in usage.finals:
+            usage.add(i, d)
+
+
+def _is_abort(error: BaseException | None) -> bool:
+    return isinstance(error, CadenceError) and error.kind is ErrorKind.UNAVAILABLE

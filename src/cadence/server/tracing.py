@@ -215,6 +215,7 @@ class RequestTrace:
     error: BaseException | None = None
     finals: dict[int, StreamDelta] = field(default_factory=dict)  # choice -> its last delta
     span: Any = None  # started by `begin` (so that its context can travel on), ended by `end`
+    client_left: bool = False  # the client went away before the response began
 
     def carrier(self) -> dict[str, str]:
         """The W3C context of this request's span (traceparent, tracestate), for the process that
