@@ -180,19 +180,26 @@ def fmt_q4(out: Path) -> str:
     return _table(("workload", "Q4_1 blocks / bfloat16 weights"), ("---", "---:"), rows)
 
 
-def fmt_int8_quality(out: Path) -> str:
-    """quality_int8.py --json: perplexity and top-1 agreement with float32 per activation dtype."""
-    scores = _json(_outputs(out, ".json")[0])["scores"]
-    base = scores["bfloat16"]["perplexity"]
+QUALITY_LABELS = {"f32": "float32 (reference)", "bf16": "bfloat16 (default)", "kv8": "8-bit KV cache",
+                  "act8": "int8 activations", "act8+kv8": "int8 activations and 8-bit KV cache"}
+
+
+def fmt_quality(out: Path) -> str:
+    """quality.py --json: per configuration, perplexity and top-1 agreement with float32, each against bfloat16's."""
+    results = _json(_outputs(out, ".json")[0])["results"]
+    base = results["bf16"]
     rows = []
-    for key, label in (("float32", "float32 (reference, the dequantised weights)"), ("bfloat16", "bfloat16 (default)"),
-                       ("int8", "int8")):
-        s = scores[key]
-        vs = "0" if key == "bfloat16" else f"{s['perplexity'] / base - 1:+.2%}"
-        agree = "100%" if s["top1_agreement"] == 1 else f"{s['top1_agreement']:.2%}"
-        rows.append((label, f"{s['perplexity']:.4f}", vs, agree))
-    return _table(("activations", "perplexity", "vs bfloat16", "top-1 agreement with float32"),
-                  ("---", "---:", "---:", "---:"), rows)
+    for name, r in results.items():
+        label = f"`{name}`: {QUALITY_LABELS.get(name, name)}"
+        if name == "bf16":
+            vs, points = "0", "0"
+        else:
+            vs = f"{r['perplexity'] / base['perplexity'] - 1:+.2%}"
+            points = f"{100 * (r['agreement'] - base['agreement']):+.2f}"
+        agree = "100%" if r["agreement"] == 1 else f"{r['agreement']:.2%}"
+        rows.append((label, f"{r['perplexity']:.4f}", vs, agree, points))
+    return _table(("configuration", "perplexity", "vs bfloat16", "top-1 agreement with float32", "vs bfloat16 (points)"),
+                  ("---", "---:", "---:", "---:", "---:"), rows)
 
 
 def fmt_int8_kernels(out: Path) -> str:
@@ -518,8 +525,8 @@ FIGURES: tuple[Figure, ...] = (
            3, True, fmt_decode_context, extra="--json {out}/cmd{i}.json"),
     Figure("q4-vs-bf16", "docs/performance.md", "Q4_1 layers on their four-bit values",
            (f"{PY} benchmarks/bench_q4.py",), 2, True, fmt_q4, extra="--json {out}/cmd{i}.json"),
-    Figure("int8-quality", "docs/performance.md", "int8 activations on AVX512-VNNI",
-           (f"{PY} benchmarks/quality_int8.py --tokens 20480 --window 1024 --threads 1",), 5, False, fmt_int8_quality,
+    Figure("quality", "docs/performance.md", "Quality of the reduced-precision paths",
+           (f"{PY} benchmarks/quality.py --configs bf16,kv8,act8,act8+kv8 --threads 1",), 12, False, fmt_quality,
            extra="--json {out}/cmd{i}.json"),
     Figure("int8-kernels", "docs/performance.md", "int8 activations on AVX512-VNNI",
            (f"{PY} benchmarks/bench_int8.py --rounds 5",), 3, True, fmt_int8_kernels, extra="--json {out}/cmd{i}.json"),

@@ -1,7 +1,7 @@
 """Quality of cadence's reduced-precision configurations against the float32 model, on a fixed text.
 
-    .venv/bin/python benchmarks/quality.py [--configs bf16,kv8] [--tokens 20480] [--window 2048]
-        [--threads 1] [--json out.json]
+    .venv/bin/python benchmarks/quality.py [--configs bf16,kv8,act8,act8+kv8] [--tokens 20480]
+        [--window 2048] [--chunk 512] [--threads 1] [--model PATH] [--json out.json]
 
 The text is the string contents of CPython's `pydoc_data/topics.py` (the help topics that ship
 with the interpreter: prose and code), joined in sorted topic order and tokenized without special
@@ -13,11 +13,19 @@ the KV cache. Every position but a window's last predicts the next token. For ea
   vs bf16       its perplexity relative to the bf16 configuration's (when that one is run)
   top-1 agree   the share of positions whose most likely token is the float32 model's
 
-Configurations (`CONFIGS`; a new one is a line there): f32, the reference (the float32 model on
-torch ops, always run); bf16, the model as served on bfloat16 (cadence's CPU kernels where the CPU
-has AVX512-BF16, GGUF Q4_1 layers on their four-bit values); kv8, bf16 with the 8-bit KV cache
-(--kv-cache-dtype int8). The default model's weights are the same in all (the GGUF's, dequantised
-exactly for float32). The figures depend on the text and so on the Python version: it is printed.
+Configurations (`CONFIGS`; a new one is a line there):
+
+  f32        the reference: the float32 model on torch ops, float32 KV cache (always run)
+  bf16       the model as served by default: bfloat16 activations and KV cache (cadence's CPU
+             kernels where the CPU has AVX512-BF16, GGUF Q4_1 layers on their four-bit values)
+  kv8        bf16 with the 8-bit KV cache (--kv-cache-dtype int8)
+  act8       bf16 with int8 activations (--activation-dtype int8; needs AVX512-VNNI)
+  act8+kv8   both: int8 activations and the 8-bit KV cache
+
+The default model's weights are the same in all (the GGUF's, dequantised exactly for float32).
+The window is 2,048 tokens by default so that most positions attend over contexts of hundreds to
+thousands of cached tokens, where the 8-bit cache's error accumulates; the figures depend on the
+text and so on the Python version: it is printed.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,13 +58,17 @@ REFERENCE = "f32"
 class Config:
     dtype: torch.dtype
     kv_cache_dtype: str = "auto"
+    activation_dtype: str = "auto"
     about: str = ""
 
 
 CONFIGS: dict[str, Config] = {
     "f32": Config(torch.float32, about="float32 model, float32 KV cache (the reference)"),
-    "bf16": Config(torch.bfloat16, about="bfloat16 model and KV cache"),
-    "kv8": Config(torch.bfloat16, "int8", about="bfloat16 model, 8-bit KV cache"),
+    "bf16": Config(torch.bfloat16, about="bfloat16 activations and KV cache (the default)"),
+    "kv8": Config(torch.bfloat16, kv_cache_dtype="int8", about="bfloat16 activations, 8-bit KV cache"),
+    "act8": Config(torch.bfloat16, activation_dtype="int8", about="int8 activations, bfloat16 KV cache"),
+    "act8+kv8": Config(torch.bfloat16, kv_cache_dtype="int8", activation_dtype="int8",
+                       about="int8 activations, 8-bit KV cache"),
 }
 
 
@@ -88,10 +101,34 @@ def text_tokens(tokenizer: Tokenizer, n: int) -> list[int]:
 
 
 def make_runner(ckpt: Checkpoint, config: Config, window: int) -> ModelRunner:
-    runner = ModelRunner(ckpt.arch, ckpt.weights, dtype=config.dtype, q4_1=ckpt.q4_1,
-                         kv_cache_dtype=config.kv_cache_dtype)
+    runner = ModelRunner(ckpt.arch, ckpt.weights, dtype=config.dtype, q4_1=ckpt.q4_1, q8_0=ckpt.q8_0,
+                         q4_0=ckpt.q4_0, kv_cache_dtype=config.kv_cache_dtype,
+                         activation_dtype=config.activation_dtype)
     runner.initialize_kv_cache(-(-window // BLOCK), BLOCK)
     return runner
+
+
+def chunk_logits(runner: ModelRunner, ids: list[int], chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """One window fed from position 0 in prefill chunks of `chunk`: (start, logits) per chunk, the
+    logits of its positions that predict a token of the window (all but the window's last). [rows, V]"""
+    model, cpu = runner.model, torch.device("cpu")
+    assert runner.kv_cache is not None
+    table = list(range(-(-len(ids) // BLOCK)))
+    for start in range(0, len(ids), chunk):
+        piece = ids[start : start + chunk]
+        rows = min(len(piece), len(ids) - 1 - start)
+        if rows <= 0:  # only the window's last token: it predicts nothing, and nothing reads its K/V
+            continue
+        meta = AttentionMetadata.build([SeqSpan(start, len(piece), table)], BLOCK, cpu, model.arch.num_kv_heads,
+                                       model.decode_kernels)
+        with torch.inference_mode():
+            yield start, model(torch.tensor(piece), meta, runner.kv_cache, torch.arange(rows))
+
+
+def window_logits(runner: ModelRunner, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """The logits of every position of `ids` but the last, fed from position 0 in chunks of `chunk`
+    (None: one prefill). [len(ids) - 1, V] float32"""
+    return torch.cat([logits for _, logits in chunk_logits(runner, ids, chunk or len(ids))])
 
 
 def score_config(runner: ModelRunner, tokens: list[int], window: int, chunk: int,
@@ -99,22 +136,12 @@ def score_config(runner: ModelRunner, tokens: list[int], window: int, chunk: int
     """Feed the text window by window (each from position 0, in prefill chunks) and score every
     position's prediction of the next token; top-1 agreement against `reference` (None: keep the
     top-1 tokens, this is the reference)."""
-    model, cpu = runner.model, torch.device("cpu")
-    assert runner.kv_cache is not None
     score = Score(top1=[] if reference is None else None)
     ref_top1 = torch.cat(reference.top1) if reference is not None and reference.top1 is not None else None
     for w0 in range(0, len(tokens) - 1, window):
         ids = tokens[w0 : w0 + window]
-        table = list(range(-(-len(ids) // BLOCK)))
-        for start in range(0, len(ids), chunk):
-            piece = ids[start : start + chunk]
-            meta = AttentionMetadata.build([SeqSpan(start, len(piece), table)], BLOCK, cpu, model.arch.num_kv_heads,
-                                           model.decode_kernels)
-            rows = min(len(piece), len(ids) - 1 - start)  # a window's last position predicts nothing here
-            if rows <= 0:  # only the window's last token: it predicts nothing, and nothing reads its K/V
-                continue
-            with torch.inference_mode():
-                logits = model(torch.tensor(piece), meta, runner.kv_cache, torch.arange(rows))
+        for start, logits in chunk_logits(runner, ids, chunk):
+            rows = logits.shape[0]
             targets = torch.tensor(ids[start + 1 : start + 1 + rows])
             logp = torch.log_softmax(logits.double(), dim=-1)
             score.nll -= float(logp.gather(1, targets[:, None]).sum())
@@ -154,16 +181,17 @@ def evaluate(names: list[str], tokens: list[int], window: int, chunk: int, ckpt:
 
 def report(results: dict[str, dict[str, float]]) -> str:
     base = results.get("bf16")
-    lines = [f"{'config':<8}{'perplexity':>12}{'vs bf16':>10}{'top-1 agree':>13}   what"]
+    lines = [f"{'config':<10}{'perplexity':>12}{'vs bf16':>10}{'top-1 agree':>13}   what"]
     for name, r in results.items():
         rel = f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}%" if base else "-"
-        lines.append(f"{name:<8}{r['perplexity']:>12.4f}{rel:>10}{100 * r['agreement']:>12.2f}%   {CONFIGS[name].about}")
+        lines.append(f"{name:<10}{r['perplexity']:>12.4f}{rel:>10}{100 * r['agreement']:>12.2f}%   {CONFIGS[name].about}")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="bf16,kv8", help=f"comma-separated, of {', '.join(CONFIGS)} (f32 always runs)")
+    ap.add_argument("--configs", default="bf16,kv8,act8,act8+kv8",
+                    help=f"comma-separated, of {', '.join(CONFIGS)} (f32 always runs)")
     ap.add_argument("--tokens", type=int, default=20480, help="tokens of the text to score")
     ap.add_argument("--window", type=int, default=2048, help="context of each window (positions from 0)")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
@@ -185,6 +213,7 @@ def main() -> None:
     print(report(results))
     if args.json:
         meta = {"model": path.name, "tokens": len(tokens), "window": args.window, "chunk": args.chunk,
+                "threads": args.threads,
                 "python": platform.python_version(), "text": "pydoc_data/topics.py"}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
 

@@ -1,7 +1,9 @@
-"""benchmarks/quality.py's figures on a short text, pinned: a change that costs the bfloat16 model or
-the 8-bit KV cache quality fails here (the full text's figures are in docs/performance.md).
+"""benchmarks/quality.py's figures on a short text, pinned: a change that costs the bfloat16 model,
+the 8-bit KV cache, int8 activations or both together quality fails here (the full text's figures
+are in docs/performance.md, "Quality of the reduced-precision paths").
 
-The first 384 tokens of CPython's pydoc_data/topics.py, one window, the default model, one thread.
+The first 512 tokens of CPython's pydoc_data/topics.py, one window fed in prefill chunks of 128 (so
+later chunks read their context from the KV cache), the default model, one thread.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.model.cpu_kernels import cpu_kernels
+from cadence.model.cpu_kernels import cpu_kernels, has_vnni
 from cadence.model.loader import default_model_path, load_checkpoint
 from cadence.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKENS = 384
-# Measured on the CPU kernels (AVX512-BF16), where the bfloat16 configurations run as served.
-PINNED = {"f32": (18.388, 1.0), "bf16": (18.438, 0.9869), "kv8": (18.593, 0.9869)}
+TOKENS, CHUNK = 512, 128
+VNNI = cpu_kernels() is not None and has_vnni()
+needs_vnni = pytest.mark.skipif(not VNNI, reason="int8 activations need cadence's CPU kernels and AVX512-VNNI")
+# (perplexity, top-1 agreement with float32), measured on the CPU kernels (AVX512-BF16 and -VNNI),
+# where the bfloat16 configurations run as served.
+PINNED = {"f32": (17.5397, 1.0), "bf16": (17.5766, 0.9902), "kv8": (17.6739, 0.9843), "act8": (17.5400, 0.9687),
+          "act8+kv8": (17.5302, 0.9609)}
 
 
 def _quality_script():
@@ -38,25 +44,45 @@ def results() -> dict[str, dict[str, float]]:
     path = default_model_path()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    configs = ["bf16", "kv8", *(["act8", "act8+kv8"] if VNNI else [])]
     try:
         tokens = quality.text_tokens(Tokenizer.from_model_path(path), TOKENS)
-        return quality.evaluate(["bf16", "kv8"], tokens, TOKENS, 128, load_checkpoint(path, torch.float32))
+        return quality.evaluate(configs, tokens, TOKENS, CHUNK, load_checkpoint(path, torch.float32))
     finally:
         torch.set_num_threads(threads)
 
 
-def test_8bit_cache_within_the_goals_of_bfloat16(results) -> None:
+def _within_goals(results, name: str, agreement_points: float) -> None:
     """Goals on the full text: perplexity within 1% of bfloat16's, top-1 agreement with float32
-    within 1 point; on 383 positions one token is 0.26 points, so the bound here is 1.5 of each."""
-    bf16, kv8 = results["bf16"], results["kv8"]
-    assert kv8["positions"] == bf16["positions"] == TOKENS - 1
-    assert kv8["perplexity"] / bf16["perplexity"] - 1 < 0.015
-    assert kv8["agreement"] >= bf16["agreement"] - 0.015
+    within 1 point; on 511 positions one token is 0.2 points, so perplexity is held to 1.5% here."""
+    base, got = results["bf16"], results[name]
+    assert got["positions"] == base["positions"] == TOKENS - 1
+    assert got["perplexity"] / base["perplexity"] - 1 < 0.015, name
+    assert got["agreement"] >= base["agreement"] - agreement_points / 100, name
     assert results["f32"]["agreement"] == 1.0
 
 
+def test_8bit_cache_within_the_goals_of_bfloat16(results) -> None:
+    _within_goals(results, "kv8", 1.5)
+
+
+@needs_vnni
+def test_int8_activations_within_the_perplexity_goal(results) -> None:
+    """int8 activations keep perplexity within the goal but agree with float32 less often than
+    bfloat16 activations do (docs/performance.md): held to 4 points here, and pinned below."""
+    _within_goals(results, "act8", 4.0)
+
+
+@needs_vnni
+def test_int8_activations_with_the_8bit_cache_within_the_perplexity_goal(results) -> None:
+    _within_goals(results, "act8+kv8", 4.0)
+
+
 @pytest.mark.skipif(cpu_kernels() is None, reason="the pinned bfloat16 figures are the CPU kernels'")
-def test_figures_as_pinned(results) -> None:
-    for name, (perplexity, agreement) in PINNED.items():
-        assert results[name]["perplexity"] == pytest.approx(perplexity, rel=2e-3), name
-        assert results[name]["agreement"] == pytest.approx(agreement, abs=0.003), name
+@pytest.mark.parametrize("name", list(PINNED))
+def test_figures_as_pinned(results, name: str) -> None:
+    if name.startswith("act8") and not VNNI:
+        pytest.skip("int8 activations need AVX512-VNNI")
+    perplexity, agreement = PINNED[name]
+    assert results[name]["perplexity"] == pytest.approx(perplexity, rel=2e-3), name
+    assert results[name]["agreement"] == pytest.approx(agreement, abs=0.003), name

@@ -1,6 +1,6 @@
-"""int8 activations in the model: which layers take the integer path, the refusals, and the quality
-figures on the default model pinned on a short text (benchmarks/quality_int8.py measures the long
-one; docs/performance.md has its figures)."""
+"""int8 activations in the model: which layers take the integer path, the refusals, and the default
+model through the engine with and without the 8-bit KV cache (the quality figures are pinned in
+tests/model/test_quality_pin.py; docs/performance.md has the long text's)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_quantized_layers_and_the_output_layer_take_the_integer_path():
     # Logits of a prefill: close to the bfloat16 path's (the same weights, noisier activations).
     runner.initialize_kv_cache(16, 16)
     tokens = [random.Random(0).randrange(arch.vocab_size) for _ in range(40)]
-    window_logits = load_benchmark("quality_int8").window_logits
+    window_logits = load_benchmark("quality").window_logits
     got = window_logits(runner, tokens)
     other = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0)
     other.initialize_kv_cache(16, 16)
@@ -62,43 +62,22 @@ def test_int8_without_vnni_is_refused(monkeypatch):
         ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, activation_dtype="int8")
 
 
-def test_quality_on_a_short_text_pinned():
-    """The default model on 1,024 tokens of the fixed text: int8 activations' perplexity within 1% of
-    bfloat16's, and their top-1 agreement with float32 pinned (a few points below bfloat16's)."""
-    from cadence.model.loader import default_model_path, load_checkpoint
-    from cadence.model.tokenizer import Tokenizer
-
-    quality = load_benchmark("quality_int8")
-    path = default_model_path()
-    windows = quality.text_windows(Tokenizer.from_model_path(path), 1024, 256)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        scores = quality.measure(load_checkpoint(path, torch.float32), windows)
-    finally:
-        torch.set_num_threads(threads)
-    f32, bf16, int8 = scores["float32"], scores["bfloat16"], scores["int8"]
-    assert f32.top1_agreement == 1.0 and int8.positions == 1020
-    assert bf16.perplexity == pytest.approx(f32.perplexity, rel=2e-3) and bf16.top1_agreement >= 0.98
-    assert int8.perplexity == pytest.approx(bf16.perplexity, rel=1e-2)
-    assert int8.perplexity == pytest.approx(PINNED_PERPLEXITY, rel=2e-3)
-    assert int8.top1_agreement == pytest.approx(PINNED_AGREEMENT, abs=0.01)
-
-
-PINNED_PERPLEXITY, PINNED_AGREEMENT = 17.4981, 0.9588  # int8, measured on the text above
-
-
-def test_default_model_on_int8_through_the_engine_alone_or_batched():
-    """`LLM(activation_dtype="int8")`: the default model's layers and output layer on the int8 kernels,
-    and each request's greedy tokens the same alone as in a batch whose prompts are cut into chunks."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_default_model_on_int8_through_the_engine_alone_or_batched(kv_cache_dtype):
+    """`LLM(activation_dtype="int8")`, on the bfloat16 KV cache and on the 8-bit one: the default model's
+    layers and output layer on the int8 kernels, and each request's greedy tokens the same alone as in a
+    batch whose prompts are cut into chunks (prefill chunks, then the all-decode step, taking both)."""
     from cadence import LLM
     from cadence.request import SamplingParams
 
-    llm = LLM(activation_dtype="int8", num_kv_blocks=128, max_num_batched_tokens=24)
-    model = llm.engine.core.executor.model
+    llm = LLM(activation_dtype="int8", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=128, max_num_batched_tokens=24)
+    runner = llm.engine.core.executor
+    model = runner.model
     assert {lin.i8_format for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)} == {
         "Q4_1"}
-    assert model.lm_head.i8_format == "Q8_0"
+    assert model.lm_head.i8_format == "Q8_0" and model.fused_decode is not None
+    assert runner.kv_cache is not None
+    assert (runner.kv_cache.kv.dtype == torch.int8) == (kv_cache_dtype == "int8")
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3,"]
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]

@@ -320,12 +320,15 @@ def test_model_benchmark_tables(tmp_path: Path) -> None:
 # -- --update-docs ----------------------------------------------------------------------------------
 
 
+def test_quality_table(tmp_path: Path) -> None:
+    figures = {"f32": (11.18805, 1.0), "bf16": (11.18564, 0.984514), "kv8": (11.19426, 0.978456),
+               "act8": (11.20674, 0.963605), "act8+kv8": (11.23600, 0.962286)}
+    results = {k: {"perplexity": p, "agreement": a, "positions": 20470, "seconds": 1.0} for k, (p, a) in figures.items()}
+    table = fig.fmt_quality(_write(tmp_path / "quality", {"meta": {}, "results": results}))
+    assert table == _block("quality")
+
+
 def test_int8_tables(tmp_path: Path) -> None:
-    scores = {"float32": (12.4177, 1.0), "bfloat16": (12.4145, 0.9846), "int8": (12.4386, 0.9633)}
-    quality = {"scores": {k: {"perplexity": p, "top1_agreement": a, "positions": 20460, "seconds": 1.0}
-                          for k, (p, a) in scores.items()}}
-    table = fig.fmt_int8_quality(_write(tmp_path / "quality", quality))
-    assert table == _block("int8-quality")
     bench = load_benchmark("bench_int8")
     times = {name: {str(m): {"bfloat16": [2.0, 3.0, 2.0], "int8": [1.0, 1.0, 1.0]} for m in (1, 8, 32, 512)}
              for name in bench.SHAPES}
