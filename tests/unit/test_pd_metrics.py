@@ -16,7 +16,7 @@ pytest.importorskip("ray")  # (the fleet's extra: `make serve` / `make test` ins
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from cadence.config import EngineConfig  # noqa: E402
-from cadence.fleet.protocol import GenerateCall  # noqa: E402
+from cadence.fleet.protocol import GenerateCall, deltas_of  # noqa: E402
 from cadence.fleet.replica import ReplicaInfo  # noqa: E402
 from cadence.metrics.prometheus import merge_expositions  # noqa: E402
 from cadence.request import SamplingParams  # noqa: E402
@@ -108,7 +108,8 @@ async def _on_one(engine: Any) -> list[list[int]]:
     outputs = []
     for j, (prompt, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        items = [i async for i in engine.generate(GenerateCall((prompt,), params, f"r{j}"))]
+        # (deltas ready at once travel as one `Deltas` item)
+        items = [d async for i in engine.generate(GenerateCall((prompt,), params, f"r{j}")) for d in deltas_of(i)]
         outputs.append([t for i in items for t in getattr(i, "token_ids", ())])
     await engine.engine.run_in_engine(lambda: None)
     return outputs
