@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cadence.config import EngineConfig
@@ -134,6 +134,15 @@ async def admission(gen: Any, what: str) -> Admitted:
     error, Serve's back pressure a 429 (`what`: "replica", "prefill replica"), a Ray error
     `ReplicaLost`; a stream that ends at once is an internal error. The client leaving cancels
     the call."""
+    first = await first_answer(gen, what)
+    if isinstance(first, Refused):
+        note_replica(first.replica)
+        raise refusal_error(first)
+    return first
+
+
+async def first_answer(gen: Any, what: str) -> Admitted | Refused:
+    """`admission`, with an engine's refusal returned rather than raised."""
     from ray.exceptions import RayError
     from ray.serve.exceptions import BackPressureError
 
@@ -149,11 +158,36 @@ async def admission(gen: Any, what: str) -> Admitted:
         raise CadenceError(ErrorKind.INTERNAL, f"the {what} answered nothing") from None
     except RayError as e:
         raise ray_unavailable(e) from None
-    if isinstance(first, Refused):
-        note_replica(first.replica)
-        raise refusal_error(first)
-    assert isinstance(first, Admitted), type(first)
+    assert isinstance(first, Admitted | Refused), type(first)
     return first
+
+
+async def admission_anywhere(send: Callable[[GenerateCall], Any], call: GenerateCall, what: str,
+                             replicas: Collection[str]) -> tuple[Any, Admitted]:
+    """`send(call)`'s stream and its admission. A replica whose engine refuses the request for a
+    full queue (before admitting it: nothing was streamed) is named in the call's `avoid` and the
+    call sent again, so that the router places it on another of `replicas`; each refuses it at
+    most once. The last refusal is the answer when every replica refused, and any other refusal
+    at once."""
+    refused: list[str] = []
+    while True:
+        gen = send(replace(call, avoid=tuple(refused)) if refused else call)
+        first = await first_answer(gen, what)
+        if isinstance(first, Admitted):
+            return gen, first
+        again = first.replica in refused
+        refused.append(first.replica)
+        if again or not (first.admission and first.kind == ErrorKind.QUEUE_FULL.value) or set(replicas) <= set(refused):
+            note_replica(first.replica)
+            raise refusal_error(first)
+        log.info("request %s: refused by %s (queue full); trying another replica", call.request_id, first.replica)
+
+
+def handle_replicas(handle: Any) -> list[str]:
+    """The replicas this process's router sends `handle`'s calls to."""
+    from cadence.fleet.state import deployment_replica_ids, replica_ids
+
+    return deployment_replica_ids(getattr(handle, "deployment_name", "")) or replica_ids()
 
 
 class FleetStream:
@@ -321,8 +355,8 @@ class FleetClient:
                             TRACE_CARRIER.get(), queue_status)
         self._admitting += 1
         try:
-            gen = handle.options(stream=True).generate.remote(call)
-            first = await admission(gen, "replica")
+            gen, first = await admission_anywhere(handle.options(stream=True).generate.remote, call, "replica",
+                                                  handle_replicas(handle))
         finally:
             self._admitting -= 1
         note_replica(first.replica)

@@ -48,7 +48,9 @@ from cadence.fleet.client import (
     FleetStream,
     ReplicaLost,
     admission,
+    admission_anywhere,
     check_request_id,
+    handle_replicas,
     note_replica,
     ray_unavailable,
 )
@@ -177,11 +179,14 @@ class PDFleetClient(FleetClient):
             await asyncio.sleep(wait)
 
     async def _prefill_once(self, call: GenerateCall, missing: tuple[int, ...] | None) -> tuple[Any, Admitted]:
-        """The prefill stream and its admission; a replica lost before answering is retried once."""
+        """The prefill stream and its admission; a replica lost before answering is retried once, and
+        one that refuses it for a full queue on another prefill replica (`admission_anywhere`)."""
+        def send(c: GenerateCall) -> Any:
+            return self._prefill.options(stream=True).prefill.remote(c, missing)
+
         for attempt in (0, 1):
-            gen = self._prefill.options(stream=True).prefill.remote(call, missing)
             try:
-                return gen, await admission(gen, "prefill replica")
+                return await admission_anywhere(send, call, "prefill replica", handle_replicas(self._prefill))
             except ReplicaLost as e:
                 if attempt == 1:
                     raise

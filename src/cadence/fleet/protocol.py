@@ -25,6 +25,8 @@ class GenerateCall:
     # The prompt's last tokens that are output another replica streamed already (a disaggregated
     # request's first token): the decode replica's text and stop strings continue from them.
     num_emitted: int = 0
+    # Replicas that refused the request for a full queue: the router places it elsewhere.
+    avoid: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,22 @@
 over the replicas' published stats.
 
 Each replica publishes a `ReplicaStats` through Serve's `record_routing_stats` every
-`STATS_PERIOD_S`. A request's load on a replica is taken from Serve's own count of its ongoing
-requests where the router has one (it counts its own sends at once), else from the published
-running + waiting. The chosen replica comes first; the others follow, least loaded first, should
-it refuse (Serve's `max_ongoing_requests`).
+`STATS_PERIOD_S`. A replica's load is Serve's own count of its ongoing requests where the router
+has one, else the published running + waiting, and never less than the requests this router
+placed there and has not seen finish. Serve routes a burst's requests concurrently, each choice
+made before the previous ones are sent (when Serve's count and the stats first show them), so
+only the router's own count of its placements keeps a burst from landing on one replica.
+
+The chosen replica comes first; the others follow, least loaded first, should it refuse (Serve's
+`max_ongoing_requests`). Replicas a `GenerateCall` names in `avoid` (they refused it for a full
+queue) are left out while any other remains.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import Counter
 from typing import Any, TypeVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -29,19 +36,47 @@ class CadenceRequestRouter(RequestRouter):
 
     def initialize_state(self, policy: str = "prefix-affinity", **cfg: Any) -> None:
         self._router = Router(policy, RoutingConfig(**cfg))
+        # Serve's internal request id -> the replica this router placed it on, until it finishes.
+        self._placed: dict[str, ReplicaID] = {}
+        self._watched: dict[str, asyncio.Future] = {}  # the request's pending future, watched
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         deployment = getattr(getattr(self, "_deployment_id", None), "name", "")
         state.set_deployment_replicas(deployment, {r.replica_id.unique_id for r in replicas})
 
-    def _stats(self, replica: RunningReplica) -> ReplicaStats:
+    def _stats(self, replica: RunningReplica, placed: int) -> ReplicaStats:
         published = ReplicaStats.from_dict(replica.routing_stats or {})
         queued = self._replica_queue_len_cache.get(replica.replica_id)
-        if queued is None:
-            return published
-        running = min(published.running, queued)
-        return ReplicaStats(running, queued - running, published.free_blocks, published.digest)
+        load = max(published.load if queued is None else queued, placed)
+        running = min(published.running, load)
+        return ReplicaStats(running, load - running, published.free_blocks, published.digest)
+
+    def _note_placed(self, pending: PendingRequest | None, replica: RunningReplica) -> None:
+        """Count `pending` on `replica` now; the replica Serve sends it to (its future's result)
+        replaces the guess, and a request that is never sent (cancelled) is dropped."""
+        if pending is None:
+            return
+        rid = pending.metadata.internal_request_id
+        self._placed[rid] = replica.replica_id
+        future = pending.future
+        if self._watched.get(rid) is not future:  # (a retried request gets a new future)
+            self._watched[rid] = future
+            future.add_done_callback(lambda f: self._settled(rid, f))
+
+    def _settled(self, rid: str, future: asyncio.Future) -> None:
+        if self._watched.get(rid) is future:
+            del self._watched[rid]
+        if future.cancelled() or future.exception() is not None:
+            self._placed.pop(rid, None)
+        else:
+            self._placed[rid] = future.result().replica_id
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        placed = getattr(self, "_placed", {})
+        if placed.get(internal_request_id) == replica_id:
+            del placed[internal_request_id]
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -56,8 +91,12 @@ class CadenceRequestRouter(RequestRouter):
         call = _arg_of(pending_request, GenerateCall)
         chain = call.chain if call is not None else ()
         replicas = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-        stats = [self._stats(r) for r in replicas]
+        if call is not None and call.avoid:
+            replicas = [r for r in replicas if r.replica_id.unique_id not in call.avoid] or replicas
+        placed = Counter(self._placed.values())
+        stats = [self._stats(r, placed[r.replica_id]) for r in replicas]
         best = self._router.route(chain, stats, [r.replica_id.unique_id for r in replicas])
+        self._note_placed(pending_request, replicas[best])
         rest = sorted((i for i in range(len(replicas)) if i != best), key=lambda i: stats[i].load)
         return [[replicas[best]], [replicas[i] for i in rest]]
 
@@ -65,6 +104,8 @@ class CadenceRequestRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         if hasattr(self, "_router"):
             self._router.forget_replica(replica_id.unique_id)
+            for rid in [rid for rid, r in self._placed.items() if r == replica_id]:
+                del self._placed[rid]
 
 
 def _arg_of(pending: PendingRequest | None, cls: type[T]) -> T | None:
