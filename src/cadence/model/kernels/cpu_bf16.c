@@ -77,6 +77,26 @@ static inline __m512 round_bf16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* Store a tile's sums (+ bias) for rows 0..mt of vectors v0..v0+nv (16 columns each, from col0):
+ * bfloat16 into y, or float32 into yf when given. Every linear kernel ends its tile here. */
+static inline __attribute__((always_inline)) void store_tile(__m512 acc[MT][4], const float *bias, uint16_t *y,
+                                                             float *yf, int64_t n, int64_t col0, int mt, int nv,
+                                                             int v0) {
+    for (int j = 0; j < nv; j++) {
+        int64_t c = col0 + 16 * (v0 + j);
+        if (c >= n) break;
+        __mmask16 mask = tail_mask(n - c);
+        __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
+        for (int m = 0; m < mt; m++) {
+            __m512 sum = _mm512_add_ps(acc[m][j], bv);
+            if (yf)
+                _mm512_mask_storeu_ps(yf + m * n + c, mask, sum);
+            else
+                store_bf16(y + m * n + c, sum, mask);
+        }
+    }
+}
+
 /* One tile: rows m0..m0+mt of x against one block of 64 columns; into y (bfloat16) or, when yf is
  * given, into yf (float32, the sums unrounded). */
 static inline __attribute__((always_inline)) void tile(
@@ -99,19 +119,7 @@ static inline __attribute__((always_inline)) void tile(
             acc[m][3] = _mm512_dpbf16_ps(acc[m][3], xb, w3);
         }
     }
-    for (int j = 0; j < 4; j++) {
-        int64_t c = col0 + 16 * j;
-        if (c >= n) break;
-        __mmask16 mask = tail_mask(n - c);
-        __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
-        for (int m = 0; m < mt; m++) {
-            __m512 sum = _mm512_add_ps(acc[m][j], b);
-            if (yf)
-                _mm512_mask_storeu_ps(yf + m * n + c, mask, sum);
-            else
-                store_bf16(y + m * n + c, sum, mask);
-        }
-    }
+    store_tile(acc, bias, y, yf, n, col0, (int)mt, 4, 0);
 }
 
 static void block(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wb, const float *bias,
@@ -254,14 +262,7 @@ static inline __attribute__((always_inline)) void q4_tile(
             }
         }
     }
-    for (int j = 0; j < nv; j++) {
-        int64_t c = col0 + 16 * (v0 + j);
-        if (c >= n) break;
-        __mmask16 mask = tail_mask(n - c);
-        __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
-        for (int m = 0; m < mt; m++)
-            store_bf16(y + m * n + c, _mm512_add_ps(acc[m][j], bv), mask);
-    }
+    store_tile(acc, bias, y, NULL, n, col0, mt, nv, v0);
 }
 
 /* Below this many rows a tile covers all 64 columns (the nibbles are widened once per 3 rows); from
@@ -423,25 +424,6 @@ static int quantize_rows_i8(const uint16_t *x, int64_t m, int64_t k, i8_rows *r)
     return 0;
 }
 
-/* Store a tile's sums (+ bias) for rows 0..mt of vectors v0..v0+nv: bfloat16 into y, or float32
- * into yf when given. */
-static inline __attribute__((always_inline)) void i8_store(__m512 acc[6][4], const float *bias, uint16_t *y,
-                                                           float *yf, int64_t n, int64_t col0, int mt, int nv, int v0) {
-    for (int j = 0; j < nv; j++) {
-        int64_t c = col0 + 16 * (v0 + j);
-        if (c >= n) break;
-        __mmask16 mask = tail_mask(n - c);
-        __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
-        for (int m = 0; m < mt; m++) {
-            __m512 sum = _mm512_add_ps(acc[m][j], bv);
-            if (yf)
-                _mm512_mask_storeu_ps(yf + m * n + c, mask, sum);
-            else
-                store_bf16(y + m * n + c, sum, mask);
-        }
-    }
-}
-
 /* The integer sums of one block of 32 k: s[m][j] += sum over k of w[j] * qx[m] for rows 0..mt and
  * vectors 0..nv, w[j * 8 + g] the weights of vector j at k = 4g..4g+3. Rows and vectors go in the
  * inner loops so that the mt x nv sums are independent chains (one `vpdpbusd` chain of 8 would wait
@@ -490,7 +472,7 @@ static inline __attribute__((always_inline)) I8_TARGET void q4_i8_tile(
             }
         }
     }
-    i8_store(acc, bias, y, yf, n, col0, mt, nv, v0);
+    store_tile(acc, bias, y, yf, n, col0, mt, nv, v0);
 }
 
 /* Q8_0: as q4_i8_tile, on the Q8_0 layout (the weights read as stored). */
@@ -516,7 +498,7 @@ static inline __attribute__((always_inline)) I8_TARGET void q8_i8_tile(
             }
         }
     }
-    i8_store(acc, bias, y, yf, n, col0, mt, nv, v0);
+    store_tile(acc, bias, y, yf, n, col0, mt, nv, v0);
 }
 
 /* One block of 64 columns for every row, tiled as q4_block: 3-row tiles over 64 columns for small
