@@ -11,14 +11,21 @@ a position's logits are the same bits in a verification row as in a decode step.
 
 from __future__ import annotations
 
-import collections
-import math
 from pathlib import Path
 
 import pytest
-from test_speculative_real import GREEDY, OPTED_OUT, PROMPTS, Counted, _assert_same, _reference, _seeded
+from test_speculative_real import (
+    GREEDY,
+    OPTED_OUT,
+    PROMPTS,
+    Counted,
+    _assert_same,
+    _reference,
+    _seeded,
+    assert_same_distribution,
+)
 
-from cadence import LLM, SamplingParams
+from cadence import LLM
 from cadence.engine.builder import random_weights, tiny_arch
 from cadence.model.cpu_kernels import cpu_kernels
 from cadence.model.loader import load_checkpoint
@@ -124,20 +131,4 @@ def test_sampling_keeps_the_token_distribution_on_the_tiny_model(drafts: dict[st
     speculation match those without (within 5 standard errors of their difference). The draft is
     the whole tiny model, run greedily: at temperature 0.1 its drafts are often, not always, the
     tokens sampled, so both acceptance and rejection are exercised."""
-    n, length = 2000, 6
-    plain = LLM(tiny=True, dtype="bfloat16", max_num_seqs=64, num_kv_blocks=1024)
-    greedy = plain.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    prompt = {"prompt_token_ids": list(greedy[:24])}
-    params = SamplingParams(temperature=0.1, max_tokens=length, ignore_eos=True)
-    spec_config = _spec_config(drafts["tiny-whole"])
-    spec = Counted(tiny=True, dtype="bfloat16", max_num_seqs=64, num_kv_blocks=1024, speculative_config=spec_config)
-    runs = {"plain": [o.outputs[0].token_ids for o in plain.generate([prompt] * n, params, use_tqdm=False)],
-            "spec": spec.tokens([prompt] * n, params)}
-    assert spec.accepted > n // 2, "too few drafts were accepted to test anything"
-    for pos in range(length):
-        a = collections.Counter(t[pos] for t in runs["plain"])
-        b = collections.Counter(t[pos] for t in runs["spec"])
-        assert max(a.values()) < 0.9 * n  # a distribution, not one token
-        for token in set(a) | set(b):
-            p = (a[token] + b[token]) / (2 * n)
-            assert abs(a[token] - b[token]) / n <= 5 * math.sqrt(2 * p * (1 - p) / n) + 1e-9, (pos, token, a, b)
+    assert_same_distribution(_spec_config(drafts["tiny-whole"]))
