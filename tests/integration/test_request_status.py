@@ -22,6 +22,18 @@ def waiting_ids(live: Any) -> list[str]:
     raise AssertionError("could not read the waiting queue")
 
 
+def queue_a_waiter(live: Any) -> threading.Thread:
+    """A short completion sent from a thread, returned once it waits in the engine's queue."""
+    waiter = threading.Thread(target=lambda: httpx.post(
+        f"{live.url}/v1/completions", json={"prompt": "wait", "max_tokens": 2}, timeout=60))
+    waiter.start()
+    end = time.monotonic() + 30
+    while not waiting_ids(live):
+        assert time.monotonic() < end, "the second request never queued"
+        time.sleep(0.005)
+    return waiter
+
+
 def test_a_request_behind_the_sequence_cap_says_why(server_factory) -> None:
     live = server_factory({"max_num_seqs": 1})
     long_body = {"prompt": "hold the seat", "max_tokens": 1000, "ignore_eos": True, "stream": True}
@@ -96,13 +108,7 @@ def test_a_waiting_request_has_a_predicted_ttft_from_the_shipped_profile(server_
     live = server_factory({"max_num_seqs": 1})
     long_body = {"prompt": "hold the seat", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=live.url, timeout=60) as client, client.stream("POST", "/v1/completions", json=long_body):
-        waiter = threading.Thread(target=lambda: httpx.post(
-            f"{live.url}/v1/completions", json={"prompt": "wait", "max_tokens": 2}, timeout=60))
-        waiter.start()
-        end = time.monotonic() + 30
-        while not waiting_ids(live):
-            assert time.monotonic() < end, "the second request never queued"
-            time.sleep(0.005)
+        waiter = queue_a_waiter(live)
         body = client.get(f"/v1/requests/{waiting_ids(live)[0]}").json()
         assert body["state"] == "waiting"
         # Behind a holder that may decode 200 tokens: at least its remaining decode steps.
@@ -123,13 +129,7 @@ def test_without_a_profile_only_a_request_before_its_first_token_says_why_there_
     long_body = {"prompt": "hold the seat", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=live.url, timeout=60) as client, client.stream("POST", "/v1/completions", json=long_body) as first:
         holder = first.headers["x-request-id"]  # the stream's headers come with its first token
-        waiter = threading.Thread(target=lambda: httpx.post(
-            f"{live.url}/v1/completions", json={"prompt": "wait", "max_tokens": 2}, timeout=60))
-        waiter.start()
-        end = time.monotonic() + 30
-        while not waiting_ids(live):
-            assert time.monotonic() < end, "the second request never queued"
-            time.sleep(0.005)
+        waiter = queue_a_waiter(live)
         waiting = client.get(f"/v1/requests/{waiting_ids(live)[0]}").json()
         decoding = client.get(f"/v1/requests/{holder}").json()
     waiter.join(60)
