@@ -216,7 +216,8 @@ def table(frac: float, r: dict) -> str:
                  f"measured; the profile's serving overhead charges {1000 * modelled:.2f} ms a step "
                  f"(at {rows_per_step:.1f} rows a step)")
     rp = r["request_path"]
-    lines.append(f"request path at idle: {1000 * rp['per_request']:.2f} ms a request")
+    lines.append(f"request path at idle: {1000 * rp['per_request']:.2f} ms a request + "
+                 f"{1e6 * rp.get('per_prompt_token', 0.0):.2f} us a prompt token")
     lines += ["", "| steps | count | measured s | modelled s | measured / modelled: sum | a step's p10 / p50 / p90 / p99 |",
               "|---|---|---|---|---|---|"]
     for kind, v in r["steps_vs_model"].items():

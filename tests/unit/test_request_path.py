@@ -29,11 +29,17 @@ def test_request_path_round_trips_through_a_profile_file(tmp_path):
     back = StepCostModel.load(m.save(tmp_path / "p.json"))
     assert back.request_path == {"per_request": 0.008}
     assert back.request_delay == pytest.approx(0.008)
+    assert back.request_delay_for(550) == 0.008  # no per-token term: the constant, whatever the prompt
     assert _base().request_delay == 0.0  # a profile without one: no delay
+    m = dataclasses.replace(_base(), request_path={"per_request": 0.004, "per_prompt_token": 2e-6})
+    back = StepCostModel.load(m.save(tmp_path / "q.json"))
+    assert back.request_path == {"per_request": 0.004, "per_prompt_token": 2e-6}
+    assert back.request_delay_for(500) == pytest.approx(0.004 + 500 * 2e-6)
 
 
 @pytest.mark.parametrize("bad", [{"per_reqest": 0.01}, {"per_request": -0.001}, {"per_request": float("nan")},
-                                 {"per_request": 0.01, "per_prompt_token": 1e-6}])
+                                 {"per_request": 0.01, "per_prompt_tokens": 1e-6},
+                                 {"per_request": 0.01, "per_prompt_token": -1e-6}])
 def test_a_malformed_request_path_is_refused(bad):
     with pytest.raises(ValueError, match="request_path"):
         dataclasses.replace(_base(), request_path=bad)
@@ -53,6 +59,47 @@ def test_fit_is_the_median_excess_over_the_shortest_prompts():
     assert fit_request_path([{"prompt_tokens": 9, "ttft_s": 1e-6}], model) == {"per_request": 0.0}
     with pytest.raises(ValueError, match="no probe runs"):
         fit_request_path([], model)
+
+
+def _cached_runs(model: StepCostModel, per_request: float, per_token: float) -> list[dict[str, float]]:
+    """A probe's second sends as a server with this request path would time them: each prompt's
+    full 16-token blocks cached, its first token the priced step plus the path."""
+    runs = []
+    for words, lengths in ((8, (10, 11, 10, 12, 10)), (96, (140, 138, 141, 140, 139)), (384, (560, 555, 562, 558, 560))):
+        for n in lengths:
+            cached = (n - 1) // 16 * 16
+            m = n - cached
+            step = model.predict(StepFeatures(prefill_tokens=m, prefill_seqs=1, sampled=1,
+                                              prefill_attention=m * cached + m * (m + 1) // 2))
+            runs.append({"words": words, "prompt_tokens": n, "cached_tokens": cached,
+                         "ttft_s": step + per_request + per_token * n})
+    runs[6]["ttft_s"] += 3.0  # one request the machine held up: each length's median ignores it
+    return runs
+
+
+def test_the_fit_recovers_a_cost_per_prompt_token_from_cached_prompts_of_several_lengths():
+    model = _base()
+    fit = fit_request_path(_cached_runs(model, 0.004, 1.5e-6), model)
+    assert fit == {"per_request": pytest.approx(0.004, abs=1e-6), "per_prompt_token": pytest.approx(1.5e-6, rel=1e-3)}
+    # Nothing a token beyond the constant: the term is 0, not noise.
+    fit = fit_request_path(_cached_runs(model, 0.006, 0.0), model)
+    assert fit == {"per_request": pytest.approx(0.006, abs=1e-9), "per_prompt_token": pytest.approx(0.0, abs=1e-12)}
+
+
+def test_a_long_prompt_reaches_its_engine_later_than_a_short_one_by_the_per_token_term():
+    config = EngineConfig()
+    base = dataclasses.replace(_base(), request_path={"per_request": 0.01})
+    per_token = dataclasses.replace(_base(), request_path={"per_request": 0.01, "per_prompt_token": 2e-5})
+    reqs = (WorkloadRequest(prompt_tokens=20, output_tokens=8, arrival_time=0.0),
+            WorkloadRequest(prompt_tokens=600, output_tokens=8, arrival_time=5.0))
+    w = Workload("test", reqs)  # far apart: each request finds the engine idle
+    plain = simulate(w, config, base, SimOptions()).records
+    longer = simulate(w, config, per_token, SimOptions()).records
+    for a, b, n in zip(plain, longer, (20, 600), strict=True):
+        assert b.send_time == pytest.approx(a.send_time)
+        assert b.ttft == pytest.approx(a.ttft + 2e-5 * n)
+        assert b.e2e == pytest.approx(a.e2e + 2e-5 * n)
+        assert b.itls == pytest.approx(a.itls)
 
 
 def test_a_request_reaches_its_engine_that_much_later_and_its_ttft_counts_it():
@@ -78,3 +125,13 @@ def test_a_closed_loop_user_sends_its_next_request_when_the_last_one_ends():
         end = prev.send_time + prev.e2e
         assert nxt.send_time == pytest.approx(end)  # the path is the request's, not the user's think time
         assert nxt.ttft > 0.05
+
+
+def test_a_zero_per_token_term_simulates_exactly_as_a_profile_without_one():
+    from cadence.workload import assign_arrivals, builtin_workload
+
+    without = dataclasses.replace(_base(), request_path={"per_request": 0.00704})
+    zero = dataclasses.replace(_base(), request_path={"per_request": 0.00704, "per_prompt_token": 0.0})
+    w = assign_arrivals(builtin_workload("shared-prefix", 120, seed=0), "poisson", 2.0, seed=0)
+    a, b = (simulate(w, EngineConfig(), m, SimOptions()).records for m in (without, zero))
+    assert [(r.send_time, r.ttft, r.e2e, list(r.itls)) for r in a] == [(r.send_time, r.ttft, r.e2e, list(r.itls)) for r in b]

@@ -91,6 +91,36 @@ def test_refit_takes_the_request_path_from_the_runs_probes(tmp_path):
     assert new.metadata["request_path_source"].startswith("cadence serve at idle")
 
 
+def test_calibrate_from_served_keeps_the_request_paths_cost_per_prompt_token(tmp_path, capsys):
+    from cadence.cli import main
+
+    base = StepCostModel.load(default_profile_path())
+    rng = random.Random(3)
+    with (tmp_path / "steps_1_0.500.jsonl").open("w") as f:
+        for i in range(100):
+            feat = _decode(rng)
+            f.write(json.dumps({"step": i, "duration": base.predict(feat), **feat.to_dict()}) + "\n")
+    runs = [_run(1000, 3000, 5e-4, 2e-4, 0.3)]
+    (tmp_path / "breakdown.json").write_text(json.dumps({"workload": "shared-prefix", "runs": runs}))
+    first = refit(base, tmp_path)  # the probe does not move the steps' fit: price the probe with it
+    probe = []
+    for words, n in ((8, 10), (8, 11), (96, 140), (96, 142), (384, 560), (384, 558)):
+        cached = (n - 1) // 16 * 16
+        m = n - cached
+        step = first.predict(StepFeatures(prefill_tokens=m, prefill_seqs=1, sampled=1,
+                                          prefill_attention=m * cached + m * (m + 1) // 2))
+        probe.append({"words": words, "prompt_tokens": n, "cached_tokens": cached,
+                      "ttft_s": step + 0.003 + 2e-6 * n})
+    runs[0]["request_path_probe"] = probe
+    (tmp_path / "breakdown.json").write_text(json.dumps({"workload": "shared-prefix", "runs": runs}))
+    out = tmp_path / "refit.json"
+    assert main(["calibrate", "--from-served", str(tmp_path), "--out", str(out)]) == 0
+    new = StepCostModel.load(out)
+    assert new.request_path == {"per_request": pytest.approx(0.003, abs=1e-7),
+                                "per_prompt_token": pytest.approx(2e-6, rel=1e-3)}
+    assert "3.00 ms a request + 2.00 us a prompt token" in capsys.readouterr().out
+
+
 def _priced(model: StepCostModel, n: int, overhead: dict) -> float:
     f = StepFeatures(prefill_tokens=n, prefill_seqs=1, sampled=1, prefill_attention=n * (n + 1) // 2)
     return dataclasses.replace(model, overhead=overhead).predict(f)

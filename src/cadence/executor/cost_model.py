@@ -41,6 +41,7 @@ from cadence.sched.features import (
 
 PROFILE_FORMAT = 1
 SHARED = BASES.index("decode_context_shared")  # its weight in `StepCostModel._w`
+REQUEST_PATH_TERMS = ("per_request", "per_prompt_token")  # a profile's `request_path` keys
 
 
 def _cols(*names: str) -> dict[str, dict[str, float]]:
@@ -141,8 +142,9 @@ class StepCostModel:
     overhead: dict[str, float] = field(default_factory=dict)
     # What a request costs before the engine sees it and after its tokens leave (HTTP parsing,
     # chat template, tokenization, the hand-offs to and from the engine thread), measured through a
-    # real server at idle: {"per_request": s}. Not a step's cost: the simulator delays each
-    # request's arrival at its engine by it.
+    # real server at idle: {"per_request": s, "per_prompt_token": s}, either term absent meaning 0.
+    # Not a step's cost: the simulator delays each request's arrival at its engine by
+    # `request_delay_for(its prompt tokens)`.
     request_path: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -160,9 +162,9 @@ class StepCostModel:
         unknown = set(self.overhead) - {"per_step", "per_seq"}
         if unknown:
             raise ValueError(f"overhead: unknown terms {sorted(unknown)} (per_step, per_seq)")
-        unknown = set(self.request_path) - {"per_request"}
+        unknown = set(self.request_path) - set(REQUEST_PATH_TERMS)
         if unknown:
-            raise ValueError(f"request_path: unknown terms {sorted(unknown)} (per_request)")
+            raise ValueError(f"request_path: unknown terms {sorted(unknown)} ({', '.join(REQUEST_PATH_TERMS)})")
         if any(not (math.isfinite(v) and v >= 0) for v in (*self.overhead.values(), *self.request_path.values())):
             raise ValueError("overhead, request_path: terms must be finite and >= 0 seconds")
         w[0] += self.overhead.get("per_step", 0.0)
@@ -172,9 +174,21 @@ class StepCostModel:
 
     @property
     def request_delay(self) -> float:
-        """Seconds between a client sending a request and its engine seeing it (the whole request
-        path, the way back included: see `request_path`)."""
+        """The request path's constant part: seconds between a client sending a request and its
+        engine seeing it, the way back included, before the prompt's length is counted (see
+        `request_delay_for`)."""
         return self.request_path.get("per_request", 0.0)
+
+    @property
+    def request_delay_per_token(self) -> float:
+        """The request path's seconds per prompt token (tokenizing, the chat template, copying)."""
+        return self.request_path.get("per_prompt_token", 0.0)
+
+    def request_delay_for(self, prompt_tokens: int) -> float:
+        """The whole request path of a request with `prompt_tokens` prompt tokens (see `request_path`)."""
+        per_token = self.request_delay_per_token
+        # Without a per-token term the sum is the constant itself, bit for bit (older profiles).
+        return self.request_delay + per_token * prompt_tokens if per_token else self.request_delay
 
     def predict(self, f: StepFeatures) -> float:
         return max(self.min_cost, sum(a * b for a, b in zip(self._w, f.bases(), strict=True)))

@@ -58,6 +58,9 @@ class Shape:
 # common system prompt makes them; beside the sweep's equal-context batches of the same sizes.
 SHARED_DECODES = ((8, 2048, 1920), (16, 1024, 960), (32, 640, 512), (64, 256, 192))
 SHARED_DECODES_QUICK = ((16, 1024, 960), (64, 256, 192))
+# Short prompt chunks over a cached context: (chunk tokens, cached tokens before it, decode rows beside).
+CACHED_CHUNKS = ((40, 512, 0), (40, 512, 8), (24, 1024, 16), (40, 2048, 4))
+CACHED_CHUNKS_QUICK = ((40, 512, 8),)
 
 
 def sweep_shapes(max_seqs: int, max_tokens: int, max_len: int, *, quick: bool = False, seed: int = 0) -> list[Shape]:
@@ -89,6 +92,12 @@ def sweep_shapes(max_seqs: int, max_tokens: int, max_len: int, *, quick: bool = 
     # Last, so that the shapes above (and their tables in `time_shapes`) draw what they drew before.
     shapes += [Shape(decode_contexts=(c,) * b, shared_prefix=sh) for b, c, sh in
                (SHARED_DECODES_QUICK if quick else SHARED_DECODES) if b <= max_seqs and c <= max_len]
+    # A prompt whose leading blocks the prefix cache held: a short chunk over a long cached context,
+    # alone and beside running decodes (served traffic with a common system prompt makes these).
+    for n, st, b in (CACHED_CHUNKS_QUICK if quick else CACHED_CHUNKS):
+        dec = tuple(rng.randint(16, spread) for _ in range(min(b, max_seqs - 1)))
+        if n + st <= max_len and n + len(dec) <= max_tokens:
+            shapes.append(Shape(chunks=((n, st, True),), decode_contexts=dec))
     return shapes
 
 

@@ -258,10 +258,19 @@ def run_sim(args: argparse.Namespace) -> int:
     if pd is not None:
         print(_transfer_line(res.transfers))
     print(_band_lines(summary, validation))
+    if model.request_path:
+        print(_request_path_line(model))
     if args.out:
         for f in write_outputs(BenchResult(res.records, summary, time.time()), args.out):
             print(f"wrote {f}")
     return 0 if summary["overall"]["completed"] else 1
+
+
+def _request_path_line(model: Any) -> str:
+    """The profile's request path: what each simulated request waits before its engine sees it."""
+    return (f"request path ({model.metadata.get('request_path_source', 'measured')}): "
+            f"{model.request_delay * 1e3:.2f} ms a request + {model.request_delay_per_token * 1e6:.2f} us "
+            "a prompt token")
 
 
 def _band_lines(summary: dict, validation: Validation | None) -> str:
@@ -446,10 +455,8 @@ def _report_fit(model: Any, path: Path) -> int:
     ov = model.overhead
     print(f"overhead ({model.metadata['overhead_source']}): {ov['per_step'] * 1e3:.2f} ms/step + "
           f"{ov['per_seq'] * 1e3:.3f} ms per running request")
-    rp = model.request_path
-    if rp:
-        print(f"request path ({model.metadata.get('request_path_source', 'measured')}): "
-              f"{rp['per_request'] * 1e3:.2f} ms a request")
+    if model.request_path:
+        print(_request_path_line(model))
     print(f"wrote {path}")
     return 0
 

@@ -112,11 +112,12 @@ _WORDS = ("river", "stone", "lantern", "orbit", "maple", "quiet", "signal", "har
           "thunder", "violet", "engine", "paper", "summit", "candle", "falcon", "garden", "mirror", "winter")
 
 
-def _first_token(client: httpx.Client, text: str) -> tuple[float, int]:
-    """Seconds to the first streamed token of a one-token completion of `text`, and its prompt tokens."""
+def _first_token(client: httpx.Client, text: str) -> tuple[float, int, int]:
+    """Seconds to the first streamed token of a one-token completion of `text`, its prompt tokens
+    and how many of them the prefix cache held."""
     body = {"prompt": text, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first, prompt_tokens = None, 0
+    first, prompt_tokens, cached = None, 0, 0
     with client.stream("POST", "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
@@ -127,46 +128,74 @@ def _first_token(client: httpx.Client, text: str) -> tuple[float, int]:
                 first = time.perf_counter() - t0
             if obj.get("usage"):
                 prompt_tokens = int(obj["usage"]["prompt_tokens"])
+                cached = int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     if first is None or not prompt_tokens:
         raise RuntimeError("request-path probe: the server sent no token or no usage")
-    return first, prompt_tokens
+    return first, prompt_tokens, cached
 
 
-def probe_request_path(url: str, *, words: tuple[int, ...] = (8,), repeats: int = 12,
+# The probe's prompt lengths in words (about a token and a half each with their spaces): short
+# to a few hundred tokens, so the fit sees what a long prompt's path costs beyond a short one's.
+PROBE_WORDS = (8, 96, 384)
+
+
+def probe_request_path(url: str, *, words: tuple[int, ...] = PROBE_WORDS, repeats: int = 8,
                        seed: int = 0) -> list[dict[str, float]]:
     """Time to first token of one request at a time through a server at idle: text prompts of
-    `words` words, one token out, streamed as `cadence bench` streams. Each prompt is new, so none
-    finds another's blocks in the prefix cache. Short prompts by default: their prefill step, which
-    the fit subtracts as the cost model prices it, is small, and so is the model's error on it."""
+    each length in `words`, one token out, streamed as `cadence bench` streams. Each prompt is new
+    and sent twice; the second send is timed: its full blocks are then in the prefix cache, so
+    its step computes only the last partial block's tokens, and the cost model's error on a long
+    prefill does not leak into the path's cost per prompt token. Each run: the prompt's words,
+    tokens, tokens found cached (the server's usage) and the second send's time to first token."""
     rng = random.Random(seed)
     runs = []
     with httpx.Client(base_url=url, timeout=120) as client:
         _first_token(client, "warm up")
         for n in words:
             for _ in range(repeats):
-                ttft, tokens = _first_token(client, " ".join(rng.choice(_WORDS) for _ in range(n)))
-                runs.append({"prompt_tokens": tokens, "ttft_s": ttft})
+                text = " ".join(rng.choice(_WORDS) for _ in range(n))
+                _first_token(client, text)  # fills the prefix cache with the prompt's full blocks
+                ttft, tokens, cached = _first_token(client, text)
+                runs.append({"words": n, "prompt_tokens": tokens, "cached_tokens": cached, "ttft_s": ttft})
     return runs
+
+
+def _priced_first_step(model: StepCostModel, prompt_tokens: int, cached: int) -> float:
+    """The cost model's price of the step that computes a prompt's last `prompt_tokens - cached`
+    tokens over its `cached` ones and samples its first token."""
+    m = prompt_tokens - cached
+    return model.predict(StepFeatures(prefill_tokens=m, prefill_seqs=1, sampled=1,
+                                      prefill_attention=m * cached + m * (m + 1) // 2))
 
 
 def fit_request_path(runs: list[dict[str, float]], model: StepCostModel) -> dict[str, float]:
     """The request path from a probe's runs: the client's time to its first token less the cost
     model's price of the one prefill step that made it is what the request paid outside the
     engine's steps (HTTP, the chat template and tokenization, the hand-offs to and from the engine
-    thread), over the probe's shortest prompts. Their median (one request held up by something
-    else on the machine does not move it), clipped at 0. A constant per request: tokenizing is microseconds a token, and a term per prompt
-    token fitted this way would mostly learn the cost model's error on prefill steps instead."""
+    thread). Runs of cached prompts (a `cached_tokens` field, as `probe_request_path` makes them)
+    of several lengths are fitted as per_request + per_prompt_token x prompt tokens, a line
+    through each length's median (one request held up by something else on the machine does not
+    move it). Runs of fresh prompts only price a full prefill each, whose model error grows with
+    the prompt: those give a constant, the median over the shortest prompts. Terms clipped at 0."""
     if not runs:
         raise ValueError("request path: no probe runs to fit")
+    if all("cached_tokens" in r for r in runs):
+        groups: dict[float, list[dict[str, float]]] = {}
+        for r in runs:
+            groups.setdefault(r.get("words", r["prompt_tokens"]), []).append(r)
+        if len(groups) > 1:
+            x = [statistics.median(int(r["prompt_tokens"]) for r in g) for g in groups.values()]
+            y = [statistics.median(r["ttft_s"] - _priced_first_step(model, int(r["prompt_tokens"]),
+                                                                     int(r["cached_tokens"])) for r in g)
+                 for g in groups.values()]
+            per_token, per_request = _line(x, y)
+            return {"per_request": per_request, "per_prompt_token": per_token}
     shortest = min(int(r["prompt_tokens"]) for r in runs)
     excess = []
     for r in runs:
         if int(r["prompt_tokens"]) > shortest + 16:  # a longer prompt's prefill carries more model error
             continue
-        n = int(r["prompt_tokens"])
-        step = model.predict(StepFeatures(prefill_tokens=n, prefill_seqs=1, sampled=1,
-                                          prefill_attention=n * (n + 1) // 2))
-        excess.append(r["ttft_s"] - step)
+        excess.append(r["ttft_s"] - _priced_first_step(model, int(r["prompt_tokens"]), int(r.get("cached_tokens", 0))))
     return {"per_request": max(statistics.median(excess), 0.0)}
 
 

@@ -25,7 +25,7 @@ import math
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, MutableSequence
+from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,20 +143,23 @@ class SimReplica:
 class _Client:
     """The load generator's side: when each request is sent (open loop, capped, or closed loop)."""
 
-    def __init__(self, reqs: tuple[WorkloadRequest, ...], opts: SimOptions, delay: float = 0.0) -> None:
+    def __init__(self, reqs: tuple[WorkloadRequest, ...], opts: SimOptions,
+                 delays: Sequence[float] | None = None) -> None:
         self._reqs = reqs
         self._cap = opts.concurrency if not opts.closed_loop else None
         self._closed = opts.closed_loop
-        self.delay = delay  # a request reaches its engine this long after it is sent (the request path)
+        # Request i reaches its engine delays[i] after it is sent (the request path for its prompt).
+        self.delays: Sequence[float] = delays if delays is not None else [0.0] * len(reqs)
         self._heap: list[tuple[float, int]] = []  # (time it reaches the engine, index)
         self._held: deque[int] = deque()  # arrived while the open-loop cap was reached
         self.in_flight = 0
+        d = self.delays
         if self._closed:
             self._next = min(opts.concurrency or 1, len(reqs))
-            self._heap = [(delay, i) for i in range(self._next)]
+            self._heap = [(d[i], i) for i in range(self._next)]
         else:
             self._next = len(reqs)
-            self._heap = [((r.arrival_time or 0.0) + delay, i) for i, r in enumerate(reqs)]
+            self._heap = [((r.arrival_time or 0.0) + d[i], i) for i, r in enumerate(reqs)]
             heapq.heapify(self._heap)
 
     def next_time(self) -> float:
@@ -178,10 +181,11 @@ class _Client:
         """A request ended (or was refused) at `now`: free its slot for the next one."""
         self.in_flight -= 1
         if self._closed and self._next < len(self._reqs):
-            heapq.heappush(self._heap, (now + self.delay, self._next))
+            heapq.heappush(self._heap, (now + self.delays[self._next], self._next))
             self._next += 1
         elif self._held:
-            heapq.heappush(self._heap, (now + self.delay, self._held.popleft()))
+            i = self._held.popleft()
+            heapq.heappush(self._heap, (now + self.delays[i], i))
 
 
 ExecutorFactory = Callable[[Any], Any]  # clock -> Executor
@@ -218,7 +222,7 @@ class Simulator:
                 cost_model, clock=clock, spec_acceptance=options.spec_acceptance, seed=next(seeds))
         max_len = options.max_model_len or int((cost_model.metadata if cost_model else {}).get("max_model_len", 0)) or 8192
         self.max_model_len = max_len
-        self._request_delay = cost_model.request_delay if cost_model is not None else 0.0
+        self._cost_model = cost_model  # its request path delays each request (`_request_delays`)
         # The fleet's router, fed what a real fleet's would see (see `_route`).
         self.router = Router(options.router)
         self._hash_chain = block_hashers(config.cache.prefix_caching_hash_algo)[1]
@@ -266,7 +270,7 @@ class Simulator:
         wr = self._workload.requests[i]
         rec = RequestRecord(index=i, tenant=wr.tenant, priority=wr.priority, deadline=wr.deadline,
                             prompt_tokens=wr.prompt_tokens, output_tokens_asked=wr.output_tokens,
-                            scheduled_time=wr.arrival_time, send_time=t - self._t0 - self._client.delay,
+                            scheduled_time=wr.arrival_time, send_time=t - self._t0 - self._client.delays[i],
                             output_count_source="usage",
                             token_times=array("d"))
         self._records.append(rec)
@@ -293,6 +297,15 @@ class Simulator:
             # An idle replica may still be finishing its last step (its clock is ahead of t).
             rep.in_heap = True
             heapq.heappush(self._heap, (max(t, rep.last_end), rep.index))
+
+    def _request_delays(self, workload: Workload) -> list[float]:
+        """Each request's path to its engine: the profile's constant plus its cost per prompt token."""
+        cm = self._cost_model
+        if cm is None:
+            return [0.0] * len(workload.requests)
+        if not cm.request_delay_per_token:
+            return [cm.request_delay] * len(workload.requests)
+        return [cm.request_delay_for(r.prompt_tokens) for r in workload.requests]
 
     def _route(self, prompt: list[int], t: float) -> int:
         """The replica for a prompt sent at `t`, chosen by the fleet's router from the stats a real
@@ -539,7 +552,7 @@ class Simulator:
         wall0 = time.perf_counter()
         self._workload = workload
         self._synth = PromptSynth(workload.prefix_block_tokens, self.options.seed)
-        self._client = client = _Client(workload.requests, self.options, self._request_delay)
+        self._client = client = _Client(workload.requests, self.options, self._request_delays(workload))
         self._records: list[RequestRecord] = []
         self._outstanding = [0] * len(self.replicas)
         self._heap: list[tuple[float, int]] = []
