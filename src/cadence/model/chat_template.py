@@ -313,6 +313,12 @@ def _run(template: Any, variables: dict[str, Any], budget: RenderBudget) -> str:
     return "".join(chunks)
 
 
+# A content's placeholder in the first pass: the render's nonce (secrets.token_hex(8)) and the
+# message's index. One pattern for any nonce, compiled once: a pattern per nonce would be compiled
+# at every render (about 75 us, most of the substitution's time) and churn `re`'s pattern cache.
+_MARK = re.compile("\ue000([0-9a-f]{16}):(\\d+)\ue001")
+
+
 def render_chat(
     source: str,
     messages: Any,
@@ -348,11 +354,13 @@ def _substitute(shaped: str, nonce: str, contents: list[str]) -> tuple[str, list
     out: list[str] = []
     spans: list[tuple[int, int]] = []
     length = pos = 0
-    for m in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", shaped):
+    for m in _MARK.finditer(shaped):
+        if m.group(1) != nonce:  # marker-like text from a message or the template: text like any other
+            continue
         head = shaped[pos : m.start()]
         out.append(head)
         length += len(head)
-        content = contents[int(m.group(1))]
+        content = contents[int(m.group(2))]
         out.append(content)
         if content:
             spans.append((length, length + len(content)))
