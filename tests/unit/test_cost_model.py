@@ -192,6 +192,52 @@ def test_paths_features_and_their_inline_cost() -> None:
     assert model.cost(_out(chunk)) == pytest.approx(0.004 + 0.003 + 9 * 2e-5 + 2e-4 + 45e-9)
 
 
+def test_prefill_context_sums_each_chunks_start_and_tokens() -> None:
+    """A chunk's context is the keys its attention reads: the cached ones before it and its own."""
+    idx = BASES.index("prefill_context")
+    decodes = [_sr(f"d{i}", 1, 300 + i) for i in range(3)]
+    assert StepFeatures.from_output(_out(_sr("p", 25, 1024), *decodes)).bases()[idx] == 1024 + 25
+    assert StepFeatures.from_output(_out(_sr("p", 40, 0))).bases()[idx] == 40  # a fresh prompt: its own keys
+    two = StepFeatures.from_output(_out(_sr("p", 8, 16), _sr("q", 8, 40)))  # chunks of one length: exact
+    assert two.bases()[idx] == (16 + 8) + (40 + 8)
+    assert StepFeatures.from_output(_out(*decodes)).bases()[idx] == 0.0  # decode rows read no chunk context
+
+
+CONTEXT_TRUTH = {"const": 0.006, "prefill_tokens": 7e-4, "decode_seqs": 0.0, "sampled": 1e-3,
+                 "decode_padded": 1.7e-6, "prefill_attention": 7e-7, "prefill_context": 6e-6}
+
+
+def _chunk_steps(n: int, seed: int) -> list[tuple[StepFeatures, float]]:
+    """Prompt chunks of 8 to 512 tokens over 0 to 2,048 cached keys, some beside decodes, priced by
+    CONTEXT_TRUTH: each key of a chunk's context costs something whatever the chunk's length."""
+    rng = random.Random(seed)
+    truth = StepCostModel("padded+prefill_context", CONTEXT_TRUTH)
+    out = []
+    for _ in range(n):
+        rows = [_sr(f"d{i}", 1, rng.randint(16, 1024)) for i in range(rng.choice((0, 0, 4, 16)))]
+        if rng.random() < 0.8 or not rows:
+            rows.append(_sr("p", rng.choice((8, 24, 40, 64, 128, 512)), rng.choice((0, 512, 1024, 2048))))
+        f = StepFeatures.from_output(_out(*rows))
+        out.append((f, truth.predict(f)))
+    return out
+
+
+def test_fit_recovers_a_cost_per_key_of_a_chunks_context() -> None:
+    """Where a chunk's context costs per key beside its (query, key) pairs, the fit picks a set that
+    prices it and recovers the weight; without it, a short chunk over a long cached context comes
+    out underpriced."""
+    samples = _chunk_steps(200, seed=3)
+    model = StepCostModel.fit(samples, seed=0)
+    assert "prefill_context" in model.coefficients
+    assert model.coefficients["prefill_context"] == pytest.approx(CONTEXT_TRUTH["prefill_context"], rel=1e-6)
+    assert model.fit_report["heldout_mape"] < 1e-6
+    short = StepFeatures.from_output(_out(_sr("p", 24, 1024)))
+    truth = StepCostModel("padded+prefill_context", CONTEXT_TRUTH).predict(short)
+    assert model.predict(short) == pytest.approx(truth, rel=1e-6)
+    blind = StepCostModel.fit(samples, seed=0, feature_sets=("padded",))
+    assert truth / blind.predict(short) > 1.03  # what a model without the term charges it
+
+
 def test_replay_executor_returns_recorded_tokens_and_times() -> None:
     clock = VirtualClock(1.0)
     ex = ReplayExecutor([RecordedStep({"a": 7}, 0.5), RecordedStep({"a": 8}, 0.2, end_time=3.0)], clock=clock)

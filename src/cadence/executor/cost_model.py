@@ -35,12 +35,14 @@ from cadence.sched.features import (
     KNEE_3,
     KNEES,
     StepFeatures,
+    prefill_context,
     scan_rows,
     shared_decode_keys,
 )
 
 PROFILE_FORMAT = 1
 SHARED = BASES.index("decode_context_shared")  # its weight in `StepCostModel._w`
+CHUNK_CONTEXT = BASES.index("prefill_context")  # likewise
 REQUEST_PATH_TERMS = ("per_request", "per_prompt_token")  # a profile's `request_path` keys
 
 
@@ -54,6 +56,8 @@ def _cols(*names: str) -> dict[str, dict[str, float]]:
 # a rectangular batch does; "padded+context" keeps both. "padded+context+shared" prices the decode
 # keys in blocks an earlier row of the step read (a shared prompt prefix) apart from the others:
 # both columns non-negative, so the fit can find a re-read key cheaper without a negative weight.
+# "+prefill_context" adds a cost per key of each chunk's context (start + tokens), which a short
+# chunk over a long cached context pays beside its (query, key) pairs.
 FEATURE_SETS: dict[str, dict[str, dict[str, float]]] = {
     "tokens": {"const": {"const": 1.0}, "num_tokens": {"prefill_tokens": 1.0, "decode_seqs": 1.0},
                "num_seqs": {"prefill_seqs": 1.0, "decode_seqs": 1.0}},
@@ -64,6 +68,12 @@ FEATURE_SETS: dict[str, dict[str, dict[str, float]]] = {
     "padded+context+shared": {**_cols("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled"),
                               "decode_context_own": {"decode_context": 1.0, "decode_context_shared": -1.0},
                               **_cols("decode_context_shared", "decode_padded", "prefill_attention")},
+    "padded+prefill_context": _cols("const", "prefill_tokens", "decode_seqs", "sampled", "decode_padded",
+                                    "prefill_attention", "prefill_context"),
+    "padded+context+shared+prefill_context": {
+        **_cols("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled"),
+        "decode_context_own": {"decode_context": 1.0, "decode_context_shared": -1.0},
+        **_cols("decode_context_shared", "decode_padded", "prefill_attention", "prefill_context")},
     **{f"padded+knee{k.removeprefix('decode_over_')}": _cols(
         "const", "prefill_tokens", "decode_seqs", "sampled", "decode_padded", k, "prefill_attention") for k in KNEES},
     "paths": {**_cols("const", "prefill_step"),
@@ -122,6 +132,17 @@ def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
             return coef
         del active[int(np.argmin(contrib))]
     return coef
+
+
+TIE = 1e-9  # held-out errors this close are a tie (a column the data never moved, or rounding)
+
+
+def _simplest_best(candidates: dict[str, dict[str, float]]) -> str:
+    """The candidate with the lowest held-out error; of those tied with it, the one with the fewest
+    columns: a set that adds a column to another, weighted about zero, must not win on rounding."""
+    low = min(c["heldout_mape"] for c in candidates.values())
+    tied = [k for k, c in candidates.items() if c["heldout_mape"] <= low + TIE]
+    return min(tied, key=lambda k: len(FEATURE_SETS[k]))  # (min keeps the first of equals: table order)
 
 
 def mape(pred: np.ndarray, y: np.ndarray) -> float:
@@ -233,7 +254,7 @@ class StepCostModel:
             coef = _fit_nonneg(x[train], y[train])
             pred = np.maximum(x @ coef, 1e-6)
             candidates[fs] = {"train_mape": mape(pred[train], y[train]), "heldout_mape": mape(pred[test], y[test])}
-        best = min(candidates, key=lambda k: candidates[k]["heldout_mape"])
+        best = _simplest_best(candidates)
         x = _design(feats, best)
         coef = _fit_nonneg(x, y)
         cols = list(FEATURE_SETS[best])
@@ -443,6 +464,8 @@ class SimExecutor:
                 + w[11] * (pt > 0) + w[12] * (ds if pt else 0))
         if sh:  # (a model without the feature adds nothing: the same sum as before it existed)
             cost += w[SHARED] * sh
+        if pt and w[CHUNK_CONTEXT]:  # (likewise)
+            cost += w[CHUNK_CONTEXT] * prefill_context(pt, ps, pa)
         if pad > KNEE_1:  # the hinges (see KNEES)
             cost += w[7] * (pad - KNEE_1) + w[8] * max(0, pad - KNEE_2) + w[9] * max(0, pad - KNEE_3)
         return max(cost, self._min_cost)
@@ -487,6 +510,8 @@ class SimExecutor:
             cost += w[10] * pa
             cost += w[11]  # w[11] * (c > 0)
             cost += w[12] * n
+            if w[CHUNK_CONTEXT]:  # `prefill_context` of one chunk: pa / c + (c - 1) / 2, as `_cost` has it
+                cost += w[CHUNK_CONTEXT] * (pa / c + (c - 1) / 2)
         if run.shared:
             cost += w[SHARED] * run.shared
         if pad[-1] > KNEE_1:  # the hinges (see KNEES); pad grows with the step, so past K1 is a tail

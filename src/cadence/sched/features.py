@@ -14,7 +14,7 @@ from cadence.boundary import ScheduledRequest, SchedulerOutput
 # Base quantities every feature set is linear in; the fitted model folds into one weight per base.
 BASES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "decode_context",
          "decode_padded", "decode_over_16k", "decode_over_32k", "decode_over_64k", "prefill_attention",
-         "prefill_step", "decode_seqs_beside_prefill", "decode_context_shared")
+         "prefill_step", "decode_seqs_beside_prefill", "decode_context_shared", "prefill_context")
 # The two paths of a CPU step (model/llama.py): an all-decode step runs every layer in one kernel
 # call; a step with a prompt chunk runs them one by one from Python, at a fixed cost more
 # ("prefill_step": 1 for such a step), and its decode rows go through the same matmuls as the
@@ -23,10 +23,23 @@ BASES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "sampled", "d
 # Decode rows whose tables share blocks (a common prompt prefix from the prefix cache) read those
 # blocks again while they are still in the CPU's caches: each re-read key costs about a third less
 # than a key read once ("decode_context_shared": see `shared_decode_keys`).
+# A prompt chunk's attention reads its whole context (the cached keys before it and its own) once
+# per chunk for each layer and head, whatever the chunk's length, beside the work per (query, key)
+# pair: "prefill_context" is the chunks' context lengths summed (start + tokens of each), what
+# keeps a short chunk over a long cached context dearer than its pairs alone say. It is derived
+# from the step's totals (`prefill_context`), so step logs and profiles need no new field.
 # Where the gathered decode context outgrows the CPU's caches, each key costs more: hinges at a few
 # candidate knees (keys read by the decode batch) let the fit find the bend on this machine.
 KNEES = {"decode_over_16k": 16384, "decode_over_32k": 32768, "decode_over_64k": 65536}
 KNEE_1, KNEE_2, KNEE_3 = KNEES.values()  # in BASES order, for the places that evaluate the hinges
+
+
+def prefill_context(tokens: int, seqs: int, attention: int) -> float:
+    """The chunks' context lengths summed (each its start position plus its tokens), from the step's
+    prefill tokens, chunk rows and (query, key) pairs: exact for one chunk (a chunk of n tokens
+    from position s has n * s + n * (n + 1) / 2 pairs, so s + n = pairs / n + (n - 1) / 2) and for
+    chunks of one length, near it otherwise."""
+    return seqs * attention / tokens + (tokens - seqs) / 2 if tokens else 0.0
 
 
 def scan_rows(rows: Sequence[ScheduledRequest], token: int) -> tuple[int, int, int, int, int, int, int, dict[str, int]]:
@@ -122,7 +135,8 @@ class StepFeatures:
         return (1.0, self.prefill_tokens, self.prefill_seqs, self.decode_seqs, self.sampled, self.decode_context,
                 pad, max(0, pad - KNEE_1), max(0, pad - KNEE_2), max(0, pad - KNEE_3), self.prefill_attention,
                 float(self.prefill_tokens > 0), self.decode_seqs if self.prefill_tokens else 0,
-                self.decode_context_shared)
+                self.decode_context_shared, prefill_context(self.prefill_tokens, self.prefill_seqs,
+                                                            self.prefill_attention))
 
     def to_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in _FIELDS}

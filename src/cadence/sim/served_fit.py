@@ -10,7 +10,9 @@ those into a profile:
 - the step cost model is fitted again on the calibration's own sweep plus a sample of the served
   steps (at most `SERVED_PER_SWEEP` times as many as the sweep has shapes, drawn evenly over the
   runs, so that the sweep's long contexts and large batches, which light traffic never makes,
-  still shape the fit);
+  still shape the fit), in equal shares of each kind of step (`step_kind`): traffic makes a
+  prompt chunk in a few steps of a hundred, and a draw blind to kind would leave the fit a
+  handful of the steps that time to first token is made of;
 - the serving overhead becomes what the engine thread was measured to spend outside the
   executor, fitted over the runs as a constant per step plus a cost per scheduled row;
 - the request path (what a request pays outside the steps: HTTP, tokenization, hand-offs) comes
@@ -48,14 +50,30 @@ def sweep_samples(model: StepCostModel) -> list[tuple[StepFeatures, float]]:
     return out
 
 
+def step_kind(f: StepFeatures) -> str:
+    """"decodes", "chunk" (prompt chunks alone) or "chunk + decodes": the kinds `served_samples` draws evenly."""
+    if not f.prefill_tokens:
+        return "decodes"
+    return "chunk + decodes" if f.decode_seqs else "chunk"
+
+
 def served_samples(step_logs: list[Path], limit: int, seed: int = 0) -> list[tuple[StepFeatures, float]]:
-    """At most `limit` recorded steps, the same share from each log."""
+    """At most `limit` recorded steps, the same share from each log, and within a log the same
+    share of each kind of step (`step_kind`); a kind with fewer steps than its share gives them
+    all and leaves the rest of its share to the others."""
     rng = random.Random(seed)
     per_log = max(1, limit // max(1, len(step_logs)))
     out: list[tuple[StepFeatures, float]] = []
     for path in step_logs:
-        rows = [r for r in read_step_log(path) if r[1] > 0]
-        out += rng.sample(rows, min(per_log, len(rows)))
+        kinds: dict[str, list[tuple[StepFeatures, float]]] = {}
+        for r in read_step_log(path):
+            if r[1] > 0:
+                kinds.setdefault(step_kind(r[0]), []).append(r)
+        left = per_log
+        for i, rows in enumerate(sorted(kinds.values(), key=len)):  # the scarcest kind first
+            take = min(len(rows), left // (len(kinds) - i))
+            out += rng.sample(rows, take)
+            left -= take
     return out
 
 
