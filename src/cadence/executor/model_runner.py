@@ -199,7 +199,7 @@ class ModelRunner:
                     last_rows.extend(range(len(ids) - 1 - r.num_draft_tokens, len(ids)))
                 else:
                     last_rows.append(len(ids) - 1)
-        spans = [SeqSpan(r.start_pos, r.num_tokens, r.block_table) for r in order]
+        spans = self._spans(order, has_drafts)
         meta = AttentionMetadata.build(spans, self.kv_cache.block_size, self.device, self.arch.num_kv_heads,
                                        self.model.decode_kernels)
         return FlatBatch(
@@ -210,6 +210,18 @@ class ModelRunner:
             sampling=tuple(r for r in order if r.sample),
             has_drafts=has_drafts,
         )
+
+    def _spans(self, order: Sequence[ScheduledRequest], has_drafts: bool) -> list[SeqSpan]:
+        """The step's attention spans. Where the model runs all-decode steps in one kernel call and
+        every row is a decode or a verification row, a verification row of 1 + k tokens from
+        position p becomes k + 1 single-token decode rows at p .. p + k sharing its block table
+        (context lengths p + 1 .. p + k + 1): the kernel writes every row's K/V of a layer before
+        any row of that layer attends, and a decode query computes the bits a chunk's query at
+        that position does, so the step takes the one-call path with the same logits."""
+        if has_drafts and self.model.fused_decode is not None and all(
+                r.num_tokens == 1 or r.num_tokens == 1 + r.num_draft_tokens for r in order):
+            return [SeqSpan(r.start_pos + i, 1, r.block_table) for r in order for i in range(r.num_tokens)]
+        return [SeqSpan(r.start_pos, r.num_tokens, r.block_table) for r in order]
 
     def _run(self, batch: FlatBatch) -> torch.Tensor:
         assert self.kv_cache is not None

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cadence.sched.features import StepFeatures
+from cadence.sched.features import StepFeatures, verification_shared_keys
 
 StepCost = Callable[[StepFeatures], float]
 
@@ -87,7 +87,8 @@ class Candidate:
     shared: int = 0
 
 
-def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCost, budget: int) -> dict[str, int]:
+def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCost, budget: int,
+              block_size: int = 0) -> dict[str, int]:
     """k for each candidate that should speculate (the others: 0), given the planned step `base`
     (every candidate in it as a plain decode) and at most `budget` draft tokens in all.
 
@@ -99,7 +100,13 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
     path (a CPU step with a chunk runs differently) and lose on its own while later rows gain: it is
     kept tentatively, and the set kept in the end is the leading run of candidates with the largest
     total gain. Once the step has a chunk, a candidate that gains nothing ends the search (those
-    after it accept less)."""
+    after it accept less).
+
+    In a step without a prompt chunk a row of k drafts is k more decode rows beside the
+    candidate's (the runner runs the step on its all-decode path, `scan_rows`); in one with a
+    chunk it is a chunk of 1 + k tokens in place of the candidate's decode. `block_size`: the
+    cost prices keys re-read from shared blocks (the draft rows re-read the candidate's context);
+    0: it does not."""
     pt, ps, ds, sm = base.prefill_tokens, base.prefill_seqs, base.decode_seqs, base.sampled
     dc, pa, sh = base.decode_context, base.prefill_attention, base.decode_context_shared
     if ds == 0:
@@ -113,12 +120,9 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
     for c in sorted(candidates, key=lambda c: -c.rate):
         if budget <= 0:
             break
-        # The candidate's decode row leaves; a chunk of 1 + k at the same position takes its place.
-        ds1, dc1, sh1 = ds - 1, dc - (c.start + 1), sh - c.shared
         pick = None
         for k in range(1, min(c.max_k, budget) + 1):
-            n = 1 + k
-            f = StepFeatures(pt + n, ps + 1, ds1, sm + k, dc1, ds1 * dmax, pa + n * c.start + n * (n + 1) // 2, sh1)
+            f = _with_drafts(pt, ps, ds, sm, dc, dmax, pa, sh, c, k, block_size)
             ct = cost(f)
             net = expected_tokens(k, c.rate) - 1 - per_second * (ct - t)
             if pick is not None and net <= pick[1]:
@@ -133,7 +137,23 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
         budget -= k
         gain += net
         t = ct
-        pt, ps, ds, sm, dc, pa, sh = f.prefill_tokens, f.prefill_seqs, ds1, f.sampled, dc1, f.prefill_attention, sh1
+        pt, ps, ds, sm, dc, pa, sh = (f.prefill_tokens, f.prefill_seqs, f.decode_seqs, f.sampled, f.decode_context,
+                                      f.prefill_attention, f.decode_context_shared)
+        dmax = f.decode_padded // ds if ds else 0
         if gain > best_gain:
             best_gain, best_len = gain, len(chosen)
     return dict(chosen[:best_len])
+
+
+def _with_drafts(pt: int, ps: int, ds: int, sm: int, dc: int, dmax: int, pa: int, sh: int, c: Candidate, k: int,
+                 block_size: int) -> StepFeatures:
+    """The step's features with candidate c's decode made a row of k drafts (`choose_ks`)."""
+    n = 1 + k
+    if pt == 0:  # k more decode rows at contexts start + 2 .. start + 1 + k
+        ds1, dmax1 = ds + k, max(dmax, c.start + n)
+        return StepFeatures(0, ps, ds1, sm + k, dc + k * (c.start + 1) + k * (k + 1) // 2, ds1 * dmax1, pa,
+                            sh + verification_shared_keys(c.start, k, block_size))
+    # The candidate's decode row leaves; a chunk of 1 + k at the same position takes its place.
+    ds1 = ds - 1
+    return StepFeatures(pt + n, ps + 1, ds1, sm + k, dc - (c.start + 1), ds1 * dmax, pa + n * c.start + n * (n + 1) // 2,
+                        sh - c.shared)

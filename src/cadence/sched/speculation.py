@@ -110,7 +110,7 @@ class Speculation:
             return
         pt, ps, ds, dc, dmax, pa, sm, _ = scan_rows(tuple(rows.values()), 0)
         base = StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa, sum(shared.values()))
-        ks = choose_ks(base, cands, step_cost, plan.budget)
+        ks = choose_ks(base, cands, step_cost, plan.budget, self.kv.block_size if prices_shared else 0)
         for rid, k in ks.items():
             req, drafts = proposals[rid]
             if k > plan.budget or not self._allocate(req, k, num_running):
