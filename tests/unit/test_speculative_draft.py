@@ -38,7 +38,10 @@ DRAFT = {"method": "draft_model", "model": "a draft the fake executor stands in 
 class DraftingExecutor(FakeExecutor):
     """The fake model, plus a fake drafter: it keeps each request's context as the scheduler sends
     it (recording any offset out of step) and proposes the fake model's own next tokens, but a
-    wrong one at every position divisible by 3, so drafts are both accepted and rejected."""
+    wrong one at every position divisible by `wrong_every` (3: drafts are both accepted and
+    rejected)."""
+
+    wrong_every = 3
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
@@ -67,7 +70,7 @@ class DraftingExecutor(FakeExecutor):
             proposal: list[int] = []
             for _ in range(want.k):
                 token = next_token(full + proposal)
-                proposal.append((token + 1) % VOCAB if (len(full) + len(proposal)) % 3 == 0 else token)
+                proposal.append((token + 1) % VOCAB if (len(full) + len(proposal)) % self.wrong_every == 0 else token)
             drafts[rid] = self.proposed[rid] = tuple(proposal)
         return replace(result, draft_token_ids=drafts)
 

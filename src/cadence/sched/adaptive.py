@@ -87,8 +87,26 @@ class Candidate:
     shared: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class DraftModelCost:
+    """What drafting costs with a draft model: after each step it runs `num_tokens` decode passes
+    over the requests it drafts for, each pass `ratio` (its layers over the served model's) of
+    what a served decode step of those requests costs."""
+
+    ratio: float
+    num_tokens: int
+
+    def time(self, cost: StepCost, rows: int, context: int, longest: int, row_context: int) -> float:
+        """The drafting time one more request of context `row_context` adds to `rows` others of
+        `context` keys, the longest `longest` (the first request drafted pays the passes' weight reads)."""
+        def step(n: int, ctx: int, top: int) -> float:
+            return cost(StepFeatures(decode_seqs=n, sampled=n, decode_context=ctx, decode_padded=n * top)) if n else 0.0
+        top = max(longest, row_context)
+        return self.ratio * self.num_tokens * (step(rows + 1, context + row_context, top) - step(rows, context, longest))
+
+
 def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCost, budget: int,
-              block_size: int = 0) -> dict[str, int]:
+              block_size: int = 0, drafting: DraftModelCost | None = None) -> dict[str, int]:
     """k for each candidate that should speculate (the others: 0), given the planned step `base`
     (every candidate in it as a plain decode) and at most `budget` draft tokens in all.
 
@@ -106,7 +124,9 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
     candidate's (the runner runs the step on its all-decode path, `scan_rows`); in one with a
     chunk it is a chunk of 1 + k tokens in place of the candidate's decode. `block_size`: the
     cost prices keys re-read from shared blocks (the draft rows re-read the candidate's context);
-    0: it does not."""
+    0: it does not. `drafting`: with a draft model, a candidate that speculates is also drafted for
+    after the step, and that time counts against its gain (a candidate turned down is not drafted
+    for: `Speculation.adapt`)."""
     pt, ps, ds, sm = base.prefill_tokens, base.prefill_seqs, base.decode_seqs, base.sampled
     dc, pa, sh = base.decode_context, base.prefill_attention, base.decode_context_shared
     if ds == 0:
@@ -117,14 +137,16 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
     t = cost(base)
     gain, best_gain, best_len = 0.0, 0.0, 0
     chosen: list[tuple[str, int]] = []
+    drafted = drafted_ctx = drafted_top = 0  # the requests drafted for so far: rows, keys, longest
     for c in sorted(candidates, key=lambda c: -c.rate):
         if budget <= 0:
             break
+        draft_time = 0.0 if drafting is None else drafting.time(cost, drafted, drafted_ctx, drafted_top, c.start + 1)
         pick = None
         for k in range(1, min(c.max_k, budget) + 1):
             f = _with_drafts(pt, ps, ds, sm, dc, dmax, pa, sh, c, k, block_size)
             ct = cost(f)
-            net = expected_tokens(k, c.rate) - 1 - per_second * (ct - t)
+            net = expected_tokens(k, c.rate) - 1 - per_second * (ct - t + draft_time)
             if pick is not None and net <= pick[1]:
                 break  # past the best k: the gain falls from here on
             pick = (k, net, ct, f)
@@ -134,6 +156,7 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
         if net <= 0 and pt > 0:
             break
         chosen.append((c.request_id, k))
+        drafted, drafted_ctx, drafted_top = drafted + 1, drafted_ctx + c.start + 1, max(drafted_top, c.start + 1)
         budget -= k
         gain += net
         t = ct
