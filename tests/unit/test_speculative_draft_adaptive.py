@@ -5,6 +5,7 @@ so that drafts that would pay on their own are turned down where drafting them c
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -14,6 +15,8 @@ from test_speculative_draft import DRAFT, DraftingExecutor
 
 from cadence import LLM
 from cadence.engine.builder import random_weights, tiny_arch
+from cadence.executor.drafter import Drafter
+from cadence.model.attention import PagedKVCache
 from cadence.model.make_draft import write_draft
 from cadence.model.tokenizer import Tokenizer
 from cadence.request import SamplingParams
@@ -88,3 +91,56 @@ def test_the_engine_prices_drafting_at_the_draft_models_share_of_the_layers(tmp_
     llm = LLM(tiny=True, dtype="float32", speculative_config={**ADAPTIVE_DRAFT, "model": str(draft)})
     speculation = llm.engine.core.scheduler.speculation
     assert speculation is not None and speculation.draft_cost_ratio == 1 / arch.num_layers
+
+
+# ---------------------------------------------------------------- the draft cache in the KV budget
+def test_the_draft_models_cache_is_counted_in_the_kv_cache_memory(tmp_path: Path, caplog) -> None:
+    tokenizer = Tokenizer.from_model_path(None)
+    arch = tiny_arch(tokenizer.vocab_size)
+    draft = write_draft(arch, random_weights(arch, seed=0), 1, tmp_path / "draft", tokenizer, torch.float32)
+    memory = 3 * 2**20
+    with caplog.at_level(logging.INFO, logger="cadence.executor"):
+        llm = LLM(tiny=True, dtype="float32", block_size=4, kv_cache_memory=memory,
+                  speculative_config={**ADAPTIVE_DRAFT, "model": str(draft)})
+    runner = llm.engine.core.executor
+    drafter = runner.drafter
+    target = PagedKVCache.bytes_per_block(num_layers=arch.num_layers, block_size=4, num_kv_heads=arch.num_kv_heads,
+                                          head_dim=arch.head_dim, dtype=torch.float32)
+    num_blocks = llm.engine.core.num_blocks
+    assert num_blocks == memory // (target + drafter.bytes_per_block()) < memory // target
+    assert drafter.cache.num_blocks == num_blocks == runner.kv_cache.num_blocks
+    assert runner.kv_cache.kv.nbytes + drafter.cache.kv.nbytes <= memory
+    assert any("draft model's KV cache" in r.getMessage() and str(num_blocks) in r.getMessage()
+               for r in caplog.records)
+    # It stays within it: more requests than the draft cache holds at once still get proposals.
+    outs = llm.generate([{"prompt_token_ids": [(7 * i + j) % 300 + 5 for j in range(40)]} for i in range(6)],
+                        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert drafter.cache.num_blocks == num_blocks
+
+
+def test_a_budgeted_draft_cache_drops_idle_requests_and_proposes_as_a_fresh_run() -> None:
+    """A draft cache of 12 blocks of 4 holds two contexts of 20: proposing for others drops the K/V
+    of the idle ones (least recently drafted for first), and the proposals, then and when the first
+    ones are drafted for again, are a fresh drafter's. A request that alone needs more blocks
+    than the cache has gets no drafts; the cache never grows."""
+    arch = tiny_arch(500)
+    weights = random_weights(arch, seed=3)
+    drafter = Drafter(arch, weights, block_size=4, dtype=torch.float32)
+    drafter.initialize_cache(12)
+    g = torch.Generator().manual_seed(1)
+    ctx = {f"r{i}": torch.randint(0, 500, (20,), generator=g).tolist() for i in range(5)}
+
+    def fresh(rids: list[str]) -> dict:
+        return Drafter(arch, weights, block_size=4, dtype=torch.float32).propose({r: (ctx[r], 4) for r in rids})
+
+    def holding() -> set[str]:
+        return {rid for rid, state in drafter.states.items() if state.blocks}
+
+    # Each context of 20 and its 3 fed drafts take 6 blocks: two fit.
+    for batch, held in ((["r0", "r1"], {"r0", "r1"}), (["r2"], {"r1", "r2"}), (["r3"], {"r2", "r3"}),
+                        (["r4"], {"r3", "r4"}), (["r0"], {"r4", "r0"}), (["r1", "r2"], {"r1", "r2"})):
+        assert drafter.propose({r: (ctx[r], 4) for r in batch}) == fresh(batch), batch
+        assert holding() == held, batch
+    assert drafter.propose({"long": (list(range(60)), 4)}) == {}
+    assert drafter.cache.num_blocks == 12

@@ -6,6 +6,7 @@ scheduler's internals, only the frozen `SchedulerOutput` of each step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import KV_CACHE_DTYPES, AttentionMetadata, PagedKVCache, SeqSpan, to_device
 from cadence.model.llama import LlamaModel
 from cadence.model.sampler import Sampler
+
+log = logging.getLogger("cadence.executor")
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,10 @@ class ModelRunner:
     # -- Executor protocol ------------------------------------------------------------------------
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return PagedKVCache.bytes_per_block(
+        """A block's bytes: the served model's K/V, and with a draft model its K/V for as many
+        positions (the draft cache has as many blocks, `initialize_kv_cache`), so that the engine's
+        block count keeps both within the KV cache memory."""
+        target = PagedKVCache.bytes_per_block(
             num_layers=self.arch.num_layers,
             block_size=block_size,
             num_kv_heads=self.arch.num_kv_heads,
@@ -79,8 +85,14 @@ class ModelRunner:
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,
         )
+        return target + (self.drafter.bytes_per_block() if self.drafter is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        if self.drafter is not None:
+            self.drafter.initialize_cache(num_blocks)
+            per_block = self.drafter.bytes_per_block()
+            log.info("draft model's KV cache: %d blocks of %d tokens, %.1f MiB, within the KV cache memory",
+                     num_blocks, block_size, num_blocks * per_block / 2**20)
         self.kv_cache = PagedKVCache.allocate(
             num_layers=self.arch.num_layers,
             num_blocks=num_blocks,
