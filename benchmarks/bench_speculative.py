@@ -165,7 +165,7 @@ def main() -> int:
     p.add_argument("--grounded-output-tokens", type=int, default=256,
                    help="output tokens of each grounded request (default %(default)s)")
     p.add_argument("--max-output-tokens", type=int, default=None, help="clamp every workload's output lengths")
-    p.add_argument("--streams", default="1,8,32", help="chat mix concurrencies (default %(default)s)")
+    p.add_argument("--streams", default="1,8,32", help="chat mix concurrencies (default %(default)s; \"\" for none)")
     p.add_argument("--num-threads", type=int, default=2, help="the server's torch threads (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="round r uses seed + r (default %(default)s)")
     p.add_argument("--tiny", action="store_true", help="serve the tiny random model (a check that the script runs)")
@@ -177,7 +177,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     grounded_requests(out / "grounded.jsonl", args.num_requests, args.grounded_output_tokens)
-    cells = [("grounded", 1)] + [("chat", int(s)) for s in args.streams.split(",")]
+    cells = [("grounded", 1)] + [("chat", int(s)) for s in args.streams.split(",") if s]
     header = ["| cell | round | mode | output tok/s | TPOT ms | x tok/s | x TPOT | acceptance | mean k | errors |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     lines = list(header)

@@ -185,18 +185,27 @@ def test_step_log_records_shared_keys(tmp_path) -> None:
 
 
 def test_adaptive_k_prices_the_step_with_its_shared_keys() -> None:
-    """A verification row leaves the decode rows with its shared keys: the step the candidate's
-    drafts are priced against keeps the others'."""
+    """Beside a prompt chunk a verification row is a chunk: it leaves the decode rows with its
+    shared keys, and the step the candidate's drafts are priced against keeps the others'. Beside
+    decodes only its drafts are decode rows after the candidate's, re-reading its blocks: keys
+    they add to the shared ones."""
     seen: list[StepFeatures] = []
 
     def cost(f: StepFeatures) -> float:
         seen.append(f)
-        return 0.01 + 1e-3 * f.prefill_tokens
+        return 0.01 + 1e-3 * (f.prefill_tokens + f.decode_seqs)
 
-    base = StepFeatures(decode_seqs=3, sampled=3, decode_context=300, decode_padded=300, decode_context_shared=160)
-    choose_ks(base, [Candidate("b", 99, 2, 0.9, shared=80)], cost, 8)
+    decodes = dict(decode_seqs=3, sampled=3, decode_context=300, decode_padded=300, decode_context_shared=160)
+    chunk = StepFeatures(prefill_tokens=8, prefill_seqs=1, **decodes)
+    choose_ks(chunk, [Candidate("b", 99, 2, 0.9, shared=80)], cost, 8, BS)
     assert seen[0].decode_context_shared == 160 and seen[1].decode_context_shared == 160
     assert {f.decode_context_shared for f in seen[2:]} == {80}
+    seen.clear()
+    choose_ks(StepFeatures(**decodes), [Candidate("b", 99, 2, 0.9, shared=80)], cost, 8, BS)
+    # Draft rows at contexts 101 and 102: every key of theirs is in the 7 blocks of 16 the
+    # candidate's context of 100 (and the draft row before) already read.
+    assert [f.decode_context_shared for f in seen[2:]] == [160 + 101, 160 + 101 + 102]
+    assert [f.decode_seqs for f in seen[2:]] == [4, 5]
     assert "decode_context_shared" in features.BASES
 
 

@@ -9,6 +9,7 @@ import itertools
 import pytest
 from fakes import FakeExecutor, make_engine, make_request, tokens_of
 
+from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.request import SamplingParams
 from cadence.sched.adaptive import Acceptance, Candidate, choose_ks, expected_tokens
 from cadence.sched.features import StepFeatures
@@ -20,9 +21,13 @@ FIXED = {**ADAPTIVE, "adaptive": False}
 
 
 def fake_cost(f: StepFeatures) -> float:
-    """A step: 10 units of weight reads, 1 per token through the matmuls, 3 more per chunk (a
-    verification row is one): a batch of 10 decodes is as dear in arithmetic as in memory."""
-    return 10.0 + f.prefill_tokens + f.decode_seqs + 3.0 * f.prefill_seqs
+    """A step of n tokens: 10 units of weight reads, or its arithmetic where that is more (half a
+    unit a token: from 20 tokens on the step is compute-bound), plus 3 a token of work per row (as
+    on the shipped CPU profile, a decode row costs about a third of a one-row step), and 3 more per
+    prompt chunk. A verification row is decode rows beside decodes, a chunk beside a prompt chunk
+    (`scan_rows`)."""
+    n = f.prefill_tokens + f.decode_seqs
+    return max(10.0, 0.5 * n) + 3.0 * n + 3.0 * f.prefill_seqs
 
 
 def _contrary(prompt: list[int], n: int) -> list[int]:
@@ -182,3 +187,30 @@ def test_the_step_priced_for_drafts_counts_shared_keys_when_its_cost_does(prices
         engine.step()
     shared = [f.decode_context_shared for f in seen]
     assert seen and (max(shared) >= 3 * 20 if prices_shared else max(shared) == 0)
+
+
+def _row(rid: str, n: int, start: int, drafts: int = 0) -> ScheduledRequest:
+    return ScheduledRequest(rid, tuple(range(n)), start, tuple(range(start // 4 + 3)), True, SamplingParams(),
+                            num_draft_tokens=drafts)
+
+
+def test_a_verification_row_beside_decodes_is_priced_as_the_decode_rows_it_runs_as() -> None:
+    """Beside decodes only, a row of k drafts at position p is k + 1 decode rows of contexts p + 1 ..
+    p + k + 1 (the runner runs the step on its all-decode path); beside a prompt chunk it is a chunk."""
+    verify, decode, prompt = _row("v", 5, 40, drafts=4), _row("d", 1, 9), _row("p", 6, 0)
+    alone = StepFeatures.from_output(SchedulerOutput(0, (verify, decode)))
+    assert (alone.prefill_tokens, alone.prefill_seqs, alone.decode_seqs, alone.sampled) == (0, 0, 6, 6)
+    assert alone.decode_context == 41 + 42 + 43 + 44 + 45 + 10 and alone.decode_padded == 6 * 45
+    chunked = StepFeatures.from_output(SchedulerOutput(0, (verify, decode, prompt)))
+    assert (chunked.prefill_tokens, chunked.prefill_seqs, chunked.decode_seqs, chunked.sampled) == (11, 2, 1, 7)
+    assert chunked.prefill_attention == (5 * 40 + 15) + 21 and chunked.decode_context == 10
+    # choose_ks prices a candidate's drafts as the step it plans will be priced once laid out.
+    seen: list[StepFeatures] = []
+
+    def cost(f: StepFeatures) -> float:
+        seen.append(f)
+        return fake_cost(f)
+
+    base = StepFeatures.from_output(SchedulerOutput(0, (_row("v", 1, 40), decode)))
+    choose_ks(base, [Candidate("v", 40, 4, 0.99)], cost, 64)
+    assert alone in seen

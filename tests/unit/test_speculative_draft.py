@@ -38,7 +38,10 @@ DRAFT = {"method": "draft_model", "model": "a draft the fake executor stands in 
 class DraftingExecutor(FakeExecutor):
     """The fake model, plus a fake drafter: it keeps each request's context as the scheduler sends
     it (recording any offset out of step) and proposes the fake model's own next tokens, but a
-    wrong one at every position divisible by 3, so drafts are both accepted and rejected."""
+    wrong one at every position divisible by `wrong_every` (3: drafts are both accepted and
+    rejected)."""
+
+    wrong_every = 3
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
@@ -67,7 +70,7 @@ class DraftingExecutor(FakeExecutor):
             proposal: list[int] = []
             for _ in range(want.k):
                 token = next_token(full + proposal)
-                proposal.append((token + 1) % VOCAB if (len(full) + len(proposal)) % 3 == 0 else token)
+                proposal.append((token + 1) % VOCAB if (len(full) + len(proposal)) % self.wrong_every == 0 else token)
             drafts[rid] = self.proposed[rid] = tuple(proposal)
         return replace(result, draft_token_ids=drafts)
 
@@ -200,8 +203,8 @@ def test_after_rejected_drafts_proposals_are_those_of_a_fresh_run(tiny_model: tu
 def test_in_an_engine_every_proposal_is_a_fresh_runs(tmp_path: Path, num_kv_blocks: int) -> None:
     """The tiny engine with its first layer as the draft: every proposal the drafter made, over
     steps where the target accepted some drafts and rejected others (and, with 12 blocks, where
-    requests were preempted and ran again), equals what a fresh drafter proposes over the same
-    context."""
+    requests were preempted and ran again, and the draft cache had no room for some), equals what
+    a fresh drafter proposes over the same context."""
     tokenizer = Tokenizer.from_model_path(None)
     arch = tiny_arch(tokenizer.vocab_size)
     weights = random_weights(arch, seed=0)
@@ -229,7 +232,10 @@ def test_in_an_engine_every_proposal_is_a_fresh_runs(tmp_path: Path, num_kv_bloc
     fresh = Drafter(ckpt.arch, ckpt.weights, block_size=4, dtype=torch.float32)
     for contexts, got in calls:
         fresh.forget(list(fresh.states))
-        assert fresh.propose(contexts) == got
+        want = fresh.propose(contexts)
+        # With 12 blocks the draft cache (as many blocks) may have no room for a request in a step:
+        # it gets no drafts then; every proposal made is a fresh run's.
+        assert got == (want if num_kv_blocks == 256 else {rid: want[rid] for rid in got})
 
 
 # ---------------------------------------------------------------- configuration

@@ -151,6 +151,9 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
     structured = StructuredOutputs(tokenizer, arch.vocab_size)  # the grammar library loads on first use
     core = EngineCore(config, runner, clock=clock, max_model_len=max_len, eos_token_ids=tokenizer.eos_token_ids,
                       structured=structured)
+    if runner.drafter is not None and core.scheduler.speculation is not None:
+        # Adaptive k prices drafting at the draft model's share of the served model's layers.
+        core.scheduler.speculation.draft_cost_ratio = runner.drafter.arch.num_layers / arch.num_layers
     if config.model.record_steps:
         core.step_observer = StepLog(config.model.record_steps, config.cache.block_size)
     name = config.model.served_model_name or (arch.name if tiny else _model_name(path))

@@ -8,7 +8,12 @@ proposal puts all its mass on one token, so the target's verification rule (`Sam
 stays exact for greedy and sampling requests alike.
 
 The draft's K/V live in the drafter's own paged cache (its own layers, its own blocks), per
-request. A position's K/V are kept only while the token fed there is the context's token: the
+request. In an engine the cache has as many blocks as the served model's, its bytes counted in
+the same KV cache memory (`ModelRunner.kv_bytes_per_block`); when a step's requests need more
+(the drafter shares no prefix blocks), the K/V of the requests not drafted for that step are
+dropped first (they are fed again as one chunk when next drafted for), and a request that still
+does not fit gets no drafts that step. Outside an engine the cache starts small and doubles
+when full. A position's K/V are kept only while the token fed there is the context's token: the
 drafts fed while proposing are rolled back when the target rejects them (the next context
 differs there), and the tokens the draft has not seen (the prompt, accepted tokens, the target's
 own token) are fed in one chunk before proposing. Requests are batched: one forward pass catches
@@ -38,6 +43,7 @@ class _DraftState:
     fed: list[int] = field(default_factory=list)  # the token at each position with K/V in the cache
     checked: int = 0  # leading positions of `fed` known to hold the context's tokens
     blocks: list[int] = field(default_factory=list)
+    last_drafted: int = 0  # the drafter's call count when it last proposed for the request
 
 
 class Drafter:
@@ -55,6 +61,24 @@ class Drafter:
                                            device=self.device)
         self._free = list(range(INITIAL_BLOCKS - 1, -1, -1))
         self.states: dict[str, _DraftState] = {}
+        self.fixed_size = False  # a budgeted cache (`initialize_cache`): never grows
+        self._calls = 0
+
+    def bytes_per_block(self) -> int:
+        """The draft cache's bytes per block."""
+        return PagedKVCache.bytes_per_block(num_layers=self.arch.num_layers, block_size=self.block_size,
+                                            num_kv_heads=self.arch.num_kv_heads, head_dim=self.arch.head_dim,
+                                            dtype=self.model.dtype)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """A cache of exactly `num_blocks` blocks, which never grows (all state dropped)."""
+        a = self.arch
+        self.cache = PagedKVCache.allocate(num_layers=a.num_layers, num_blocks=num_blocks, block_size=self.block_size,
+                                           num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=self.model.dtype,
+                                           device=self.device)
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self.states.clear()
+        self.fixed_size = True
 
     @property
     def max_positions(self) -> int:
@@ -94,13 +118,16 @@ class Drafter:
         a request without state starts with an empty cache."""
         jobs: dict[str, int] = {}
         spans: list[tuple[str, int, list[int]]] = []  # (request, first position fed, tokens fed)
+        self._calls += 1
         for rid, (context, k) in contexts.items():
             k = min(k, self.max_positions - len(context) + 1)  # the last draft is predicted, not fed
             if k < 1 or not context:
                 continue
             state = self.states.setdefault(rid, _DraftState())
+            state.last_drafted = self._calls
             start = self._rollback(state, context)
-            self._reserve(state, len(context) + k - 1)
+            if not self._reserve(state, len(context) + k - 1, contexts):
+                continue  # no room in the budgeted cache this step: no drafts for it
             spans.append((rid, start, context[start:]))
             state.fed.extend(context[start:])
             state.checked = len(context)
@@ -148,12 +175,30 @@ class Drafter:
         del fed[keep:]
         return keep
 
-    def _reserve(self, state: _DraftState, num_positions: int) -> None:
+    def _reserve(self, state: _DraftState, num_positions: int, drafting: dict[str, tuple[list[int], int]]) -> bool:
+        """Blocks for `num_positions` of the request's positions; False when a budgeted cache cannot
+        hold them even with the K/V of every request not in `drafting` dropped."""
         need = -(-num_positions // self.block_size) - len(state.blocks)
         while len(self._free) < need:
-            self._grow()
+            if not self.fixed_size:
+                self._grow()
+            elif not self._evict(drafting):
+                return False
         for _ in range(max(0, need)):
             state.blocks.append(self._free.pop())
+        return True
+
+    def _evict(self, drafting: dict[str, tuple[list[int], int]]) -> bool:
+        """Drop the K/V of the request drafted for least recently among those not drafted for in
+        this call (its context is kept: its tokens are fed again when it is next drafted for);
+        False when there is none."""
+        idle = [(s.last_drafted, rid) for rid, s in self.states.items() if s.blocks and rid not in drafting]
+        if not idle:
+            return False
+        state = self.states[min(idle)[1]]
+        self._free.extend(state.blocks)
+        state.blocks, state.fed, state.checked = [], [], 0
+        return True
 
     def _grow(self) -> None:
         """Double the draft cache (its blocks keep their ids)."""

@@ -6,6 +6,7 @@ scheduler's internals, only the frozen `SchedulerOutput` of each step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import KV_CACHE_DTYPES, AttentionMetadata, PagedKVCache, SeqSpan, to_device
 from cadence.model.llama import LlamaModel
 from cadence.model.sampler import Sampler
+
+log = logging.getLogger("cadence.executor")
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,10 @@ class ModelRunner:
     # -- Executor protocol ------------------------------------------------------------------------
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return PagedKVCache.bytes_per_block(
+        """A block's bytes: the served model's K/V, and with a draft model its K/V for as many
+        positions (the draft cache has as many blocks, `initialize_kv_cache`), so that the engine's
+        block count keeps both within the KV cache memory."""
+        target = PagedKVCache.bytes_per_block(
             num_layers=self.arch.num_layers,
             block_size=block_size,
             num_kv_heads=self.arch.num_kv_heads,
@@ -79,8 +85,14 @@ class ModelRunner:
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,
         )
+        return target + (self.drafter.bytes_per_block() if self.drafter is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        if self.drafter is not None:
+            self.drafter.initialize_cache(num_blocks)
+            per_block = self.drafter.bytes_per_block()
+            log.info("draft model's KV cache: %d blocks of %d tokens, %.1f MiB, within the KV cache memory",
+                     num_blocks, block_size, num_blocks * per_block / 2**20)
         self.kv_cache = PagedKVCache.allocate(
             num_layers=self.arch.num_layers,
             num_blocks=num_blocks,
@@ -199,7 +211,7 @@ class ModelRunner:
                     last_rows.extend(range(len(ids) - 1 - r.num_draft_tokens, len(ids)))
                 else:
                     last_rows.append(len(ids) - 1)
-        spans = [SeqSpan(r.start_pos, r.num_tokens, r.block_table) for r in order]
+        spans = self._spans(order, has_drafts)
         meta = AttentionMetadata.build(spans, self.kv_cache.block_size, self.device, self.arch.num_kv_heads,
                                        self.model.decode_kernels)
         return FlatBatch(
@@ -210,6 +222,18 @@ class ModelRunner:
             sampling=tuple(r for r in order if r.sample),
             has_drafts=has_drafts,
         )
+
+    def _spans(self, order: Sequence[ScheduledRequest], has_drafts: bool) -> list[SeqSpan]:
+        """The step's attention spans. Where the model runs all-decode steps in one kernel call and
+        every row is a decode or a verification row, a verification row of 1 + k tokens from
+        position p becomes k + 1 single-token decode rows at p .. p + k sharing its block table
+        (context lengths p + 1 .. p + k + 1): the kernel writes every row's K/V of a layer before
+        any row of that layer attends, and a decode query computes the bits a chunk's query at
+        that position does, so the step takes the one-call path with the same logits."""
+        if has_drafts and self.model.fused_decode is not None and all(
+                r.num_tokens == 1 or r.num_tokens == 1 + r.num_draft_tokens for r in order):
+            return [SeqSpan(r.start_pos + i, 1, r.block_table) for r in order for i in range(r.num_tokens)]
+        return [SeqSpan(r.start_pos, r.num_tokens, r.block_table) for r in order]
 
     def _run(self, batch: FlatBatch) -> torch.Tensor:
         assert self.kv_cache is not None

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cadence.sched.features import StepFeatures
+from cadence.sched.features import StepFeatures, verification_shared_keys
 
 StepCost = Callable[[StepFeatures], float]
 
@@ -87,7 +87,26 @@ class Candidate:
     shared: int = 0
 
 
-def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCost, budget: int) -> dict[str, int]:
+@dataclass(frozen=True, slots=True)
+class DraftModelCost:
+    """What drafting costs with a draft model: after each step it runs `num_tokens` decode passes
+    over the requests it drafts for, each pass `ratio` (its layers over the served model's) of
+    what a served decode step of those requests costs."""
+
+    ratio: float
+    num_tokens: int
+
+    def time(self, cost: StepCost, rows: int, context: int, longest: int, row_context: int) -> float:
+        """The drafting time one more request of context `row_context` adds to `rows` others of
+        `context` keys, the longest `longest` (the first request drafted pays the passes' weight reads)."""
+        def step(n: int, ctx: int, top: int) -> float:
+            return cost(StepFeatures(decode_seqs=n, sampled=n, decode_context=ctx, decode_padded=n * top)) if n else 0.0
+        top = max(longest, row_context)
+        return self.ratio * self.num_tokens * (step(rows + 1, context + row_context, top) - step(rows, context, longest))
+
+
+def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCost, budget: int,
+              block_size: int = 0, drafting: DraftModelCost | None = None) -> dict[str, int]:
     """k for each candidate that should speculate (the others: 0), given the planned step `base`
     (every candidate in it as a plain decode) and at most `budget` draft tokens in all.
 
@@ -99,7 +118,15 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
     path (a CPU step with a chunk runs differently) and lose on its own while later rows gain: it is
     kept tentatively, and the set kept in the end is the leading run of candidates with the largest
     total gain. Once the step has a chunk, a candidate that gains nothing ends the search (those
-    after it accept less)."""
+    after it accept less).
+
+    In a step without a prompt chunk a row of k drafts is k more decode rows beside the
+    candidate's (the runner runs the step on its all-decode path, `scan_rows`); in one with a
+    chunk it is a chunk of 1 + k tokens in place of the candidate's decode. `block_size`: the
+    cost prices keys re-read from shared blocks (the draft rows re-read the candidate's context);
+    0: it does not. `drafting`: with a draft model, a candidate that speculates is also drafted for
+    after the step, and that time counts against its gain (a candidate turned down is not drafted
+    for: `Speculation.adapt`)."""
     pt, ps, ds, sm = base.prefill_tokens, base.prefill_seqs, base.decode_seqs, base.sampled
     dc, pa, sh = base.decode_context, base.prefill_attention, base.decode_context_shared
     if ds == 0:
@@ -110,17 +137,16 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
     t = cost(base)
     gain, best_gain, best_len = 0.0, 0.0, 0
     chosen: list[tuple[str, int]] = []
+    drafted = drafted_ctx = drafted_top = 0  # the requests drafted for so far: rows, keys, longest
     for c in sorted(candidates, key=lambda c: -c.rate):
         if budget <= 0:
             break
-        # The candidate's decode row leaves; a chunk of 1 + k at the same position takes its place.
-        ds1, dc1, sh1 = ds - 1, dc - (c.start + 1), sh - c.shared
+        draft_time = 0.0 if drafting is None else drafting.time(cost, drafted, drafted_ctx, drafted_top, c.start + 1)
         pick = None
         for k in range(1, min(c.max_k, budget) + 1):
-            n = 1 + k
-            f = StepFeatures(pt + n, ps + 1, ds1, sm + k, dc1, ds1 * dmax, pa + n * c.start + n * (n + 1) // 2, sh1)
+            f = _with_drafts(pt, ps, ds, sm, dc, dmax, pa, sh, c, k, block_size)
             ct = cost(f)
-            net = expected_tokens(k, c.rate) - 1 - per_second * (ct - t)
+            net = expected_tokens(k, c.rate) - 1 - per_second * (ct - t + draft_time)
             if pick is not None and net <= pick[1]:
                 break  # past the best k: the gain falls from here on
             pick = (k, net, ct, f)
@@ -130,10 +156,27 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
         if net <= 0 and pt > 0:
             break
         chosen.append((c.request_id, k))
+        drafted, drafted_ctx, drafted_top = drafted + 1, drafted_ctx + c.start + 1, max(drafted_top, c.start + 1)
         budget -= k
         gain += net
         t = ct
-        pt, ps, ds, sm, dc, pa, sh = f.prefill_tokens, f.prefill_seqs, ds1, f.sampled, dc1, f.prefill_attention, sh1
+        pt, ps, ds, sm, dc, pa, sh = (f.prefill_tokens, f.prefill_seqs, f.decode_seqs, f.sampled, f.decode_context,
+                                      f.prefill_attention, f.decode_context_shared)
+        dmax = f.decode_padded // ds if ds else 0
         if gain > best_gain:
             best_gain, best_len = gain, len(chosen)
     return dict(chosen[:best_len])
+
+
+def _with_drafts(pt: int, ps: int, ds: int, sm: int, dc: int, dmax: int, pa: int, sh: int, c: Candidate, k: int,
+                 block_size: int) -> StepFeatures:
+    """The step's features with candidate c's decode made a row of k drafts (`choose_ks`)."""
+    n = 1 + k
+    if pt == 0:  # k more decode rows at contexts start + 2 .. start + 1 + k
+        ds1, dmax1 = ds + k, max(dmax, c.start + n)
+        return StepFeatures(0, ps, ds1, sm + k, dc + k * (c.start + 1) + k * (k + 1) // 2, ds1 * dmax1, pa,
+                            sh + verification_shared_keys(c.start, k, block_size))
+    # The candidate's decode row leaves; a chunk of 1 + k at the same position takes its place.
+    ds1 = ds - 1
+    return StepFeatures(pt + n, ps + 1, ds1, sm + k, dc - (c.start + 1), ds1 * dmax, pa + n * c.start + n * (n + 1) // 2,
+                        sh - c.shared)

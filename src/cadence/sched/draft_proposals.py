@@ -12,7 +12,7 @@ the start should it need drafts later.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from cadence.boundary import DraftRequest, ScheduledRequest
 from cadence.request import Request
@@ -28,12 +28,15 @@ class DraftProposals:
         self._sent: dict[str, int] = {}  # context tokens sent to the proposer, per request
         self._drafts: dict[str, tuple[int, tuple[int, ...]]] = {}  # (context length, drafts)
 
-    def requests(self, rows: Iterable[ScheduledRequest], requests: Mapping[str, Request]) -> dict[str, DraftRequest]:
+    def requests(self, rows: Iterable[ScheduledRequest], requests: Mapping[str, Request],
+                 declined: Collection[str] = ()) -> dict[str, DraftRequest]:
         """Who wants drafts after this step: each row that samples, of a request that may
-        speculate at its next step and has room for one draft after the token sampled now."""
+        speculate at its next step and has room for one draft after the token sampled now, but
+        those in `declined` (adaptive k turned them down this step). A request left out is sent
+        the context it missed the next time it is drafted for."""
         out: dict[str, DraftRequest] = {}
         for sr in rows:
-            if not sr.sample:
+            if not sr.sample or sr.request_id in declined:
                 continue
             req = requests.get(sr.request_id)
             if req is None:

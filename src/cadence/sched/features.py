@@ -47,8 +47,13 @@ def scan_rows(rows: Sequence[ScheduledRequest], token: int) -> tuple[int, int, i
     decode context, prefill (query, key) pairs, positions whose logits are computed (a verification
     row of speculative drafts computes 1 + k) (see `StepFeatures`), and each row that samples,
     mapped to `token`. Shared by `StepFeatures.from_output` and `SimExecutor.execute`, which needs
-    both in one pass (it runs once per simulated step)."""
+    both in one pass (it runs once per simulated step).
+
+    A verification row of n = 1 + k tokens from position p is n decode rows of contexts p + 1 ..
+    p + n in a step without a prompt chunk (the runner lays it out so, and the step takes the
+    one-call decode path), and a chunk of n tokens in a step with one (`is_verification`)."""
     pt = ps = ds = dc = dmax = pa = sm = 0
+    vn = vs = vkeys = vmax = 0  # verification rows: their tokens, rows, keys (= chunk pairs), longest context
     sampled: dict[str, int] = {}
     for r in rows:
         n = len(r.token_ids)
@@ -58,6 +63,11 @@ def scan_rows(rows: Sequence[ScheduledRequest], token: int) -> tuple[int, int, i
             dc += ctx
             if ctx > dmax:
                 dmax = ctx
+        elif r.num_draft_tokens == n - 1:
+            vn += n
+            vs += 1
+            vkeys += n * r.start_pos + n * (n + 1) // 2
+            vmax = max(vmax, r.start_pos + n)
         else:
             pt += n
             ps += 1
@@ -65,13 +75,44 @@ def scan_rows(rows: Sequence[ScheduledRequest], token: int) -> tuple[int, int, i
         if r.sample:
             sampled[r.request_id] = token
             sm += 1 + r.num_draft_tokens
+    if vs and pt:
+        pt, ps, pa = pt + vn, ps + vs, pa + vkeys
+    elif vs:
+        ds, dc, dmax = ds + vn, dc + vkeys, max(dmax, vmax)
     return pt, ps, ds, dc, dmax, pa, sm, sampled
+
+
+def is_verification(r: ScheduledRequest) -> bool:
+    """A verification row: the last sampled token and its drafts."""
+    return r.num_draft_tokens > 0 and len(r.token_ids) == 1 + r.num_draft_tokens
+
+
+def decode_contexts(rows: Sequence[ScheduledRequest]) -> list[tuple[int, Sequence[int]]]:
+    """(context length, block table) of each decode row the step computes, in step order: the
+    single-token rows, and, in a step without a prompt chunk, each position of a verification row
+    (`scan_rows`)."""
+    expand = all(len(r.token_ids) == 1 or is_verification(r) for r in rows)
+    out: list[tuple[int, Sequence[int]]] = []
+    for r in rows:
+        n = len(r.token_ids)
+        if n == 1 or (expand and is_verification(r)):
+            out.extend((r.start_pos + 1 + i, r.block_table) for i in range(n))
+    return out
+
+
+def verification_shared_keys(start: int, k: int, block_size: int) -> int:
+    """Keys the k draft positions of a verification row at `start`, laid out as decode rows after its
+    first, read from blocks the rows before them in the row read (the request's own context)."""
+    if k <= 0 or block_size <= 0:
+        return 0
+    table = range(-(-(start + 1 + k) // block_size))
+    return sum(shared_keys_by_row(((start + 1 + i, table) for i in range(k + 1)), block_size))
 
 
 def shared_decode_keys(rows: Sequence[ScheduledRequest], block_size: int) -> int:
     """Keys the step's decode rows read from blocks that an earlier decode row of the step already
     read: for each decode row, its context tokens lying in blocks of the earlier rows' contexts."""
-    return shared_keys(((r.start_pos + 1, r.block_table) for r in rows if len(r.token_ids) == 1), block_size)
+    return shared_keys(decode_contexts(rows), block_size)
 
 
 def shared_keys(contexts: Iterable[tuple[int, Sequence[int]]], block_size: int) -> int:
@@ -102,7 +143,8 @@ def shared_keys_by_row(contexts: Iterable[tuple[int, Sequence[int]]], block_size
 @dataclass(frozen=True, slots=True)
 class StepFeatures:
     """The shape of one step. A scheduled request with one token is a decode row (the runner lays
-    it out with the decodes, whatever its phase); more tokens make a prefill chunk."""
+    it out with the decodes, whatever its phase); more tokens make a prefill chunk, except a
+    verification row in a step without a chunk, which is 1 + k decode rows (`scan_rows`)."""
 
     prefill_tokens: int = 0
     prefill_seqs: int = 0

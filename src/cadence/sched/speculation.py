@@ -19,7 +19,7 @@ from cadence.boundary import DraftRequest, IterationStats, ModelOutput, Schedule
 from cadence.config import SpeculativeConfig
 from cadence.kv.manager import KVCacheManager
 from cadence.request import Request, RequestStatus
-from cadence.sched.adaptive import Acceptance, Candidate, StepCost, choose_ks
+from cadence.sched.adaptive import Acceptance, Candidate, DraftModelCost, StepCost, choose_ks
 from cadence.sched.draft_proposals import DraftProposals
 from cadence.sched.features import StepFeatures, scan_rows, shared_keys_by_row
 from cadence.sched.ngram import PackedTokens
@@ -42,6 +42,12 @@ class Speculation:
         # method draft_model: the drafts the executor's draft model proposes, kept per request.
         self.draft_proposals = DraftProposals(config.num_speculative_tokens) \
             if config.method == "draft_model" else None
+        # The draft model's layers over the served model's (set by the engine that loads it): adaptive
+        # k prices drafting at that share of a decode step; 0 leaves drafting unpriced.
+        self.draft_cost_ratio = 0.0
+        # Adaptive k with a draft model: the requests this step's plan turned down, not drafted for
+        # after it (they are weighed again, without drafts, in the next step's plan).
+        self._declined: set[str] = set()
 
     def forget(self, request_id: str) -> None:
         """The request ended: drop what was kept for it."""
@@ -56,8 +62,12 @@ class Speculation:
             self.draft_proposals.drop(request_id)
 
     def draft_requests(self, rows: Iterable[ScheduledRequest], requests: Mapping[str, Request]) -> dict[str, DraftRequest]:
-        """With a draft model: the requests of this step that want drafts after it (sched/draft_proposals.py)."""
-        return self.draft_proposals.requests(rows, requests) if self.draft_proposals is not None else {}
+        """With a draft model: the requests of this step that want drafts after it (sched/draft_proposals.py),
+        less those adaptive k turned down in this step's plan."""
+        declined, self._declined = self._declined, set()
+        if self.draft_proposals is None:
+            return {}
+        return self.draft_proposals.requests(rows, requests, declined)
 
     def store_drafts(self, model_output: ModelOutput, requests: Mapping[str, Request]) -> None:
         """Keep the drafts the executor's draft model proposed after this step, for running requests."""
@@ -90,7 +100,8 @@ class Speculation:
             shared = dict(zip((r.request_id for r in decodes), shared_keys_by_row(
                 ((r.start_pos + 1, r.block_table) for r in decodes), self.kv.block_size), strict=True))
         proposals: dict[str, tuple[Request, tuple[int, ...]]] = {}
-        cands = []
+        cands: list[Candidate] = []
+        undrafted: list[Candidate] = []  # draft model: turned down last step, so without drafts now
         for req in candidates:
             rid = req.request_id
             row = rows.get(rid)
@@ -101,27 +112,45 @@ class Speculation:
                 continue
             k = self._max_drafts(req, plan.budget)
             drafts = self._propose(req, k) if k else ()
+            est = self._acceptance.get(rid)
+            rate = est.rate if est is not None else Acceptance().rate
             if drafts:
                 proposals[rid] = (req, drafts)
-                est = self._acceptance.get(rid)
-                cands.append(Candidate(rid, req.num_computed_tokens, len(drafts),
-                                       est.rate if est is not None else Acceptance().rate, shared.get(rid, 0)))
-        if not cands:
-            return
+                cands.append(Candidate(rid, req.num_computed_tokens, len(drafts), rate, shared.get(rid, 0)))
+            elif k and self.draft_proposals is not None:
+                undrafted.append(Candidate(rid, req.num_computed_tokens, k, rate, shared.get(rid, 0)))
+        block_size = self.kv.block_size if prices_shared else 0
+        drafting = DraftModelCost(self.draft_cost_ratio, self.config.num_speculative_tokens) \
+            if self.draft_proposals is not None and self.draft_cost_ratio > 0 else None
+        if cands:
+            ks = choose_ks(self._features(rows, shared), cands, step_cost, plan.budget, block_size, drafting)
+            for rid, k in ks.items():
+                req, drafts = proposals[rid]
+                if k > plan.budget or not self._allocate(req, k, num_running):
+                    continue
+                rows[rid] = verification_request(req, drafts[:k], self.kv.block_tables.get(rid, ()))
+                plan.budget -= k
+            self._turn_down(cands, ks)
+        if undrafted:
+            # Would they verify drafts in a step like this one? Then they are drafted for after it.
+            wanted = choose_ks(self._features(rows, shared), undrafted, step_cost, plan.budget, block_size, drafting)
+            self._turn_down(undrafted, wanted)
+
+    @staticmethod
+    def _features(rows: Mapping[str, ScheduledRequest], shared: Mapping[str, int]) -> StepFeatures:
         pt, ps, ds, dc, dmax, pa, sm, _ = scan_rows(tuple(rows.values()), 0)
-        base = StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa, sum(shared.values()))
-        ks = choose_ks(base, cands, step_cost, plan.budget)
-        for rid, k in ks.items():
-            req, drafts = proposals[rid]
-            if k > plan.budget or not self._allocate(req, k, num_running):
-                continue
-            rows[rid] = verification_request(req, drafts[:k], self.kv.block_tables.get(rid, ()))
-            plan.budget -= k
+        return StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa, sum(shared.values()))
+
+    def _turn_down(self, cands: list[Candidate], chosen: Mapping[str, int]) -> None:
+        """The candidates adaptive k did not choose: their estimates idle towards the prior, and a
+        draft model does not draft for them after this step."""
         for c in cands:
-            if c.request_id not in ks:
+            if c.request_id not in chosen:
                 est = self._acceptance.get(c.request_id)
                 if est is not None:
                     est.idle()
+                if self.draft_proposals is not None:
+                    self._declined.add(c.request_id)
 
     def _max_drafts(self, req: Request, budget: int) -> int:
         """The most drafts `req` may verify this step with `budget` tokens for them: 0 when its
