@@ -91,21 +91,27 @@ class Cell:
     requests: int  # default requests per run (--num-requests overrides)
     workload: tuple[str, ...]  # cadence bench flags, less --num-requests and --concurrency
     figure: str  # the figure's name in the table
-    read: Callable[[dict, int], float]  # (summary "overall", concurrency) -> the figure
+    read: Callable[[dict, int, Path], float]  # (summary "overall", streams, run directory) -> the figure
     serve_extra: tuple[str, ...] = ()  # cadence serve flags this cell needs, for every variant
+    record_steps: bool = False  # the server writes its steps to steps.jsonl in the run directory
 
 
-def _output_tok_s(s: dict, conc: int) -> float:
+def _output_tok_s(s: dict, streams: int, d: Path) -> float:
     return s["output_token_throughput"]
 
 
-def _decode_tok_s(s: dict, conc: int) -> float:
-    """Tokens a second of the all-decode steps: each of the concurrent streams gets one token a step,
-    and the median inter-token latency is the median step (prefill steps are the tail)."""
-    return conc / s["itl"]["p50"]
+def _decode_tok_s(s: dict, streams: int, d: Path) -> float:
+    """Tokens a second of the server's all-decode steps with every stream in them (from its step
+    log): `streams` over their median duration. The steps that decode beside a prompt's chunk, while
+    the other streams are still being prefilled, are not this figure."""
+    full = [json.loads(line) for line in (d / "steps.jsonl").read_text().splitlines()]
+    times = [x["duration"] for x in full if x["prefill_tokens"] == 0 and x["decode_seqs"] == streams]
+    if not times:
+        raise RuntimeError(f"{d}: no step decoded all {streams} streams at once (outputs too short?)")
+    return streams / statistics.median(times)
 
 
-def _prefill_tok_s(s: dict, conc: int) -> float:
+def _prefill_tok_s(s: dict, streams: int, d: Path) -> float:
     """Prompt tokens a second of one prompt alone: its tokens over the median time to first token."""
     return s["prompt_tokens"] / s["completed"] / s["ttft"]["p50"]
 
@@ -116,14 +122,16 @@ def _random(prompt: int, output: int) -> tuple[str, ...]:
 
 
 CELLS = {
-    "chat1": Cell("chat mix, 1 stream", 1, 4, ("--workload", "chat"), "output tok/s", _output_tok_s),
-    "chat8": Cell("chat mix, 8 streams", 8, 16, ("--workload", "chat"), "output tok/s", _output_tok_s),
+    "chat1": Cell("chat mix, 1 stream", 1, 3, ("--workload", "chat"), "output tok/s", _output_tok_s),
+    "chat8": Cell("chat mix, 8 streams", 8, 8, ("--workload", "chat"), "output tok/s", _output_tok_s),
     "chat32": Cell("chat mix, 32 streams", 32, 32, ("--workload", "chat"), "output tok/s", _output_tok_s),
-    # 32 contexts of 2,080 tokens need ~1.5 GiB of bfloat16 K/V: every variant gets room for all 32 at
-    # once, so the bfloat16 cache's smaller capacity does not turn this into fewer streams.
-    "decode2k": Cell("decode, 2,048-token contexts, 32 streams", 32, 32, _random(2048, 32), "decode tok/s",
-                     _decode_tok_s, ("--kv-cache-memory", "2GiB")),
-    "prefill4k": Cell("prefill, one 4,096-token prompt", 1, 2, _random(4096, 1), "prefill tok/s", _prefill_tok_s),
+    # 32 contexts of 2,112 tokens need ~1.5 GiB of bfloat16 K/V: every variant gets room for all 32 at
+    # once, so the bfloat16 cache's smaller capacity does not turn this into fewer streams. Prompt
+    # chunks of 4,096 tokens: the 32 prompts take 16 steps, so the first streams have output left when
+    # the last prompt is in and every stream decodes together (the figure's steps).
+    "decode2k": Cell("decode, 2,048-token contexts, 32 streams", 32, 32, _random(2048, 64), "decode tok/s",
+                     _decode_tok_s, ("--kv-cache-memory", "2GiB", "--max-num-batched-tokens", "4096"), True),
+    "prefill4k": Cell("prefill, one 4,096-token prompt", 1, 1, _random(4096, 1), "prefill tok/s", _prefill_tok_s),
 }
 
 
@@ -203,9 +211,11 @@ def run_variants(args: argparse.Namespace, out: Path) -> None:
             for server in turned(under_test, turn):
                 raw_mm[cell][server.name].append(gflops())
                 d = out / f"r{r + 1}-{cell}-{server.name}"
+                record = ("--record-steps", str((d / "steps.jsonl").resolve())) if c.record_steps else ()
+                d.mkdir(parents=True, exist_ok=True)
                 s = run_bench(server, args.port, c.conc, [*c.workload, "--num-requests", str(n)], d,
-                              f"{server.name} {cell} round {r + 1}", args, c.serve_extra)
-                figures[cell][server.name].append(c.read(s, c.conc))
+                              f"{server.name} {cell} round {r + 1}", args, (*c.serve_extra, *record))
+                figures[cell][server.name].append(c.read(s, min(c.conc, n), d))
                 summaries[cell][server.name].append(s)
                 print(f"round {r + 1} {cell:<10} {server.name:<10} {figures[cell][server.name][-1]:9.1f} "
                       f"{c.figure}, matmul {raw_mm[cell][server.name][-1]:.0f} GFLOP/s, load average "

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from benchmark_scripts import load_benchmark
 
@@ -34,14 +37,26 @@ def test_each_variant_takes_each_place_in_turn() -> None:
     assert bench_serve.turned(names, 4) == ["b", "c", "a"]
 
 
-def test_figures_read_from_a_summary() -> None:
-    s = {"itl": {"p50": 0.1}, "prompt_tokens": 8192, "completed": 2, "ttft": {"p50": 2.0},
+def test_figures_read_from_a_summary_and_the_step_log(tmp_path: Path) -> None:
+    s = {"itl": {"p50": 9.0}, "prompt_tokens": 8192, "completed": 2, "ttft": {"p50": 2.0},
          "output_token_throughput": 123.0}
-    assert bench_serve.CELLS["decode2k"].read(s, 32) == pytest.approx(320.0)
-    assert bench_serve.CELLS["prefill4k"].read(s, 1) == pytest.approx(2048.0)
-    assert bench_serve.CELLS["chat8"].read(s, 8) == 123.0
+    steps = [{"prefill_tokens": 4096, "decode_seqs": 5, "duration": 3.0},  # decodes beside a prompt chunk
+             {"prefill_tokens": 0, "decode_seqs": 32, "duration": 0.1},
+             {"prefill_tokens": 0, "decode_seqs": 32, "duration": 0.3},
+             {"prefill_tokens": 0, "decode_seqs": 32, "duration": 0.2},
+             {"prefill_tokens": 0, "decode_seqs": 31, "duration": 0.05}]  # a stream has finished
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
+    assert bench_serve.CELLS["decode2k"].read(s, 32, tmp_path) == pytest.approx(160.0)  # 32 / median 0.2 s
+    assert bench_serve.CELLS["prefill4k"].read(s, 1, tmp_path) == pytest.approx(2048.0)
+    assert bench_serve.CELLS["chat8"].read(s, 8, tmp_path) == 123.0
     # every variant of the long-context decode gets room for all 32 contexts at once
-    assert bench_serve.CELLS["decode2k"].serve_extra == ("--kv-cache-memory", "2GiB")
+    assert bench_serve.CELLS["decode2k"].serve_extra[:2] == ("--kv-cache-memory", "2GiB")
+
+
+def test_a_decode_cell_without_an_all_stream_step_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "steps.jsonl").write_text(json.dumps({"prefill_tokens": 512, "decode_seqs": 3, "duration": 1}) + "\n")
+    with pytest.raises(RuntimeError, match="no step decoded all 32 streams"):
+        bench_serve.CELLS["decode2k"].read({}, 32, tmp_path)
 
 
 def test_the_table_gives_per_round_values_and_ratios_to_the_first_variant() -> None:
