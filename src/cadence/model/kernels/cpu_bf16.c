@@ -903,7 +903,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     const uint16_t *q, int64_t q_row_stride, const void *cache, const int64_t *table, int64_t start, int64_t first, \
         int64_t qn, int64_t j, uint16_t *out, int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t num_blocks, \
         float scale
-/* Out of line (one copy each for the decode and prefill kernels and the fused step). */
+/* Out of line: one copy of each, shared by the decode and prefill kernels. */
 static __attribute__((noinline)) void attend_tile_bf16(ATTEND_TILE_ARGS) {
     attend_tile(q, q_row_stride, cache, table, start, first, qn, j, out, heads, kvh, d, bs, num_blocks, scale, 0);
 }
@@ -977,9 +977,11 @@ void cadence_prefill_attention_kv8(const uint16_t *q, int64_t q_row_stride, cons
 /* ---- a whole decode step's decoder layers in one call -------------------------------------- */
 
 /* Linear layer weights of one layer, by kind: 0 = cadence_pack's bfloat16 layout, 1 = Q4_1, and with
- * int8 activations 2 = Q4_1 (cadence_pack_q4_1_i8), 3 = Q8_0 (cadence_pack_q8_0_i8). */
-static int linear_any(int64_t kind, const uint16_t *x, const void *packed, const float *bias, uint16_t *y,
-                      int64_t m, int64_t n, int64_t k, int threads) {
+ * int8 activations 2 = Q4_1 (cadence_pack_q4_1_i8), 3 = Q8_0 (cadence_pack_q8_0_i8). Once per matrix
+ * of a layer: inlined, a few compares before the kernel's call. */
+static inline __attribute__((always_inline)) int linear_any(int64_t kind, const uint16_t *x, const void *packed,
+                                                            const float *bias, uint16_t *y, int64_t m, int64_t n,
+                                                            int64_t k, int threads) {
     if (kind == 1) return cadence_linear_q4_1(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
     if (kind == 2) return cadence_linear_q4_1_i8(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
     if (kind == 3) return cadence_linear_q8_0_i8(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
@@ -1038,16 +1040,15 @@ int cadence_decode_layers(uint16_t *x, uint16_t *h, uint16_t *qkv, uint16_t *att
         char *layer_cache = (char *)cache + i * layer_bytes;
         if (linear_any(kind[0], h, PTR(i, DL_QKV), PTR(i, DL_QKV_BIAS), qkv, t, width, e, threads)) return -1;
         cadence_rope(qkv, pos, cos, sin, t, heads + 2 * kvh, heads + kvh, d, threads);
-        if (kv8)
+        if (kv8) {
             store_kv_rows(qkv, width, heads, kvh, d, slots, t, layer_cache, plane, 1);
-        else
-            store_kv_rows(qkv, width, heads, kvh, d, slots, t, layer_cache, plane, 0);
-        if (kv8)
             cadence_decode_attention_kv8(qkv, width, (const int8_t *)layer_cache, tables, table_width, lens, attn, t,
                                          heads, kvh, d, bs, num_blocks, scale, total_len, threads);
-        else
+        } else {
+            store_kv_rows(qkv, width, heads, kvh, d, slots, t, layer_cache, plane, 0);
             cadence_decode_attention(qkv, width, (const uint16_t *)layer_cache, tables, table_width, lens, attn, t,
                                      heads, kvh, d, bs, num_blocks, scale, total_len, threads);
+        }
         if (linear_any(kind[1], attn, PTR(i, DL_O), NULL, delta, t, e, heads * d, threads)) return -1;
         cadence_add_rms_norm(x, delta, PTR(i, DL_POST_NORM), h, t, e, eps, threads);
         if (linear_any(kind[2], h, PTR(i, DL_GATE_UP), NULL, gu, t, 2 * f, e, threads)) return -1;
