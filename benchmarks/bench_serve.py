@@ -16,6 +16,20 @@ against cadence, and keeps every run's summary.json under --out.
 
 The server and the client share the machine: on 2 cores the client's own CPU use is part of what
 is measured, for every server alike.
+
+Serve-flag variants of this tree, in one run:
+
+    .venv/bin/python benchmarks/bench_serve.py --variants 'bf16=;kv8=--kv-cache-dtype int8;act8=--activation-dtype
+        int8;both=--kv-cache-dtype int8 --activation-dtype int8' [--cells chat1,chat8,chat32,decode2k,prefill4k]
+        [--rounds 2]
+
+Each variant is `cadence serve` of this tree with `--serve-args` and its own flags; the first is the
+reference. Every round runs every cell (`CELLS`) once per variant, each on a fresh server, the
+variants in an order that turns from cell to cell and round to round. Before each cell's run the
+driver times torch's bfloat16 2048^3 matmul (`bench_runner.matmul_gflops`) with no server up; the
+table gives each figure's "mm" as that GFLOP/s over the best of the whole run, so a figure taken
+while the machine was busy shows it. It prints, per cell, each variant's figure per round and its
+ratio to the reference in the same round (and the median), and writes results.json under --out.
 """
 
 from __future__ import annotations
@@ -25,9 +39,11 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,16 +61,173 @@ class Server:
 
 
 def run_one(server: Server, port: int, conc: int, args: argparse.Namespace, out: Path) -> dict:
-    cmd = [*server.cmd, "--port", str(port)]
-    with served(cmd, f"http://127.0.0.1:{port}{server.health}", out / f"{server.name}-serve.log", env=server.env,
-                cwd=ROOT, append=True):
-        d = out / f"{server.name}-c{conc}"
+    workload = ["--workload", "chat", "--num-requests", str(args.num_requests or max(24, 6 * conc))]
+    return run_bench(server, port, conc, workload, out / f"{server.name}-c{conc}", f"{server.name} c={conc}", args)
+
+
+def run_bench(server: Server, port: int, conc: int, workload: list[str], d: Path, label: str,
+              args: argparse.Namespace, serve_extra: tuple[str, ...] = ()) -> dict:
+    """`server` started fresh (plus `serve_extra` flags), driven by `cadence bench` with `workload`'s
+    flags at `conc` concurrent requests; its summary's "overall" (results under `d`)."""
+    cmd = [*server.cmd, *serve_extra, "--port", str(port)]
+    with served(cmd, f"http://127.0.0.1:{port}{server.health}", d.parent / f"{server.name}-serve.log",
+                env=server.env, cwd=ROOT, append=True):
         bench = [sys.executable, "-m", "cadence.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
-                 "--endpoint", "chat", "--workload", "chat", "--concurrency", str(conc),
-                 "--num-requests", str(args.num_requests or max(24, 6 * conc)), "--seed", str(args.seed), "--no-progress",
-                 "--label", f"{server.name} c={conc}", "--out", str(d), *shlex.split(args.bench_args)]
+                 "--endpoint", "chat", *workload, "--concurrency", str(conc), "--seed", str(args.seed),
+                 "--no-progress", "--label", label, "--out", str(d), *shlex.split(args.bench_args)]
         subprocess.run(bench, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return json.loads((d / "summary.json").read_text())["overall"]
+
+
+# -- serve-flag variants of this tree (--variants) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measurement: `cadence bench` flags at a concurrency, and the figure read from its summary."""
+
+    label: str
+    conc: int
+    requests: int  # default requests per run (--num-requests overrides)
+    workload: tuple[str, ...]  # cadence bench flags, less --num-requests and --concurrency
+    figure: str  # the figure's name in the table
+    read: Callable[[dict, int, Path], float]  # (summary "overall", streams, run directory) -> the figure
+    serve_extra: tuple[str, ...] = ()  # cadence serve flags this cell needs, for every variant
+    record_steps: bool = False  # the server writes its steps to steps.jsonl in the run directory
+
+
+def _output_tok_s(s: dict, streams: int, d: Path) -> float:
+    return s["output_token_throughput"]
+
+
+def _decode_tok_s(s: dict, streams: int, d: Path) -> float:
+    """Tokens a second of the server's all-decode steps with every stream in them (from its step
+    log): `streams` over their median duration. The steps that decode beside a prompt's chunk, while
+    the other streams are still being prefilled, are not this figure."""
+    full = [json.loads(line) for line in (d / "steps.jsonl").read_text().splitlines()]
+    times = [x["duration"] for x in full if x["prefill_tokens"] == 0 and x["decode_seqs"] == streams]
+    if not times:
+        raise RuntimeError(f"{d}: no step decoded all {streams} streams at once (outputs too short?)")
+    return streams / statistics.median(times)
+
+
+def _prefill_tok_s(s: dict, streams: int, d: Path) -> float:
+    """Prompt tokens a second of one prompt alone: its tokens over the median time to first token."""
+    return s["prompt_tokens"] / s["completed"] / s["ttft"]["p50"]
+
+
+def _random(prompt: int, output: int) -> tuple[str, ...]:
+    return ("--dataset-name", "random", "--random-input-len", str(prompt), "--random-output-len", str(output),
+            "--ignore-eos")
+
+
+CELLS = {
+    "chat1": Cell("chat mix, 1 stream", 1, 3, ("--workload", "chat"), "output tok/s", _output_tok_s),
+    "chat8": Cell("chat mix, 8 streams", 8, 8, ("--workload", "chat"), "output tok/s", _output_tok_s),
+    "chat32": Cell("chat mix, 32 streams", 32, 32, ("--workload", "chat"), "output tok/s", _output_tok_s),
+    # 32 contexts of 2,112 tokens need ~1.5 GiB of bfloat16 K/V: every variant gets room for all 32 at
+    # once, so the bfloat16 cache's smaller capacity does not turn this into fewer streams. Prompt
+    # chunks of 4,096 tokens: the 32 prompts take 16 steps, so the first streams have output left when
+    # the last prompt is in and every stream decodes together (the figure's steps).
+    "decode2k": Cell("decode, 2,048-token contexts, 32 streams", 32, 32, _random(2048, 64), "decode tok/s",
+                     _decode_tok_s, ("--kv-cache-memory", "2GiB", "--max-num-batched-tokens", "4096"), True),
+    "prefill4k": Cell("prefill, one 4,096-token prompt", 1, 1, _random(4096, 1), "prefill tok/s", _prefill_tok_s),
+}
+
+
+def parse_variants(spec: str) -> list[tuple[str, list[str]]]:
+    """'bf16=;kv8=--kv-cache-dtype int8' -> [("bf16", []), ("kv8", ["--kv-cache-dtype", "int8"])]."""
+    out: list[tuple[str, list[str]]] = []
+    for part in (p.strip() for p in spec.split(";")):
+        name, eq, flags = part.partition("=")
+        name = name.strip()
+        if not part or not eq or not name:
+            raise ValueError(f"--variants: {part!r} is not NAME=FLAGS (an empty FLAGS is the default server)")
+        if name in (n for n, _ in out):
+            raise ValueError(f"--variants: {name!r} is named twice")
+        out.append((name, shlex.split(flags)))
+    if len(out) < 2:
+        raise ValueError("--variants: give at least two (the first is the reference the others are compared to)")
+    return out
+
+
+def turned(items: list, k: int) -> list:
+    """items rotated left by k: each variant takes each place in turn from cell to cell."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def variant_table(cells: list[str], names: list[str], figures: dict, mm: dict) -> str:
+    """The table: figures[cell][name] and mm[cell][name] are per-round lists (figure, matmul share)."""
+    lines = []
+    ref = names[0]
+    for cell in cells:
+        c = CELLS[cell]
+        lines.append(f"\n{c.label} ({c.figure}; mm: matmul GFLOP/s before the run / the run's best)")
+        lines.append(f"{'variant':<10} {'per round: figure [mm]':<40} {'vs ' + ref + ' per round':<24} median")
+        for name in names:
+            vals = figures[cell][name]
+            per_round = "  ".join(f"{v:8.1f} [{m:.2f}]" for v, m in zip(vals, mm[cell][name], strict=True))
+            ratios = [v / r for v, r in zip(vals, figures[cell][ref], strict=True)]
+            shown = " ".join(f"{x:.2f}" for x in ratios)
+            lines.append(f"{name:<10} {per_round:<40} {shown:<24} {statistics.median(ratios):.2f}x")
+    return "\n".join(lines)
+
+
+def matmul_probe() -> Callable[[], float]:
+    """bench_runner's bfloat16 2048^3 matmul GFLOP/s, measured in this process. Importing
+    bench_runner sets OMP_WAIT_POLICY for this process's torch; the servers keep the environment
+    this script was started with."""
+    had = os.environ.get("OMP_WAIT_POLICY")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_runner import matmul_gflops
+
+    if had is None:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    import torch
+
+    return lambda: matmul_gflops(torch.bfloat16)
+
+
+def run_variants(args: argparse.Namespace, out: Path) -> None:
+    variants = parse_variants(args.variants)
+    cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+    unknown = [c for c in cells if c not in CELLS]
+    if unknown:
+        raise SystemExit(f"--cells: unknown {', '.join(unknown)} (of {', '.join(CELLS)})")
+    env = dict(os.environ)
+    base = [sys.executable, "-m", "cadence.cli", "serve", *shlex.split(args.serve_args)]
+    under_test = [Server(name, [*base, *flags], env) for name, flags in variants]
+    names = [s.name for s in under_test]
+    gflops = matmul_probe()
+    figures: dict = {c: {n: [] for n in names} for c in cells}
+    raw_mm: dict = {c: {n: [] for n in names} for c in cells}
+    summaries: dict = {c: {n: [] for n in names} for c in cells}
+    turn = 0
+    for r in range(args.rounds):
+        for cell in cells:
+            c = CELLS[cell]
+            n = args.num_requests or c.requests
+            for server in turned(under_test, turn):
+                raw_mm[cell][server.name].append(gflops())
+                d = out / f"r{r + 1}-{cell}-{server.name}"
+                record = ("--record-steps", str((d / "steps.jsonl").resolve())) if c.record_steps else ()
+                d.mkdir(parents=True, exist_ok=True)
+                s = run_bench(server, args.port, c.conc, [*c.workload, "--num-requests", str(n)], d,
+                              f"{server.name} {cell} round {r + 1}", args, (*c.serve_extra, *record))
+                figures[cell][server.name].append(c.read(s, min(c.conc, n), d))
+                summaries[cell][server.name].append(s)
+                print(f"round {r + 1} {cell:<10} {server.name:<10} {figures[cell][server.name][-1]:9.1f} "
+                      f"{c.figure}, matmul {raw_mm[cell][server.name][-1]:.0f} GFLOP/s, load average "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+            turn += 1
+    peak = max(v for per in raw_mm.values() for vs in per.values() for v in vs)
+    mm = {c: {n: [v / peak for v in vs] for n, vs in per.items()} for c, per in raw_mm.items()}
+    print(f"\nratios against {names[0]}; matmul peak of the run {peak:.0f} GFLOP/s (bfloat16 2048^3)")
+    print(variant_table(cells, names, figures, mm))
+    (out / "results.json").write_text(json.dumps(
+        {"variants": dict(variants), "rounds": args.rounds, "matmul_peak_gflops": peak, "figures": figures,
+         "matmul_gflops": raw_mm, "summaries": summaries}, indent=1))
 
 
 def servers(args: argparse.Namespace, tmp: Path) -> list[Server]:
@@ -98,9 +271,17 @@ def main() -> None:
                     help="extra `cadence bench` flags for every run, e.g. '--temperature 1 --top-p 0.95'")
     ap.add_argument("--port", type=int, default=8791)
     ap.add_argument("--out", default="results/serve")
+    ap.add_argument("--variants", default="",
+                    help="NAME=FLAGS;NAME=FLAGS...: serve-flag variants of this tree against the first, over --cells "
+                         "(instead of --baseline, llama.cpp and --concurrencies)")
+    ap.add_argument("--cells", default=",".join(CELLS), help=f"with --variants: of {', '.join(CELLS)}")
+    ap.add_argument("--rounds", type=int, default=2, help="with --variants: rounds of every cell (default 2)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.variants:
+        run_variants(args, out)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         under_test = servers(args, Path(tmp))
         try:

@@ -856,10 +856,13 @@ static inline void attend_chunk(float *acc, float *m, __m512 *lv, const float *s
 
 /* Query tokens first .. first+qn-1 (positions start+first ..) of one request, the G query heads of
  * KV head j each, causally over the context in the paged cache through `table`.
- * q, out: the request's rows (row i at q + i * q_row_stride, out + i * heads * d). */
-static void attend_tile(const uint16_t *q, int64_t q_row_stride, const void *cache, const int64_t *table,
-                        int64_t start, int64_t first, int64_t qn, int64_t j, uint16_t *out, int64_t heads,
-                        int64_t kvh, int64_t d, int64_t bs, int64_t num_blocks, float scale, int kv8) {
+ * q, out: the request's rows (row i at q + i * q_row_stride, out + i * heads * d).
+ * kv8 is a compile-time constant at every use: attend_tile_bf16 and attend_tile_kv8 below are its two
+ * instantiations, so the bfloat16 cache's chunk loop carries no test of it and no 8-bit code. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const uint16_t *q, int64_t q_row_stride, const void *cache, const int64_t *table, int64_t start, int64_t first,
+    int64_t qn, int64_t j, uint16_t *out, int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t num_blocks,
+    float scale, const int kv8) {
     const int64_t g_n = heads / kvh, nv = qn * g_n, keys = start + first + qn; /* the last query sees `keys` */
     const int64_t slot_bytes = kv8 ? d + KV8_SCALE_BYTES : 2 * d;
     const char *k_head = (const char *)cache + j * num_blocks * bs * slot_bytes,
@@ -896,6 +899,20 @@ static void attend_tile(const uint16_t *q, int64_t q_row_stride, const void *cac
     }
 }
 
+#define ATTEND_TILE_ARGS                                                                                  \
+    const uint16_t *q, int64_t q_row_stride, const void *cache, const int64_t *table, int64_t start, int64_t first, \
+        int64_t qn, int64_t j, uint16_t *out, int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t num_blocks, \
+        float scale
+/* Out of line: one copy of each, shared by the decode and prefill kernels. */
+static __attribute__((noinline)) void attend_tile_bf16(ATTEND_TILE_ARGS) {
+    attend_tile(q, q_row_stride, cache, table, start, first, qn, j, out, heads, kvh, d, bs, num_blocks, scale, 0);
+}
+
+static __attribute__((noinline)) void attend_tile_kv8(ATTEND_TILE_ARGS) {
+    attend_tile(q, q_row_stride, cache, table, start, first, qn, j, out, heads, kvh, d, bs, num_blocks, scale, 1);
+}
+#undef ATTEND_TILE_ARGS
+
 /* One query token per request, attending to its whole context where it lies in the paged cache:
  * each (row, KV head) is `attend_tile` of one query token at position lens[r] - 1.
  *
@@ -910,8 +927,8 @@ void cadence_decode_attention(const uint16_t *q, int64_t q_row_stride, const uin
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (total_len * kvh >= 2048)
     for (int64_t task = 0; task < rows * kvh; task++) {
         const int64_t r = task / kvh, j = task % kvh;
-        attend_tile(q + r * q_row_stride, q_row_stride, cache, tables + r * table_width, lens[r] - 1, 0, 1, j,
-                    out + r * heads * d, heads, kvh, d, bs, num_blocks, scale, 0);
+        attend_tile_bf16(q + r * q_row_stride, q_row_stride, cache, tables + r * table_width, lens[r] - 1, 0, 1, j,
+                         out + r * heads * d, heads, kvh, d, bs, num_blocks, scale);
     }
 }
 
@@ -923,8 +940,8 @@ void cadence_decode_attention_kv8(const uint16_t *q, int64_t q_row_stride, const
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (total_len * kvh >= 2048)
     for (int64_t task = 0; task < rows * kvh; task++) {
         const int64_t r = task / kvh, j = task % kvh;
-        attend_tile(q + r * q_row_stride, q_row_stride, cache, tables + r * table_width, lens[r] - 1, 0, 1, j,
-                    out + r * heads * d, heads, kvh, d, bs, num_blocks, scale, 1);
+        attend_tile_kv8(q + r * q_row_stride, q_row_stride, cache, tables + r * table_width, lens[r] - 1, 0, 1, j,
+                        out + r * heads * d, heads, kvh, d, bs, num_blocks, scale);
     }
 }
 
@@ -940,7 +957,7 @@ void cadence_prefill_attention(const uint16_t *q, int64_t q_row_stride, const ui
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < kvh * tiles; task++) {
         const int64_t j = task % kvh, first = (task / kvh) * PQ, qn = n - first < PQ ? n - first : PQ;
-        attend_tile(q, q_row_stride, cache, table, start, first, qn, j, out, heads, kvh, d, bs, num_blocks, scale, 0);
+        attend_tile_bf16(q, q_row_stride, cache, table, start, first, qn, j, out, heads, kvh, d, bs, num_blocks, scale);
     }
 }
 
@@ -953,21 +970,42 @@ void cadence_prefill_attention_kv8(const uint16_t *q, int64_t q_row_stride, cons
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < kvh * tiles; task++) {
         const int64_t j = task % kvh, first = (task / kvh) * PQ, qn = n - first < PQ ? n - first : PQ;
-        attend_tile(q, q_row_stride, cache, table, start, first, qn, j, out, heads, kvh, d, bs, num_blocks, scale, 1);
+        attend_tile_kv8(q, q_row_stride, cache, table, start, first, qn, j, out, heads, kvh, d, bs, num_blocks, scale);
     }
 }
 
 /* ---- a whole decode step's decoder layers in one call -------------------------------------- */
 
 /* Linear layer weights of one layer, by kind: 0 = cadence_pack's bfloat16 layout, 1 = Q4_1, and with
- * int8 activations 2 = Q4_1 (cadence_pack_q4_1_i8), 3 = Q8_0 (cadence_pack_q8_0_i8). */
-static int linear_any(int64_t kind, const uint16_t *x, const void *packed, const float *bias, uint16_t *y,
-                      int64_t m, int64_t n, int64_t k, int threads) {
+ * int8 activations 2 = Q4_1 (cadence_pack_q4_1_i8), 3 = Q8_0 (cadence_pack_q8_0_i8). Once per matrix
+ * of a layer: inlined, a few compares before the kernel's call. */
+static inline __attribute__((always_inline)) int linear_any(int64_t kind, const uint16_t *x, const void *packed,
+                                                            const float *bias, uint16_t *y, int64_t m, int64_t n,
+                                                            int64_t k, int threads) {
     if (kind == 1) return cadence_linear_q4_1(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
     if (kind == 2) return cadence_linear_q4_1_i8(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
     if (kind == 3) return cadence_linear_q8_0_i8(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
     cadence_linear(x, (const uint16_t *)packed, bias, y, m, n, k, threads);
     return 0;
+}
+
+/* K then V of each KV head of rows 0..t of qkv into each row's slot of one layer's cache (planes of
+ * `plane` bytes, one per KV head and K/V): bfloat16 as they are, or with kv8 (a constant at each
+ * use, so each copy of the loop has one kind of store) quantised into the 8-bit slots. */
+static inline __attribute__((always_inline)) void store_kv_rows(const uint16_t *qkv, int64_t width, int64_t heads,
+                                                                int64_t kvh, int64_t d, const int64_t *slots,
+                                                                int64_t t, char *layer_cache, int64_t plane,
+                                                                const int kv8) {
+    const int64_t slot_bytes = kv8 ? d + KV8_SCALE_BYTES : 2 * d;
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t s = 0; s < 2 * kvh; s++) {
+            const uint16_t *src = qkv + r * width + (heads + s) * d;
+            char *dst = layer_cache + s * plane + slots[r] * slot_bytes;
+            if (kv8)
+                quantize_row_kv8(src, d, (int8_t *)dst);
+            else
+                memcpy(dst, src, (size_t)d * 2);
+        }
 }
 
 /* Where one layer's tensors are: addresses in `w` [layers][DL_FIELDS], kinds [layers][4]. */
@@ -1002,21 +1040,15 @@ int cadence_decode_layers(uint16_t *x, uint16_t *h, uint16_t *qkv, uint16_t *att
         char *layer_cache = (char *)cache + i * layer_bytes;
         if (linear_any(kind[0], h, PTR(i, DL_QKV), PTR(i, DL_QKV_BIAS), qkv, t, width, e, threads)) return -1;
         cadence_rope(qkv, pos, cos, sin, t, heads + 2 * kvh, heads + kvh, d, threads);
-        for (int64_t r = 0; r < t; r++) /* K then V of each KV head into the row's slot */
-            for (int64_t s = 0; s < 2 * kvh; s++) {
-                const uint16_t *src = qkv + r * width + (heads + s) * d;
-                char *dst = layer_cache + s * plane + slots[r] * slot_bytes;
-                if (kv8)
-                    quantize_row_kv8(src, d, (int8_t *)dst);
-                else
-                    memcpy(dst, src, (size_t)d * 2);
-            }
-        if (kv8)
+        if (kv8) {
+            store_kv_rows(qkv, width, heads, kvh, d, slots, t, layer_cache, plane, 1);
             cadence_decode_attention_kv8(qkv, width, (const int8_t *)layer_cache, tables, table_width, lens, attn, t,
                                          heads, kvh, d, bs, num_blocks, scale, total_len, threads);
-        else
+        } else {
+            store_kv_rows(qkv, width, heads, kvh, d, slots, t, layer_cache, plane, 0);
             cadence_decode_attention(qkv, width, (const uint16_t *)layer_cache, tables, table_width, lens, attn, t,
                                      heads, kvh, d, bs, num_blocks, scale, total_len, threads);
+        }
         if (linear_any(kind[1], attn, PTR(i, DL_O), NULL, delta, t, e, heads * d, threads)) return -1;
         cadence_add_rms_norm(x, delta, PTR(i, DL_POST_NORM), h, t, e, eps, threads);
         if (linear_any(kind[2], h, PTR(i, DL_GATE_UP), NULL, gu, t, 2 * f, e, threads)) return -1;
