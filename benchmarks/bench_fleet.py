@@ -2,7 +2,8 @@
 the cost of the Ray ingress.
 
     .venv/bin/python benchmarks/bench_fleet.py routers [--calibrate] [--seeds 0,1,2] [--rate 1.5] [--out results/fleet_routers]
-    .venv/bin/python benchmarks/bench_fleet.py overhead [--rounds 3] [--out results/fleet_overhead]
+    .venv/bin/python benchmarks/bench_fleet.py overhead [--rounds 3] [--fleet-only] [--out results/fleet_overhead]
+    .venv/bin/python benchmarks/bench_fleet.py idle [--rounds 2] [--idle-seconds 60] [--out results/fleet_idle]
 
 `routers`: a workload of prompt families (each family's requests open with the same long prefix,
 then a text of their own; families in random order, Poisson arrivals) is sent by `cadence bench`
@@ -25,6 +26,11 @@ seconds each process of the server (by role: `cadence serve`, which hosts the fl
 replica; Ray's own; and Serve's HTTP proxy and ingress deployment where a fleet runs them) and
 the client spent per 1,000 output tokens.
 
+`--fleet-only`: the fleet of one alone (its CPU split, without plain serve beside it).
+
+`idle`: a fleet of one without traffic: the CPU seconds a minute of each of its processes (Ray's
+and Serve's, the replica, `cadence serve`) over `--rounds` windows of `--idle-seconds`.
+
 Servers, client and this script share the machine's cores: run it on a quiet machine.
 """
 
@@ -40,6 +46,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -283,6 +290,8 @@ def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str
 def overhead(args: argparse.Namespace, out: Path) -> None:
     servers = {"plain": [*CADENCE, "serve", "--num-threads", "2"],
                "fleet-1": [*CADENCE, "serve", "--replicas", "1", "--replica-threads", "2"]}
+    if args.fleet_only:  # (the fleet's CPU split alone: no ratio)
+        del servers["plain"]
     tps: dict[str, list[float]] = {k: [] for k in servers}
     cpu: dict[str, list[dict[str, float]]] = {k: [] for k in servers}  # CPU seconds per 1,000 output tokens
     for rnd in range(args.rounds):
@@ -302,8 +311,17 @@ def overhead(args: argparse.Namespace, out: Path) -> None:
             tokens = summary["output_tokens"]
             cpu[name].append({k: 1000 * v / tokens for k, v in roles.items() if v > 0.005})
             tps[name].append(summary["output_token_throughput"])
+        if args.fleet_only:
+            print(f"round {rnd}: fleet of 1 {tps['fleet-1'][-1]:.1f} tok/s", flush=True)
+            continue
         print(f"round {rnd}: plain {tps['plain'][-1]:.1f} tok/s, fleet of 1 {tps['fleet-1'][-1]:.1f} tok/s, "
               f"ratio {tps['fleet-1'][-1] / tps['plain'][-1]:.2f}", flush=True)
+    if args.fleet_only:
+        text = f"fleet of one, 8 streams, {args.num_requests} requests a run\n\n" + cpu_table(cpu)
+        (out / "table.md").write_text(text + "\n")
+        (out / "cpu.json").write_text(json.dumps(cpu, indent=1))
+        print(text)
+        return
     ratios = [f / p for f, p in zip(tps["fleet-1"], tps["plain"], strict=True)]
     text = (f"8 streams, chat workload, {args.num_requests} requests a run, {args.rounds} alternating rounds\n"
             f"plain cadence serve: {statistics.median(tps['plain']):.1f} tok/s (median), fleet of one replica: "
@@ -313,6 +331,55 @@ def overhead(args: argparse.Namespace, out: Path) -> None:
     (out / "table.md").write_text(text + "\n")
     (out / "cpu.json").write_text(json.dumps(cpu, indent=1))
     print(text)
+
+
+def _proc_name(cmdline: list[str]) -> str:
+    """A short name for one process of the server's tree (Ray's workers carry their actor's class)."""
+    first = cmdline[0] if cmdline else "?"
+    if first.startswith("ray::"):
+        return first.split()[0]
+    if "cadence.cli" in cmdline:
+        return "cadence serve"
+    names = [Path(a).name for a in cmdline[:3] if a]
+    return next((n for n in names if n.endswith(".py")), Path(first).name)
+
+
+def idle(args: argparse.Namespace, out: Path) -> None:
+    """CPU seconds a minute of every process of an idle fleet of one (after `--settle` seconds),
+    `--rounds` windows of `--idle-seconds` each."""
+    cmd = [*CADENCE, "serve", "--replicas", "1", "--replica-threads", "2", "--port", str(args.port)]
+    with served(cmd, f"http://127.0.0.1:{args.port}/health", out / "idle.log", cwd=ROOT, timeout=300) as proc:
+        time.sleep(args.settle)
+        rows: dict[str, list[float]] = {}
+        for _ in range(args.rounds):
+            before = _named_cpu(proc.pid)
+            time.sleep(args.idle_seconds)
+            after = _named_cpu(proc.pid)
+            per: dict[str, float] = {}
+            for pid, (name, c) in after.items():
+                per[name] = per.get(name, 0.0) + c - before.get(pid, (name, 0.0))[1]
+            for name, c in per.items():
+                rows.setdefault(name, []).append(60 * c / args.idle_seconds)
+    lines = ["| process (idle fleet of one) | CPU s a minute (median) |", "|---|---:|"]
+    for name, vals in sorted(rows.items(), key=lambda kv: -statistics.median(kv[1])):
+        lines.append(f"| {name} | {statistics.median(vals):.2f} |")
+    total = statistics.median(sum(v[i] for v in rows.values() if i < len(v)) for i in range(args.rounds))
+    lines.append(f"| all | {total:.2f} |")
+    text = "\n".join(lines)
+    (out / "idle.md").write_text(text + "\n")
+    print(text)
+
+
+def _named_cpu(root: int) -> dict[int, tuple[str, float]]:
+    cpu = tree_cpu(root)
+    out = {}
+    for pid, (_, c) in cpu.items():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        out[pid] = (_proc_name(cmd), c)
+    return out
 
 
 def cpu_table(cpu: dict[str, list[dict[str, float]]]) -> str:
@@ -330,7 +397,7 @@ def cpu_table(cpu: dict[str, list[dict[str, float]]]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["routers", "overhead"])
+    p.add_argument("mode", choices=["routers", "overhead", "idle"])
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--servers", default=",".join([*ROUTERS, "single"]), help="routers: which servers, in turn")
     p.add_argument("--families", type=int, default=12)
@@ -345,6 +412,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--port", type=int, default=8019)
+    p.add_argument("--fleet-only", action="store_true", help="overhead: run the fleet of one alone")
+    p.add_argument("--idle-seconds", type=float, default=60.0, help="idle: each measured window")
+    p.add_argument("--settle", type=float, default=15.0, help="idle: seconds after start before measuring")
     p.add_argument("--sim-only", action="store_true",
                    help="routers: keep the real runs already under --out, simulate again (another --profile)")
     p.add_argument("--calibrate", action="store_true",
@@ -359,7 +429,7 @@ def main() -> int:
         # Step times on a shared machine depend on what else runs: calibrate under today's conditions.
         args.profile = str(out / "profile.json")
         _run([*CADENCE, "calibrate", "--num-threads", "1", "--out", args.profile])
-    routers(args, out) if args.mode == "routers" else overhead(args, out)
+    {"routers": routers, "overhead": overhead, "idle": idle}[args.mode](args, out)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -75,3 +76,31 @@ def test_disaggregation_flags_make_two_pools() -> None:
     engine_cfg, fleet = fleet_options(args, serve_configs(args)[0])
     assert (fleet.prefill_replicas, fleet.decode_replicas, fleet.kv_transfer_timeout_s) == (2, 3, 7.5)
     assert fleet.disaggregated and fleet.num_replicas == 5 and engine_cfg.model.num_threads == 1
+
+
+def _env_at_ray_init(monkeypatch, address: str | None) -> dict[str, str]:
+    """The environment `start_ray` hands Ray (what its processes inherit), with `ray.init` recorded
+    rather than run."""
+    import ray
+
+    from cadence.fleet.launch import RayOptions, start_ray
+
+    seen: dict[str, str] = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(os.environ))
+    monkeypatch.setattr("cadence.fleet.launch.check_reachable", lambda address: None)
+    for key in ("RAY_USAGE_STATS_ENABLED", "RAY_enable_metrics_collection"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")  # an operator's own setting
+    start_ray(RayOptions(address=address))
+    return seen
+
+
+def test_a_local_ray_starts_with_its_background_work_cut(monkeypatch) -> None:
+    env = _env_at_ray_init(monkeypatch, None)
+    assert env["RAY_enable_metrics_collection"] == "0"
+    assert env["RAY_USAGE_STATS_ENABLED"] == "0"
+    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"  # the operator's value wins
+    # A cluster joined by address keeps the environment its own `ray start` had.
+    env = _env_at_ray_init(monkeypatch, "10.0.0.1:6379")
+    assert "RAY_enable_metrics_collection" not in env
