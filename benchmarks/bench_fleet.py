@@ -128,6 +128,10 @@ def fleet_overheads(args: argparse.Namespace, out: Path) -> dict[str, dict]:
         return json.loads(path.read_text())
     model = dataclasses.replace(StepCostModel.load(args.profile), overhead={})  # the steps alone
     batches = tuple(int(b) for b in args.overhead_batches.split(","))
+    if not all(1 <= b <= args.max_num_seqs for b in batches):
+        # A batch beyond --max-num-seqs would queue: its gaps would not be steps of that batch.
+        raise ValueError(f"--overhead-batches: each must be 1 to --max-num-seqs ({args.max_num_seqs}), "
+                         f"got {args.overhead_batches}")
     fits: dict[str, dict] = {}
     url = f"http://127.0.0.1:{args.port}"
     for replicas in sorted({1, FLEET_REPLICAS}):

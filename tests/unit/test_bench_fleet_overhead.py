@@ -87,3 +87,11 @@ def test_the_simulated_fleets_itl_rises_by_the_fleets_overhead(tmp_path):
     # the (at most 8) running requests beyond the profile's.
     extra = itl["fleet's"] - itl["profile's"]
     assert FLEET["per_step"] <= extra <= FLEET["per_step"] + 8 * FLEET["per_seq"]
+
+
+def test_an_overhead_batch_beyond_max_num_seqs_is_refused_before_any_server_starts(tmp_path):
+    bf = load_benchmark("bench_fleet")
+    args = argparse.Namespace(**vars(_args(tmp_path)), overhead_batches="1,4,32", overhead_rounds=1, sim_only=False,
+                              port=18999)
+    with pytest.raises(ValueError, match=r"--overhead-batches: .*--max-num-seqs \(16\)"):
+        bf.fleet_overheads(args, tmp_path)
