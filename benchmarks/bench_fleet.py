@@ -1,7 +1,7 @@
 """A real fleet on this machine: the three routers side by side, the simulator beside each, and
 the cost of the Ray ingress.
 
-    .venv/bin/python benchmarks/bench_fleet.py routers [--calibrate] [--seeds 0,1,2] [--rate 1.5] [--out results/fleet_routers]
+    .venv/bin/python benchmarks/bench_fleet.py routers [--calibrate] [--fleet-overhead] [--seeds 0,1,2] [--rate 1.5] [--out results/fleet_routers]
     .venv/bin/python benchmarks/bench_fleet.py overhead [--rounds 3] [--fleet-only] [--out results/fleet_overhead]
     .venv/bin/python benchmarks/bench_fleet.py idle [--rounds 2] [--idle-seconds 60] [--out results/fleet_idle]
 
@@ -16,6 +16,14 @@ Before the traffic, each server's request path is probed at idle (sim/serving.py
 `probe_request_path`: a fleet's crosses the ingress and a Ray call). `cadence sim`
 runs the same workload (same seed: same sizes and arrival times) with the same router code and
 engine options and that request path, and the table gives sim/real for TTFT and ITL p50/p90.
+
+`--fleet-overhead`: before the runs, what a fleet's replica pays per step and per running
+request beyond the engine's steps is measured the way calibration measures a plain server's
+(sim/serving.py, `decode_overhead`: closed-loop streamed decode traffic, the median ITL less the
+modelled step, fitted as per step + per running request), through a fleet of two (least-loaded,
+twice the clients, both replicas under load), started as the runs' fleets are (one thread a
+replica); saved as fleet_overhead.json under --out (`--sim-only` reuses it). The simulated fleets
+then run with that overhead; `single` keeps the profile's own (a plain `cadence serve`'s).
 
 `--sim-only` simulates again against the real runs already under --out (with another --profile).
 
@@ -54,13 +62,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cadence.bench.launch import served
 from cadence.executor.cost_model import StepCostModel
-from cadence.sim.serving import fit_request_path, probe_request_path
+from cadence.sim.serving import decode_overhead, fit_request_path, probe_request_path, warm_up
 from cadence.workload import Workload, WorkloadRequest, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 CADENCE = [sys.executable, "-m", "cadence.cli"]
 ROUTERS = ("prefix-affinity", "least-loaded", "round-robin")
 BLOCK = 16
+FLEET_REPLICAS = 2  # the routers' fleets
+# The overhead probe's prompts are random token ids below this: any of the served models' ids.
+PROBE_VOCAB = 8000
 
 
 def families_workload(families: int, per_family: int, prefix_tokens: int, suffix_tokens: int,
@@ -103,11 +114,56 @@ def engine_flags(args: argparse.Namespace, single: bool) -> list[str]:
     return ["--num-kv-blocks", str(blocks), "--max-num-seqs", str(args.max_num_seqs)]
 
 
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    return ["--tiny"] if args.tiny else []
+
+
 def serve_cmd(name: str, args: argparse.Namespace) -> list[str]:
     if name == "single":
-        return [*CADENCE, "serve", "--num-threads", "1", *engine_flags(args, True)]
-    return [*CADENCE, "serve", "--replicas", "2", "--replica-threads", "1", "--router", name,
-            *engine_flags(args, False)]
+        return [*CADENCE, "serve", "--num-threads", "1", *engine_flags(args, True), *_model_flags(args)]
+    return [*CADENCE, "serve", "--replicas", str(FLEET_REPLICAS), "--replica-threads", "1", "--router", name,
+            *engine_flags(args, False), *_model_flags(args)]
+
+
+def fleet_overheads(args: argparse.Namespace, out: Path) -> dict[str, dict]:
+    """The serving overhead of a fleet of `FLEET_REPLICAS` (the fleets the routers run), keyed by
+    the number of replicas: the fleet started as the runs' are (least-loaded, so the closed-loop
+    clients spread evenly) and measured with `decode_overhead` against --profile's step prices."""
+    path = out / "fleet_overhead.json"
+    if args.sim_only and path.exists():
+        return json.loads(path.read_text())
+    model = dataclasses.replace(StepCostModel.load(args.profile), overhead={})  # the steps alone
+    batches = tuple(int(b) for b in args.overhead_batches.split(","))
+    if not all(1 <= b <= args.max_num_seqs for b in batches):
+        # A batch beyond --max-num-seqs would queue: its gaps would not be steps of that batch.
+        raise ValueError(f"--overhead-batches: each must be 1 to --max-num-seqs ({args.max_num_seqs}), "
+                         f"got {args.overhead_batches}")
+    fits: dict[str, dict] = {}
+    url = f"http://127.0.0.1:{args.port}"
+    for replicas in (FLEET_REPLICAS,):
+        cmd = [*CADENCE, "serve", "--replicas", str(replicas), "--replica-threads", "1", "--router", "least-loaded",
+               *engine_flags(args, False), *_model_flags(args), "--port", str(args.port)]
+        print(f"$ {' '.join(cmd[2:])}  (serving overhead, batches {args.overhead_batches})", flush=True)
+        with served(cmd, url + "/health", out / f"fleet_overhead_{replicas}.log", cwd=ROOT, timeout=300):
+            warm_up(url, replicas, PROBE_VOCAB)
+            fits[str(replicas)] = decode_overhead(url, model, PROBE_VOCAB, replicas=replicas, batches=batches,
+                                                  rounds=args.overhead_rounds)
+        print(f"fleet of {replicas}: {_overhead_text(fits[str(replicas)])}", flush=True)
+    path.write_text(json.dumps(fits, indent=1))
+    return fits
+
+
+def _overhead_text(terms: dict) -> str:
+    return f"{terms['per_step'] * 1e3:.2f} ms a step + {terms['per_seq'] * 1e3:.2f} ms a running request"
+
+
+def server_overhead(name: str, fits: dict[str, dict] | None) -> dict[str, float] | None:
+    """The serving overhead a simulation of server `name` is given in place of the profile's:
+    the fleet's measured one for a fleet, None (the profile's, a plain server's) for `single`."""
+    if name == "single" or not fits:
+        return None
+    fit = fits[str(FLEET_REPLICAS)]
+    return {"per_step": fit["per_step"], "per_seq": fit["per_seq"]}
 
 
 def sim_cmd(name: str, args: argparse.Namespace, load: list[str], out: Path, profile: str) -> list[str]:
@@ -116,18 +172,23 @@ def sim_cmd(name: str, args: argparse.Namespace, load: list[str], out: Path, pro
             "--profile", profile, "--out", str(out)]
 
 
-def with_request_path(args: argparse.Namespace, real: Path, out: Path) -> StepCostModel:
+def with_request_path(args: argparse.Namespace, real: Path, out: Path,
+                      overhead: dict[str, float] | None = None) -> StepCostModel:
     """--profile with the request path this server was probed at (a fleet's crosses the ingress
     and a Ray call), so the simulation pays what this server's requests paid; saved
-    as `out`/profile.json."""
+    as `out`/profile.json. With `overhead`, that serving overhead replaces the profile's first
+    (a fleet's replicas pay their own), and the probe's steps are priced with it."""
     model = StepCostModel.load(args.profile)
+    if overhead is not None:
+        model = dataclasses.replace(model, overhead=dict(overhead),
+                                    metadata={**model.metadata, "overhead_source": "measured through the fleet"})
     probe = json.loads((real / "request_path_probe.json").read_text())
     probed = dataclasses.replace(model, request_path=fit_request_path(probe, model))
     probed.save(out / "profile.json")
     return probed
 
 
-def one_run(name: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
+def one_run(name: str, seed: int, args: argparse.Namespace, out: Path, fits: dict[str, dict] | None = None) -> dict:
     wl = out / f"workload_s{seed}.jsonl"
     write_jsonl(families_workload(args.families, args.per_family, args.prefix_tokens, args.suffix_tokens,
                                   args.output_tokens, seed), wl)
@@ -137,11 +198,13 @@ def one_run(name: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     if not args.sim_only:
         serve_and_bench(name, seed, args, load, real, out)
     sim.mkdir(parents=True, exist_ok=True)
-    probed = with_request_path(args, real, sim)
+    probed = with_request_path(args, real, sim, server_overhead(name, fits))
     _run(sim_cmd(name, args, load, sim, str(sim / "profile.json")))
     return {"router": name, "seed": seed, "hit_rate": json.loads((real / "hit.json").read_text())["hit_rate"],
             "real": _summary(real)["overall"], "sim": _summary(sim)["overall"], "sim_hit_rate": _sim_hit_rate(sim),
-            "request_path_ms": 1000 * probed.request_delay}
+            "request_path_ms": 1000 * probed.request_delay,
+            "request_path_us_per_token": 1e6 * probed.request_delay_per_token,
+            "overhead_ms": {k: 1000 * v for k, v in probed.overhead.items()}}
 
 
 def serve_and_bench(name: str, seed: int, args: argparse.Namespace, load: list[str], real: Path, out: Path) -> None:
@@ -174,7 +237,7 @@ def _pct(v: float | None) -> str:
 
 def routers_table(rows: list[dict]) -> str:
     lines = ["| server | seed | hit rate (sim) | TTFT p50 / p95 (ms) | ITL p50 / p90 (ms) | goodput | "
-             "request path (ms) | sim/real TTFT p50, p90 | sim/real ITL p50, p90 |",
+             "request path (ms + per prompt token) | sim/real TTFT p50, p90 | sim/real ITL p50, p90 |",
              "|---|---:|---|---|---|---:|---:|---|---|"]
     for r in rows:
         real, sim = r["real"], r["sim"]
@@ -187,7 +250,8 @@ def routers_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['router']} | {r['seed']} | {_pct(r['hit_rate'])} ({_pct(r['sim_hit_rate'])}) | "
             f"{_ms(real['ttft']['p50'])} / {_ms(real['ttft']['p95'])} | {_ms(real['itl']['p50'])} / "
-            f"{_ms(real['itl']['p90'])} | {_pct(good)} | {r.get('request_path_ms', 0.0):.1f} | "
+            f"{_ms(real['itl']['p90'])} | {_pct(good)} | {r.get('request_path_ms', 0.0):.1f} + "
+            f"{r.get('request_path_us_per_token', 0.0):.0f} us/token | "
             f"{ratio('ttft', 'p50')}, {ratio('ttft', 'p90')} | "
             f"{ratio('itl', 'p50')}, {ratio('itl', 'p90')} |")
     return "\n".join(lines)
@@ -220,19 +284,28 @@ def routers_summary(rows: list[dict]) -> str:
 
 def routers(args: argparse.Namespace, out: Path) -> None:
     names = args.servers.split(",")
+    fits = fleet_overheads(args, out) if args.fleet_overhead else None
     rows = []
     for k, seed in enumerate(int(s) for s in args.seeds.split(",")):
         order = names[k % len(names):] + names[: k % len(names)]  # each server takes each turn in time
         for name in order:
-            rows.append(one_run(name, seed, args, out))
+            rows.append(one_run(name, seed, args, out, fits))
             print(routers_table(rows[-1:]), flush=True)
     text = (f"{args.families} families x {args.per_family} requests ({args.prefix_tokens} shared + "
             f"{args.suffix_tokens} own prompt tokens, {args.output_tokens} output), Poisson {args.rate} req/s, "
             f"{args.kv_blocks} KV blocks a replica, profile {args.profile}, load average "
-            f"{os.getloadavg()[0]:.2f} at the end\n\n{routers_table(rows)}\n\n{routers_summary(rows)}")
+            f"{os.getloadavg()[0]:.2f} at the end{_fits_text(fits)}\n\n{routers_table(rows)}\n\n"
+            f"{routers_summary(rows)}")
     (out / "rows.json").write_text(json.dumps(rows, indent=1))
     (out / "table.md").write_text(text + "\n")
     print(text)
+
+
+def _fits_text(fits: dict[str, dict] | None) -> str:
+    if not fits:
+        return ""
+    each = "; ".join(f"{n} replica{'s' if n != '1' else ''}: {_overhead_text(f)}" for n, f in sorted(fits.items()))
+    return f"\nserving overhead measured through the fleet (the simulated fleets use {FLEET_REPLICAS} replicas'): {each}"
 
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -419,6 +492,15 @@ def main() -> int:
                    help="routers: keep the real runs already under --out, simulate again (another --profile)")
     p.add_argument("--calibrate", action="store_true",
                    help="routers: calibrate a one-thread profile first (a few minutes) and simulate with it")
+    p.add_argument("--fleet-overhead", action="store_true",
+                   help="routers: measure the serving overhead through a fleet of 1 and of 2 replicas first "
+                        "and simulate the fleets with it (single keeps the profile's)")
+    p.add_argument("--overhead-batches", default="1,4,16",
+                   help="--fleet-overhead: running requests a replica, comma-separated")
+    p.add_argument("--overhead-rounds", type=int, default=2,
+                   help="--fleet-overhead: requests each closed-loop client streams at each batch size")
+    p.add_argument("--tiny", action="store_true",
+                   help="serve the tiny random-weight model (a check that the script runs, not a measurement)")
     p.add_argument("--profile", default=str(ROOT / "src/cadence/sim/profiles/default.json"))
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -18,6 +18,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -89,21 +90,46 @@ def measure_serving_overhead(config: EngineConfig, model: StepCostModel, vocab: 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "cadence.cli", "serve", "--port", str(port), *engine_flags(config)]
-    rows = []
     with served(cmd, url + "/ready", log_path):
-        _closed_loop(url, 1, 1, vocab)  # warm-up
+        warm_up(url, 1, vocab)
         probe = probe_request_path(url)
-        for n in batches:
-            gaps = _closed_loop(url, n, rounds, vocab)
-            ctx = PROMPT_TOKENS + OUTPUT_TOKENS // 2
-            f = StepFeatures(decode_seqs=n, sampled=n, decode_context=n * ctx, decode_padded=n * ctx)
-            rows.append({"batch": n, "median_itl_s": statistics.median(gaps), "modelled_step_s": model.predict(f)})
-    b = [r["batch"] for r in rows]
-    y = [r["median_itl_s"] - r["modelled_step_s"] for r in rows]
-    per_seq, per_step = _line(b, y)
-    return {"per_step": per_step, "per_seq": per_seq, "runs": rows, "how": "cadence serve, streaming client on "
+        fit = decode_overhead(url, model, vocab, batches=batches, rounds=rounds)
+    return {**fit, "how": "cadence serve, streaming client on "
             f"this machine, {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} tokens out",
             "request_path_probe": probe}
+
+
+def warm_up(url: str, clients: int, vocab: int) -> None:
+    """One streamed request from each of `clients` at once (a fleet's: one on each replica), untimed."""
+    _closed_loop(url, clients, 1, vocab)
+
+
+ClosedLoop = Callable[[str, int, int, int], list[float]]
+
+
+def decode_overhead(url: str, model: StepCostModel, vocab: int, *, replicas: int = 1,
+                    batches: tuple[int, ...] = (1, 4, 16), rounds: int = 2,
+                    loop: ClosedLoop | None = None) -> dict[str, Any]:
+    """What serving adds to a decode step on the server at `url`, from closed-loop streaming traffic:
+    for each batch size n in `batches`, `replicas` x n clients (a fleet whose router spreads them
+    evenly runs n on each replica, all replicas at once, as they share the machine's cores), the
+    median inter-token gap less the cost model's price of a decode step of n requests, fitted as
+    per_step + per_seq x n. `model` is priced as given: pass it without its own overhead."""
+    if replicas < 1:
+        raise ValueError(f"replicas: must be >= 1, got {replicas}")
+    loop = loop or _closed_loop
+    rows = []
+    for n in batches:
+        gaps = loop(url, replicas * n, rounds, vocab)
+        if not gaps:
+            raise RuntimeError(f"serving overhead: no inter-token gaps from {replicas * n} clients")
+        ctx = PROMPT_TOKENS + OUTPUT_TOKENS // 2
+        f = StepFeatures(decode_seqs=n, sampled=n, decode_context=n * ctx, decode_padded=n * ctx)
+        # The mean beside the fitted median: where a server sends tokens in bursts, they part.
+        rows.append({"batch": n, "clients": replicas * n, "median_itl_s": statistics.median(gaps),
+                     "mean_itl_s": statistics.fmean(gaps), "modelled_step_s": model.predict(f)})
+    per_seq, per_step = _line([r["batch"] for r in rows], [r["median_itl_s"] - r["modelled_step_s"] for r in rows])
+    return {"per_step": per_step, "per_seq": per_seq, "replicas": replicas, "runs": rows}
 
 
 # Words for the request-path probe's text prompts: each probe a fresh random sentence, so no prompt

@@ -1,0 +1,59 @@
+"""benchmarks/bench_fleet.py `routers --fleet-overhead` end to end, with the tiny model and a few
+requests: the fleets' serving overhead is measured through a fleet of two replicas, the
+simulated fleet is given it, the simulated single server its profile's own. A check that
+the benchmark runs, not a measurement."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")  # (the fleet's extra: `make serve` / `make test` install it)
+
+from cadence.executor.cost_model import StepCostModel  # noqa: E402
+from cadence.sim.profile import default_profile_path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _port() -> int:
+    for _ in range(50):
+        port = random.randrange(18000, 19000)
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return port
+    raise RuntimeError("no free port in 18000-18999")
+
+
+def test_routers_with_the_fleet_overhead_runs_end_to_end(tmp_path):
+    out = tmp_path / "routers"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_fleet.py"), "routers", "--tiny", "--fleet-overhead",
+           "--servers", "prefix-affinity,single", "--seeds", "0", "--families", "2", "--per-family", "2",
+           "--prefix-tokens", "64", "--suffix-tokens", "16", "--output-tokens", "4", "--rate", "4",
+           "--kv-blocks", "64", "--max-num-seqs", "4", "--overhead-batches", "1,2", "--overhead-rounds", "1",
+           "--port", str(_port()), "--out", str(out)]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    fits = json.loads((out / "fleet_overhead.json").read_text())
+    assert sorted(fits) == ["2"]
+    for replicas, fit in fits.items():
+        assert fit["replicas"] == int(replicas)
+        assert [r["clients"] for r in fit["runs"]] == [int(replicas), 2 * int(replicas)]
+        assert all(r["median_itl_s"] > 0 for r in fit["runs"])
+    rows = {r["router"]: r for r in json.loads((out / "rows.json").read_text())}
+    fleet_profile = StepCostModel.load(out / "prefix-affinity_s0_sim" / "profile.json")
+    assert fleet_profile.overhead == {k: fits["2"][k] for k in ("per_step", "per_seq")}
+    single_profile = StepCostModel.load(out / "single_s0_sim" / "profile.json")
+    assert single_profile.overhead == StepCostModel.load(default_profile_path()).overhead
+    for row in rows.values():
+        assert row["real"]["ttft"]["p50"] > 0 and row["sim"]["ttft"]["p50"] > 0
+    assert "serving overhead measured through the fleet" in (out / "table.md").read_text()
