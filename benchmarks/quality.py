@@ -1,6 +1,6 @@
 """Quality of cadence's reduced-precision configurations against the float32 model, on a fixed text.
 
-    .venv/bin/python benchmarks/quality.py [--configs bf16,kv8,act8,act8+kv8] [--tokens 20480]
+    .venv/bin/python benchmarks/quality.py [--configs bf16,kv8,act8,act8+kv8,act8-1] [--tokens 20480]
         [--window 2048] [--chunk 512] [--threads 1] [--model PATH] [--json out.json]
 
 The text is the string contents of CPython's `pydoc_data/topics.py` (the help topics that ship
@@ -199,7 +199,7 @@ def report(results: dict[str, dict[str, float]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="bf16,kv8,act8,act8+kv8",
+    ap.add_argument("--configs", default="bf16,kv8,act8,act8+kv8,act8-1",
                     help=f"comma-separated, of {', '.join(CONFIGS)} (f32 always runs)")
     ap.add_argument("--tokens", type=int, default=20480, help="tokens of the text to score")
     ap.add_argument("--window", type=int, default=2048, help="context of each window (positions from 0)")

@@ -92,7 +92,7 @@ class DecodeLayers:
     """A model's decoder layers as `decode_layers` reads them: per layer the addresses of its input
     norm, post norm, qkv, qkv bias (0: none), o, gate-up and down weights (`DL_*` in the C), and each
     linear's kind (0: `pack`'s bfloat16 layout, 1: `pack_q4_1`'s, 2: `pack_q4_1_i8`'s, 3:
-    `pack_q8_0_i8`'s). `keep` holds the tensors those addresses point into, so they live as long as
+    `pack_q8_0_i8`'s; 4 and 5: those two with the activations in two int8 terms). `keep` holds the tensors those addresses point into, so they live as long as
     this does."""
 
     pointers: torch.Tensor  # [layers, len(DL_FIELDS)] int64
