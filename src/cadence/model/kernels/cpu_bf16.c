@@ -433,17 +433,15 @@ static int quantize_rows_i8(const uint16_t *x, int64_t m, int64_t k, int two, i8
     r->sx = (float *)(r->qx + m * k * (two ? 2 : 1));
     r->ss = r->sx + m * kb;
     r->sq = (int32_t *)(r->ss + m * kb);
-    for (int64_t i = 0; i < m * kb && two; i++) {
-        const uint16_t *p = x + i * QK;
-        const __m512 a = load_bf16(p, 0xFFFF), c = load_bf16(p + 16, 0xFFFF);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-        quantize_block_i8x2(a, c, amax, r->qx + i * QK, r->qr + i * QK, r->sx + i, r->sq + i);
-        r->ss[i] = r->sx[i] * (float)r->sq[i];
-    }
-    for (int64_t i = 0; i < m * kb && !two; i++) {
+    for (int64_t i = 0; i < m * kb; i++) {
         const uint16_t *p = x + i * QK; /* row i / kb, block i % kb: rows are contiguous */
         const __m512 a = load_bf16(p, 0xFFFF), c = load_bf16(p + 16, 0xFFFF);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        if (two) {
+            quantize_block_i8x2(a, c, amax, r->qx + i * QK, r->qr + i * QK, r->sx + i, r->sq + i);
+            r->ss[i] = r->sx[i] * (float)r->sq[i];
+            continue;
+        }
         const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* round to nearest even */
         const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
