@@ -1,13 +1,15 @@
 """int8 activations against bfloat16 ones, kernel by kernel: one linear layer, alternating.
 
     .venv/bin/python benchmarks/bench_int8.py [--rows 1,8,32,512] [--rounds 7] [--threads N] [--json FILE]
+        [--two-terms]
 
 The default model's layer shapes on random GGUF blocks: qkv 960 x 576, gate-up 3072 x 576 and down
 576 x 1536 as Q4_1 (`linear_q4_1`, bfloat16 activations, against `linear_q4_1_i8`), and the tied
 output layer 49152 x 576 (bfloat16 `linear_f32` against Q8_0 `linear_q8_0_i8_f32`). For each shape
 and row count, each round times both kernels in turn (best of a few calls); the script prints the
 median time of each and the median of the per-round ratios (bfloat16 / int8: above 1, int8 is
-faster). A whole model's steps: benchmarks/profile_step.py or bench_kernels.py with
+faster). `--two-terms` times the int8 kernels with the activations in two int8 terms (`_i8x2`,
+as `--activation-dtype int8` runs the gate-up and output layers) instead of one. A whole model's steps: benchmarks/profile_step.py or bench_kernels.py with
 --activation-dtype int8.
 """
 
@@ -45,17 +47,18 @@ def blocks(n: int, k: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         dequantize(raw, qtype).copy()).to(torch.bfloat16)
 
 
-def pair(kernels: ck.CpuKernels, name: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+def pair(kernels: ck.CpuKernels, name: str, two_terms: bool) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
     """(bfloat16-activation call, int8-activation call) for one layer shape."""
     n, k = SHAPES[name]
     if name == "lm_head":
         raw, w = blocks(n, k, "Q8_0")
         packed, i8 = kernels.pack(w), kernels.pack_q8_0_i8(raw, n, k)
-        return (lambda x: kernels.linear_f32(x, packed, n, None),
-                lambda x: kernels.linear_q8_0_i8_f32(x, i8, n, None))
+        q8 = kernels.linear_q8_0_i8x2_f32 if two_terms else kernels.linear_q8_0_i8_f32
+        return lambda x: kernels.linear_f32(x, packed, n, None), lambda x: q8(x, i8, n, None)
     raw, _ = blocks(n, k, "Q4_1")
     q4, i8 = kernels.pack_q4_1(raw, n, k), kernels.pack_q4_1_i8(raw, n, k)
-    return lambda x: kernels.linear_q4_1(x, q4, n, None), lambda x: kernels.linear_q4_1_i8(x, i8, n, None)
+    q4_i8 = kernels.linear_q4_1_i8x2 if two_terms else kernels.linear_q4_1_i8
+    return lambda x: kernels.linear_q4_1(x, q4, n, None), lambda x: q4_i8(x, i8, n, None)
 
 
 def best_of(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, calls: int) -> float:
@@ -74,6 +77,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--layers", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--json", default="", help="also write every round's times to this JSON file")
+    ap.add_argument("--two-terms", action="store_true", help="the int8 kernels with activations in two int8 terms")
     args = ap.parse_args()
     kernels = ck.cpu_kernels()
     if kernels is None or not ck.has_vnni():
@@ -85,7 +89,7 @@ def main() -> None:
           f"{args.rounds} rounds alternating; ratio bfloat16 / int8")
     out: dict[str, dict[str, dict[str, list[float]]]] = {}
     for name in args.layers.split(","):
-        bf16, int8 = pair(kernels, name)
+        bf16, int8 = pair(kernels, name, args.two_terms)
         for m in rows:
             x = torch.randn(m, SHAPES[name][1], generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
             calls = max(3, min(50, 2000 // m))

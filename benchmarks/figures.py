@@ -181,7 +181,9 @@ def fmt_q4(out: Path) -> str:
 
 
 QUALITY_LABELS = {"f32": "float32 (reference)", "bf16": "bfloat16 (default)", "kv8": "8-bit KV cache",
-                  "act8": "int8 activations", "act8+kv8": "int8 activations and 8-bit KV cache"}
+                  "act8": "int8 activations (gate-up and output in two terms)",
+                  "act8+kv8": "int8 activations and 8-bit KV cache",
+                  "act8-1": "int8 activations, every layer in one term"}
 
 
 def fmt_quality(out: Path) -> str:
@@ -526,7 +528,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("q4-vs-bf16", "docs/performance.md", "Q4_1 layers on their four-bit values",
            (f"{PY} benchmarks/bench_q4.py",), 2, True, fmt_q4, extra="--json {out}/cmd{i}.json"),
     Figure("quality", "docs/performance.md", "Quality of the reduced-precision paths",
-           (f"{PY} benchmarks/quality.py --configs bf16,kv8,act8,act8+kv8 --threads 1",), 12, False, fmt_quality,
+           (f"{PY} benchmarks/quality.py --configs bf16,kv8,act8,act8+kv8,act8-1 --threads 1",), 15, False, fmt_quality,
            extra="--json {out}/cmd{i}.json"),
     Figure("int8-kernels", "docs/performance.md", "int8 activations on AVX512-VNNI",
            (f"{PY} benchmarks/bench_int8.py --rounds 5",), 3, True, fmt_int8_kernels, extra="--json {out}/cmd{i}.json"),

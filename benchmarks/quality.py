@@ -1,6 +1,6 @@
 """Quality of cadence's reduced-precision configurations against the float32 model, on a fixed text.
 
-    .venv/bin/python benchmarks/quality.py [--configs bf16,kv8,act8,act8+kv8] [--tokens 20480]
+    .venv/bin/python benchmarks/quality.py [--configs bf16,kv8,act8,act8+kv8,act8-1] [--tokens 20480]
         [--window 2048] [--chunk 512] [--threads 1] [--model PATH] [--json out.json]
 
 The text is the string contents of CPython's `pydoc_data/topics.py` (the help topics that ship
@@ -19,8 +19,13 @@ Configurations (`CONFIGS`; a new one is a line there):
   bf16       the model as served by default: bfloat16 activations and KV cache (cadence's CPU
              kernels where the CPU has AVX512-BF16, GGUF Q4_1 layers on their four-bit values)
   kv8        bf16 with the 8-bit KV cache (--kv-cache-dtype int8)
-  act8       bf16 with int8 activations (--activation-dtype int8; needs AVX512-VNNI)
+  act8       bf16 with int8 activations (--activation-dtype int8; needs AVX512-VNNI): the
+             gate-up and output layers' inputs in two int8 terms, the others in one
   act8+kv8   both: int8 activations and the 8-bit KV cache
+  act8-1     int8 activations with every layer's input in one int8 term (llama.cpp's scheme)
+
+`--int8-two-terms KINDS` (comma-separated of qkv, o, gate_up, down, output, or "none") sets the
+kinds in two int8 terms for the act8 configurations: how much each kind's rounding costs.
 
 The default model's weights are the same in all (the GGUF's, dequantised exactly for float32).
 The window is 2,048 tokens by default so that most positions attend over contexts of hundreds to
@@ -40,13 +45,14 @@ import platform
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from cadence.executor.model_runner import ModelRunner
 from cadence.model.attention import AttentionMetadata, SeqSpan
+from cadence.model.llama import INT8_TWO_TERMS, LINEAR_KINDS
 from cadence.model.loader import Checkpoint, default_model_path, load_checkpoint
 from cadence.model.tokenizer import Tokenizer
 
@@ -59,6 +65,7 @@ class Config:
     dtype: torch.dtype
     kv_cache_dtype: str = "auto"
     activation_dtype: str = "auto"
+    int8_two_terms: frozenset[str] = INT8_TWO_TERMS  # with int8 activations: the kinds in two int8 terms
     about: str = ""
 
 
@@ -69,6 +76,8 @@ CONFIGS: dict[str, Config] = {
     "act8": Config(torch.bfloat16, activation_dtype="int8", about="int8 activations, bfloat16 KV cache"),
     "act8+kv8": Config(torch.bfloat16, kv_cache_dtype="int8", activation_dtype="int8",
                        about="int8 activations, 8-bit KV cache"),
+    "act8-1": Config(torch.bfloat16, activation_dtype="int8", int8_two_terms=frozenset(),
+                     about="int8 activations, every layer in one int8 term"),
 }
 
 
@@ -103,7 +112,7 @@ def text_tokens(tokenizer: Tokenizer, n: int) -> list[int]:
 def make_runner(ckpt: Checkpoint, config: Config, window: int) -> ModelRunner:
     runner = ModelRunner(ckpt.arch, ckpt.weights, dtype=config.dtype, q4_1=ckpt.q4_1, q8_0=ckpt.q8_0,
                          q4_0=ckpt.q4_0, kv_cache_dtype=config.kv_cache_dtype,
-                         activation_dtype=config.activation_dtype)
+                         activation_dtype=config.activation_dtype, int8_two_terms=config.int8_two_terms)
     runner.initialize_kv_cache(-(-window // BLOCK), BLOCK)
     return runner
 
@@ -190,7 +199,7 @@ def report(results: dict[str, dict[str, float]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="bf16,kv8,act8,act8+kv8",
+    ap.add_argument("--configs", default="bf16,kv8,act8,act8+kv8,act8-1",
                     help=f"comma-separated, of {', '.join(CONFIGS)} (f32 always runs)")
     ap.add_argument("--tokens", type=int, default=20480, help="tokens of the text to score")
     ap.add_argument("--window", type=int, default=2048, help="context of each window (positions from 0)")
@@ -198,9 +207,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default="", help="GGUF file or Hugging Face directory (default: the default model)")
     ap.add_argument("--json", default="", help="also write the figures to this JSON file")
+    ap.add_argument("--int8-two-terms", default="",
+                    help="act8, act8+kv8: these layer kinds in two int8 terms (comma-separated, or none; "
+                         f"default {','.join(sorted(INT8_TWO_TERMS))})")
     args = ap.parse_args()
     if min(args.tokens, args.window, args.chunk) < 2:
         ap.error("--tokens, --window and --chunk must be >= 2")
+    if args.int8_two_terms:
+        kinds = frozenset(k for k in args.int8_two_terms.split(",") if k.strip() not in ("", "none"))
+        if unknown := kinds - set(LINEAR_KINDS):
+            ap.error(f"--int8-two-terms: {sorted(unknown)} are not of {', '.join(LINEAR_KINDS)}")
+        for name in ("act8", "act8+kv8"):
+            CONFIGS[name] = replace(CONFIGS[name], int8_two_terms=kinds)
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_model_path()
     ckpt = load_checkpoint(path, torch.float32)

@@ -473,8 +473,9 @@ OPTION_HELP: dict[str, str] = {
              "(half: float16, float: float32, as in vLLM)",
     "device": "auto: CUDA when present, else the CPU",
     "activation_dtype": "what a quantized checkpoint's linear layers multiply their weights with; auto: activations "
-                        "in --dtype; int8: each input row quantized per block of 32 to int8, summed in integers "
-                        "against the GGUF Q4_1, Q4_0 and Q8_0 blocks as stored (bfloat16 on a CPU with AVX512-VNNI only)",
+                        "in --dtype; int8: each input row quantized per block of 32 to int8 (the gate-up and output "
+                        "layers' in two int8 terms, 15 bits), summed in integers against the GGUF Q4_1, Q4_0 and "
+                        "Q8_0 blocks as stored (bfloat16 on a CPU with AVX512-VNNI only)",
     "max_model_len": "longest context (prompt + output) a request may use: 4096, or 32k (32000), 32K (32768), "
                      "1m (1000000), as vLLM reads them (none: the model's, at most 8192)",
     "served_model_name": "the model name the API answers to (none: the model file's name up to its first dot, "

@@ -25,8 +25,9 @@ VNNI = cpu_kernels() is not None and has_vnni()
 needs_vnni = pytest.mark.skipif(not VNNI, reason="int8 activations need cadence's CPU kernels and AVX512-VNNI")
 # (perplexity, top-1 agreement with float32), measured on the CPU kernels (AVX512-BF16 and -VNNI),
 # where the bfloat16 configurations run as served.
-PINNED = {"f32": (17.5397, 1.0), "bf16": (17.5766, 0.9902), "kv8": (17.6739, 0.9843), "act8": (17.5400, 0.9687),
-          "act8+kv8": (17.5302, 0.9609)}
+# act8 has its gate-up and output layers' inputs in two int8 terms, act8-1 every layer's in one.
+PINNED = {"f32": (17.5397, 1.0), "bf16": (17.5766, 0.9902), "kv8": (17.6739, 0.9843), "act8": (17.5872, 0.9765),
+          "act8+kv8": (17.5051, 0.9706), "act8-1": (17.5400, 0.9687)}
 
 
 def _quality_script():
@@ -44,7 +45,7 @@ def results() -> dict[str, dict[str, float]]:
     path = default_model_path()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    configs = ["bf16", "kv8", *(["act8", "act8+kv8"] if VNNI else [])]
+    configs = ["bf16", "kv8", *(["act8", "act8+kv8", "act8-1"] if VNNI else [])]
     try:
         tokens = quality.text_tokens(Tokenizer.from_model_path(path), TOKENS)
         return quality.evaluate(configs, tokens, TOKENS, CHUNK, load_checkpoint(path, torch.float32))
@@ -67,15 +68,23 @@ def test_8bit_cache_within_the_goals_of_bfloat16(results) -> None:
 
 
 @needs_vnni
-def test_int8_activations_within_the_perplexity_goal(results) -> None:
-    """int8 activations keep perplexity within the goal but agree with float32 less often than
-    bfloat16 activations do (docs/performance.md): held to 4 points here, and pinned below."""
-    _within_goals(results, "act8", 4.0)
+def test_int8_activations_within_the_goals_of_bfloat16(results) -> None:
+    """int8 activations (two terms where one costs most) meet both goals on the full text
+    (docs/performance.md); on this one 7 of 511 positions (1.4 points) move: held to 2 points here,
+    and pinned below."""
+    _within_goals(results, "act8", 2.0)
 
 
 @needs_vnni
-def test_int8_activations_with_the_8bit_cache_within_the_perplexity_goal(results) -> None:
-    _within_goals(results, "act8+kv8", 4.0)
+def test_int8_activations_with_the_8bit_cache_within_the_goals_of_bfloat16(results) -> None:
+    _within_goals(results, "act8+kv8", 2.0)
+
+
+@needs_vnni
+def test_two_terms_agree_with_float32_more_often_than_one(results) -> None:
+    """What the second term buys: every layer in one int8 term moves 3 points of this text."""
+    assert results["act8"]["agreement"] > results["act8-1"]["agreement"]
+    _within_goals(results, "act8-1", 4.0)
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the pinned bfloat16 figures are the CPU kernels'")

@@ -27,8 +27,11 @@ def test_quantized_layers_and_the_output_layer_take_the_integer_path():
         assert (layer.qkv.i8_format, layer.o.i8_format, layer.gate_up.i8_format, layer.down.i8_format) == (
             "Q4_1", "Q4_0", "Q4_1", "Q8_0")
         assert layer.qkv.q4_1 is None and layer.qkv.packed is None and layer.qkv.weight is None  # one copy
-    assert model.lm_head.i8_format == "Q8_0" and "int8 activations" in model.lm_head.path
-    assert model.fused_decode is not None and model.fused_decode.kinds.tolist() == [[2, 2, 2, 3]] * arch.num_layers
+    assert model.lm_head.i8_format == "Q8_0" and model.lm_head.path.endswith("int8 activations in two terms")
+    # By default gate-up (and the output layer) in two int8 terms: kind 4; the others in one.
+    assert [lin.i8_terms for lin in (model.layers[0].qkv, model.layers[0].o, model.layers[0].gate_up,
+                                     model.layers[0].down, model.lm_head)] == [1, 1, 2, 1, 2]
+    assert model.fused_decode is not None and model.fused_decode.kinds.tolist() == [[2, 2, 4, 3]] * arch.num_layers
     # The same checkpoint with bfloat16 activations (the default): none of it.
     plain = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0).model
     assert plain.layers[0].down.i8 is None and plain.lm_head.i8 is None and plain.layers[0].qkv.q4_1 is not None
@@ -52,7 +55,14 @@ def test_a_layer_without_quantized_blocks_keeps_the_bfloat16_kernel():
     assert model.layers[0].qkv.i8_format == "Q4_1" and model.layers[0].down.i8 is None
     assert model.layers[0].down.path == "cadence's kernel on bfloat16 weights"
     assert model.lm_head.i8 is None  # a bfloat16 embedding: the output layer too
-    assert model.fused_decode is not None and model.fused_decode.kinds[0].tolist() == [2, 2, 2, 0]
+    assert model.fused_decode is not None and model.fused_decode.kinds[0].tolist() == [2, 2, 4, 0]
+
+
+def test_unknown_two_term_kinds_are_refused():
+    arch, weights, q4_1 = kernel_model(True, False, seed=6)
+    with pytest.raises(ValueError, match=r"int8_two_terms: \['mlp'\]"):
+        ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, activation_dtype="int8",
+                    int8_two_terms=frozenset({"gate_up", "mlp"}))
 
 
 def test_int8_without_vnni_is_refused(monkeypatch):

@@ -25,6 +25,7 @@ from test_int8_kernels import int8_model, needs_vnni
 from cadence.boundary import ScheduledRequest, SchedulerOutput
 from cadence.executor.model_runner import ModelRunner
 from cadence.model.attention import AttentionMetadata, SeqSpan, quantize_kv
+from cadence.model.llama import INT8_TWO_TERMS, LINEAR_KINDS
 from cadence.request import SamplingParams
 
 VOCAB, BLOCK, NUM_BLOCKS = 300, 4, 256
@@ -44,15 +45,24 @@ def kernel_runner(q4: bool, bias: bool, kv_cache_dtype: str = "auto") -> ModelRu
     return runner
 
 
+# The fused decode step's kinds of o, gate-up and down: one int8 term 2 (Q4_0, Q4_1) and 3 (Q8_0),
+# two terms 4 and 5; by default gate-up in two.
+INT8_KINDS = {"default": [2, 4, 3], "one": [2, 2, 3], "two": [4, 4, 5]}
+
+
 @cache
-def int8_runner() -> ModelRunner:
-    """A random model of Q4_1, Q4_0 and Q8_0 layers and a Q8_0 output layer, on int8 activations."""
+def int8_runner(terms: str = "default") -> ModelRunner:
+    """A random model of Q4_1, Q4_0 and Q8_0 layers and a Q8_0 output layer, on int8 activations:
+    the default layer kinds in two int8 terms, none ("one") or all ("two")."""
     arch, weights, q4_1, q8_0, q4_0 = int8_model(seed=21)
+    two_terms = {"default": INT8_TWO_TERMS, "one": frozenset(), "two": frozenset(LINEAR_KINDS)}[terms]
     runner = ModelRunner(arch, weights, dtype=torch.bfloat16, q4_1=q4_1, q8_0=q8_0, q4_0=q4_0,
-                         activation_dtype="int8")
+                         activation_dtype="int8", int8_two_terms=two_terms)
     assert runner.model.fused_decode is not None
-    assert runner.model.fused_decode.kinds[:, 1:].unique().tolist() == [2, 3]  # o: Q4_0, gate-up: Q4_1; down: Q8_0
+    kinds = runner.model.fused_decode.kinds  # o: Q4_0, gate-up: Q4_1; down: Q8_0
+    assert (kinds[:, 1:] == torch.tensor(INT8_KINDS[terms])).all(), kinds
     assert runner.model.lm_head.i8_format == "Q8_0"
+    assert runner.model.lm_head.i8_terms == (2 if "output" in two_terms else 1)
     runner.initialize_kv_cache(NUM_BLOCKS, BLOCK)
     return runner
 
@@ -183,7 +193,8 @@ def test_attention_kernels_share_one_arithmetic(kv_cache_dtype):
 @needs_vnni
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), prompt_len=st.integers(1, 70), decodes=st.integers(1, 24))
-def test_int8_activations_bit_identical_however_computed(seed, prompt_len, decodes):
-    """The same with int8 activations: each row quantized on its own, the same kernels for a prefill
-    chunk's rows and in the all-decode step."""
-    check_exact(int8_runner(), seed, prompt_len, decodes)
+@pytest.mark.parametrize("terms", list(INT8_KINDS))
+def test_int8_activations_bit_identical_however_computed(terms, seed, prompt_len, decodes):
+    """The same with int8 activations: each row quantized on its own (in one int8 term or two), the
+    same kernels for a prefill chunk's rows and in the all-decode step."""
+    check_exact(int8_runner(terms), seed, prompt_len, decodes)

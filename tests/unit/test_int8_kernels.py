@@ -6,6 +6,9 @@ the reference does the same in float32 (as the kernel) and then multiplies in fl
 checkpoint's exact weights. What is left between the two is float32 summation and the output's
 rounding. A second bound ties the result to the unquantized x: the quantization moves each x by at
 most half a step, sx / 2 = max|x| / 254 of its block.
+
+The two-term kernels (`_i8x2`) quantize each block to Q = 128 qx + qr, |Q| <= 127 * 128 (scale
+max|x| / 16256), and sum both int8 terms: the same references with 16256 levels for 127.
 """
 
 from __future__ import annotations
@@ -42,31 +45,37 @@ def q8_0_matrix(n: int, k: int, seed: int, scale: float = 0.05, kind: str = "Q8_
     return torch.from_numpy(raw.copy()).view(torch.uint8).reshape(n, -1), exact
 
 
-def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+ONE_TERM, TWO_TERMS = 127.0, 127.0 * 128.0  # a block's levels each side of 0
+
+
+def quantized_rows(x: torch.Tensor, levels: float = ONE_TERM) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] bfloat16 as the kernel quantizes it: (q * sx in float64, [M, K]; max|x| per block
     of 32, [M, K/32])."""
     blocks = x.float().unflatten(1, (-1, 32))  # [M, K/32, 32]
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))  # float32, as the kernel
+    inv = torch.where(amax > 0, torch.tensor(levels) / amax, torch.zeros(()))  # float32, as the kernel
     q = torch.round(blocks * inv)  # half to even, as vcvtps2dq
-    sx = amax / torch.tensor(127.0)
+    sx = amax / torch.tensor(levels)
     return (q.double() * sx.double()).flatten(1), amax.squeeze(-1).double()
 
 
-def check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_ulp: float) -> None:
+def check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_ulp: float,
+          levels: float = ONE_TERM) -> None:
     """got against both references: float64 with x quantized (float32 sums and the output's
     rounding, `out_ulp` relative), and float64 with x as given (plus half a quantization step)."""
     b = torch.zeros(w.shape[0], dtype=torch.float64) if bias is None else bias.double()
-    xq, amax = quantized_rows(x)
+    xq, amax = quantized_rows(x, levels)
     want = xq @ w.T + b
     mags = xq.abs() @ w.abs().T
     assert ((got.double() - want).abs() <= want.abs() * out_ulp + 1e-6 * mags + 1e-6).all()
-    # |sum_k w (x - xq)| <= sum_blocks max|x| / 254 * sum_{k in block} |w|
-    step = (amax / 254) @ w.abs().unflatten(1, (-1, 32)).sum(-1).T
+    # |sum_k w (x - xq)| <= sum_blocks max|x| / (2 levels) * sum_{k in block} |w|
+    step = (amax / (2 * levels)) @ w.abs().unflatten(1, (-1, 32)).sum(-1).T
     exact = x.double() @ w.T + b
     assert ((got.double() - exact).abs() <= step + exact.abs() * out_ulp + 1e-6 * mags + 1e-6).all()
-    # The bound is not vacuous: int8 activations differ from bfloat16 ones, by far less than the step.
-    assert (got.double() - exact).abs().max() < step.max()
+    # The bound is not vacuous: int8 activations differ from bfloat16 ones, by far less than the step
+    # (two terms' step is below a bfloat16 output's rounding).
+    if levels == ONE_TERM:
+        assert (got.double() - exact).abs().max() < step.max()
 
 
 def rows_batch_invariant(fn, x: torch.Tensor, got: torch.Tensor) -> None:
@@ -121,6 +130,46 @@ def test_q4_0_i8_matches_float64_and_is_batch_invariant(kernels, n, k):
     got = kernels.linear_q4_1_i8(x, packed, n, None)
     check(got, x, w, None, 2**-8)
     rows_batch_invariant(lambda v: kernels.linear_q4_1_i8(v, packed, n, None), x, got)
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (100, 64), (64, 1536), (17, 32)])
+def test_q4_1_i8x2_matches_float64_and_is_batch_invariant(kernels, n, k):
+    """Two int8 terms: the 15-bit quantization's reference, within a step 128 times finer."""
+    raw, w = q4_1_matrix(n, k, seed=36)
+    x = bf16(40, k, seed=37, scale=3.0)
+    x[3, :32] = 0
+    x[4, -32:] = -x[4, -32:].abs()  # its extreme at Q = -16256: qx = -127, qr = 0
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(38))
+    packed = kernels.pack_q4_1_i8(raw, n, k)
+    got = kernels.linear_q4_1_i8x2(x, packed, n, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (40, n)
+    check(got, x, w, bias, 2**-8, TWO_TERMS)
+    rows_batch_invariant(lambda v: kernels.linear_q4_1_i8x2(v, packed, n, bias), x, got)
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (100, 64), (64, 1536), (17, 32)])
+def test_q8_0_i8x2_matches_float64_and_is_batch_invariant(kernels, n, k):
+    raw, w = q8_0_matrix(n, k, seed=46)
+    x = bf16(40, k, seed=47, scale=3.0)
+    x[5, -32:] = 0
+    x[6, :32] = -x[6, :32].abs()
+    x[7, :32] = x[7, :32].abs()  # every weight times the largest terms: the int32 sums' widest
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(48))
+    packed = kernels.pack_q8_0_i8(raw, n, k)
+    got = kernels.linear_q8_0_i8x2(x, packed, n, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (40, n)
+    check(got, x, w, bias, 2**-8, TWO_TERMS)
+    rows_batch_invariant(lambda v: kernels.linear_q8_0_i8x2(v, packed, n, bias), x, got)
+    f32 = kernels.linear_q8_0_i8x2_f32(x, packed, n, bias)
+    assert f32.dtype == torch.float32 and torch.equal(f32.to(torch.bfloat16), got)
+    check(f32, x, w, bias, 2**-20, TWO_TERMS)
+    rows_batch_invariant(lambda v: kernels.linear_q8_0_i8x2_f32(v, packed, n, bias), x, f32)
+    # Finer than one term: nearer the unquantized product than the one-term kernel, row by row (but
+    # an all-zero row, exact in both).
+    exact = x.double() @ w.T + bias.double()
+    err_two = (f32.double() - exact).abs().amax(1)
+    err_one = (kernels.linear_q8_0_i8_f32(x, packed, n, bias).double() - exact).abs().amax(1)
+    assert ((err_two < err_one) | (err_one == 0)).all() and (err_one > 0).sum() >= 39
 
 
 def test_packing_refuses_partial_blocks(kernels):

@@ -16,7 +16,7 @@ from cadence.boundary import ModelOutput, ScheduledRequest, SchedulerOutput
 from cadence.executor.drafter import Drafter
 from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import KV_CACHE_DTYPES, AttentionMetadata, PagedKVCache, SeqSpan, to_device
-from cadence.model.llama import LlamaModel
+from cadence.model.llama import INT8_TWO_TERMS, LlamaModel
 from cadence.model.sampler import Sampler
 
 log = logging.getLogger("cadence.executor")
@@ -52,6 +52,7 @@ class ModelRunner:
         q8_0: dict[str, torch.Tensor] | None = None,
         q4_0: dict[str, torch.Tensor] | None = None,
         activation_dtype: str = "auto",
+        int8_two_terms: frozenset[str] = INT8_TWO_TERMS,
         seed: int = 0,
         q4_1: dict[str, torch.Tensor] | None = None,
         kv_cache_dtype: str = "auto",
@@ -65,7 +66,8 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype  # auto: K/V in `dtype`; int8: the 8-bit layout
         self.device = torch.device(device)
         self.model = LlamaModel(arch, weights, dtype=dtype, device=self.device, q4_1=q4_1, q8_0=q8_0,
-                                q4_0=q4_0, activation_dtype=activation_dtype)
+                                q4_0=q4_0, activation_dtype=activation_dtype,
+                                int8_two_terms=int8_two_terms)
         self.sampler = Sampler(self.device, seed)
         self.kv_cache: PagedKVCache | None = None
         # Speculative decoding with a draft model: proposes the next drafts after each step.

@@ -64,6 +64,9 @@ _SIGNATURES: dict[str, tuple[type[Any] | None, list[type[Any]]]] = {
     "cadence_linear_q4_1_i8": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_linear_q8_0_i8": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_linear_q8_0_i8_f32": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "cadence_linear_q4_1_i8x2": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "cadence_linear_q8_0_i8x2": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "cadence_linear_q8_0_i8x2_f32": (_INT, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "cadence_add_rms_norm": (None, [_P, _P, _P, _P, _I64, _I64, _F32, _INT]),
     "cadence_silu_mul": (None, [_P, _P, _I64, _I64, _INT]),
     "cadence_rope": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT]),
@@ -89,7 +92,7 @@ class DecodeLayers:
     """A model's decoder layers as `decode_layers` reads them: per layer the addresses of its input
     norm, post norm, qkv, qkv bias (0: none), o, gate-up and down weights (`DL_*` in the C), and each
     linear's kind (0: `pack`'s bfloat16 layout, 1: `pack_q4_1`'s, 2: `pack_q4_1_i8`'s, 3:
-    `pack_q8_0_i8`'s). `keep` holds the tensors those addresses point into, so they live as long as
+    `pack_q8_0_i8`'s; 4 and 5: those two with the activations in two int8 terms). `keep` holds the tensors those addresses point into, so they live as long as
     this does."""
 
     pointers: torch.Tensor  # [layers, len(DL_FIELDS)] int64
@@ -140,6 +143,9 @@ class CpuKernels:
         self._linear_q4_1_i8 = lib.cadence_linear_q4_1_i8
         self._linear_q8_0_i8 = lib.cadence_linear_q8_0_i8
         self._linear_q8_0_i8_f32 = lib.cadence_linear_q8_0_i8_f32
+        self._linear_q4_1_i8x2 = lib.cadence_linear_q4_1_i8x2
+        self._linear_q8_0_i8x2 = lib.cadence_linear_q8_0_i8x2
+        self._linear_q8_0_i8x2_f32 = lib.cadence_linear_q8_0_i8x2_f32
         self._add_rms_norm = lib.cadence_add_rms_norm
         self._silu_mul = lib.cadence_silu_mul
         self._rope = lib.cadence_rope
@@ -227,6 +233,23 @@ class CpuKernels:
                            bias: torch.Tensor | None) -> torch.Tensor:
         """As `linear_q8_0_i8`, the output float32 and unrounded: the logits."""
         return self._matmul(self._linear_q8_0_i8_f32, x, packed, n, bias, torch.float32)
+
+    def linear_q4_1_i8x2(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+        """As `linear_q4_1_i8`, each block of 32 of x quantized to 15 bits, Q = 128 qx + qr (scale
+        max|x| / (127 * 128)), in two int8 terms whose integer sums combine exactly: twice the
+        integer products, a rounding step 128 times finer."""
+        return self._matmul(self._linear_q4_1_i8x2, x, packed, n, bias, torch.bfloat16)
+
+    def linear_q8_0_i8x2(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+        """As `linear_q4_1_i8x2`, on `pack_q8_0_i8`'s layout."""
+        return self._matmul(self._linear_q8_0_i8x2, x, packed, n, bias, torch.bfloat16)
+
+    def linear_q8_0_i8x2_f32(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                             bias: torch.Tensor | None) -> torch.Tensor:
+        """As `linear_q8_0_i8x2`, the output float32 and unrounded: the logits."""
+        return self._matmul(self._linear_q8_0_i8x2_f32, x, packed, n, bias, torch.float32)
 
     @staticmethod
     def _matmul(fn: Callable[..., int | None], x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,

@@ -105,13 +105,14 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, q4_1: torch.Tensor | None = None,
                  *, q8_0: torch.Tensor | None = None, q4_0: torch.Tensor | None = None,
-                 int8: bool = False) -> None:
+                 int8: bool = False, int8_terms: int = 1) -> None:
         self.shape = tuple(weight.shape)  # (out, in)
         self.bias = bias
         self.kernel = cpu_kernels() if CpuKernels.supports(weight) else None
         # The kernel adds a float32 bias; torch's paths take `bias` as it is.
         self.kernel_bias = None if self.kernel is None or bias is None else bias.float().contiguous()
         self.i8, self.i8_format = self._pack_i8(q4_1, q8_0, q4_0) if int8 else (None, None)
+        self.i8_terms = int8_terms  # 1: int8 activations; 2: in two int8 terms (15 bits)
         # A Q4_1 checkpoint's matrix, when the kernels are on: computed from its four-bit values.
         self.q4_1 = (self.kernel.pack_q4_1(q4_1, *self.shape)
                      if self.kernel is not None and q4_1 is not None and q4_1_kernels_enabled()
@@ -147,8 +148,8 @@ class Linear:
         it is not on the kernels."""
         if self.kernel is None:
             return None
-        if self.i8 is not None:
-            return 3 if self.i8_format == "Q8_0" else 2  # Q4_0 is packed as Q4_1
+        if self.i8 is not None:  # Q4_0 is packed as Q4_1
+            return (3 if self.i8_format == "Q8_0" else 2) + 2 * (self.i8_terms - 1)
         return 1 if self.q4_1 is not None else 0 if self.packed is not None else None
 
     @property
@@ -170,11 +171,16 @@ class Linear:
         n, kernel, bias = self.shape[0], self.kernel, self.kernel_bias
         self._float32: Callable[[torch.Tensor], torch.Tensor] = lambda x: self(x).float()
         if kernel is not None and self.i8 is not None:
-            i8, self.path = self.i8, f"cadence's kernel on the checkpoint's {self.i8_format} blocks, int8 activations"
+            two = self.i8_terms == 2
+            i8, self.path = self.i8, (f"cadence's kernel on the checkpoint's {self.i8_format} blocks, int8 activations"
+                                      + (" in two terms" if two else ""))
             if self.i8_format == "Q8_0":
-                self._float32 = lambda x: kernel.linear_q8_0_i8_f32(x, i8, n, bias)
-                return lambda x: kernel.linear_q8_0_i8(x, i8, n, bias)
-            return lambda x: kernel.linear_q4_1_i8(x, i8, n, bias)
+                f32, bf16 = ((kernel.linear_q8_0_i8x2_f32, kernel.linear_q8_0_i8x2) if two
+                             else (kernel.linear_q8_0_i8_f32, kernel.linear_q8_0_i8))
+                self._float32 = lambda x: f32(x, i8, n, bias)
+                return lambda x: bf16(x, i8, n, bias)
+            q4 = kernel.linear_q4_1_i8x2 if two else kernel.linear_q4_1_i8
+            return lambda x: q4(x, i8, n, bias)
         if kernel is not None and self.q4_1 is not None:
             q4, self.path = self.q4_1, "cadence's kernel on the checkpoint's Q4_1 blocks"
             return lambda x: kernel.linear_q4_1(x, q4, n, bias)
@@ -270,9 +276,17 @@ def _take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return weights[name]
 
 
+# The linear layer kinds, and those whose inputs int8 activations quantize in two int8 terms (15
+# bits, `Linear`) by default: the ones where one term's rounding costs the most agreement with the
+# float32 model (docs/performance.md, "Quality of the reduced-precision paths").
+LINEAR_KINDS = ("qkv", "o", "gate_up", "down", "output")
+INT8_TWO_TERMS: frozenset[str] = frozenset({"gate_up", "output"})
+
+
 def _load_layer(
     arch: ModelArchConfig, weights: dict[str, torch.Tensor], i: int, dtype: torch.dtype, device: torch.device,
     q4_1: dict[str, torch.Tensor], q8_0: dict[str, torch.Tensor], q4_0: dict[str, torch.Tensor], int8: bool,
+    two_terms: frozenset[str],
 ) -> LayerWeights:
     p = f"model.layers.{i}."
 
@@ -287,11 +301,11 @@ def _load_layer(
             return None
         return torch.cat(parts)
 
-    def linear(weight: torch.Tensor, bias: torch.Tensor | None, *names: str) -> Linear:
+    def linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, *names: str) -> Linear:
         if not int8:
             return Linear(weight, bias, blocks(q4_1, *names))
         return Linear(weight, bias, blocks(q4_1, *names), q8_0=blocks(q8_0, *names), q4_0=blocks(q4_0, *names),
-                      int8=True)
+                      int8=True, int8_terms=2 if kind in two_terms else 1)
 
     qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
     expected = ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, arch.hidden_size)
@@ -302,12 +316,12 @@ def _load_layer(
         bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
     return LayerWeights(
         input_norm=w("input_layernorm.weight"),
-        qkv=linear(qkv, bias, "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-        o=linear(w("self_attn.o_proj.weight"), None, "self_attn.o_proj.weight"),
+        qkv=linear("qkv", qkv, bias, "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        o=linear("o", w("self_attn.o_proj.weight"), None, "self_attn.o_proj.weight"),
         post_norm=w("post_attention_layernorm.weight"),
-        gate_up=linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None,
+        gate_up=linear("gate_up", torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None,
                        "mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        down=linear(w("mlp.down_proj.weight"), None, "mlp.down_proj.weight"),
+        down=linear("down", w("mlp.down_proj.weight"), None, "mlp.down_proj.weight"),
     )
 
 
@@ -330,34 +344,39 @@ class LlamaModel:
         q8_0: dict[str, torch.Tensor] | None = None,
         q4_0: dict[str, torch.Tensor] | None = None,
         activation_dtype: str = "auto",
+        int8_two_terms: frozenset[str] = INT8_TWO_TERMS,
     ) -> None:
         """`q4_1`, `q8_0`, `q4_0`: a GGUF checkpoint's Q4_1, Q8_0 and Q4_0 matrices as stored
         (`Checkpoint.q4_1`, ...). In bfloat16 with the CPU kernels, Q4_1 layers compute on their blocks
         rather than on the dequantised `weights`; with `activation_dtype` "int8", Q4_1, Q4_0 and Q8_0
-        layers (and a Q8_0 output layer) multiply them by int8-quantized activations (`Linear`). "int8" where it cannot
+        layers (and a Q8_0 output layer) multiply them by int8-quantized activations (`Linear`), in two
+        int8 terms for the kinds in `int8_two_terms` (of `LINEAR_KINDS`). "int8" where it cannot
         apply to any layer is a ValueError saying why (`int8_refusal`)."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
         q4_1, q8_0, q4_0 = q4_1 or {}, q8_0 or {}, q4_0 or {}
         int8 = activation_dtype == "int8"
+        if unknown := set(int8_two_terms) - set(LINEAR_KINDS):
+            raise ValueError(f"int8_two_terms: {sorted(unknown)} are not of {LINEAR_KINDS}")
+        two = 2 if "output" in int8_two_terms else 1
         if int8 and (reason := int8_refusal(dtype, self.device, bool(q4_1 or q8_0 or q4_0))) is not None:
             raise ValueError(f"activation_dtype: int8 {reason}")
         self.embed = _take(weights, "model.embed_tokens.weight").to(self.device, dtype).contiguous()  # [V, E]
         if tuple(self.embed.shape) != (arch.vocab_size, arch.hidden_size):
             raise ValueError(f"embed_tokens shape {tuple(self.embed.shape)} does not match the architecture")
-        self.layers = [_load_layer(arch, weights, i, dtype, self.device, q4_1, q8_0, q4_0, int8)
-                       for i in range(arch.num_layers)]
+        self.layers = [_load_layer(arch, weights, i, dtype, self.device, q4_1, q8_0, q4_0, int8,
+                                   frozenset(int8_two_terms)) for i in range(arch.num_layers)]
         self.norm = _take(weights, "model.norm.weight").to(self.device, dtype)
         # The output layer with int8 activations: on Q8_0 blocks only (its float32 logits' kernel).
         if arch.tie_word_embeddings or "lm_head.weight" not in weights:
             # Tied: the output projection is the embedding table (SmolLM2 and small Qwen2).
             head_q8 = q8_0.get("model.embed_tokens.weight") if int8 else None
-            self.lm_head = Linear(self.embed, q8_0=head_q8, int8=head_q8 is not None)
+            self.lm_head = Linear(self.embed, q8_0=head_q8, int8=head_q8 is not None, int8_terms=two)
         else:
             head_q8 = q8_0.get("lm_head.weight") if int8 else None
             self.lm_head = Linear(weights["lm_head.weight"].to(self.device, dtype), q8_0=head_q8,
-                                  int8=head_q8 is not None)  # [V, E]
+                                  int8=head_q8 is not None, int8_terms=two)  # [V, E]
         if self.lm_head.shape != (arch.vocab_size, arch.hidden_size):
             raise ValueError(f"lm_head shape {self.lm_head.shape} does not match the architecture")
         self.cos, self.sin = rope_tables(arch, self.device)

@@ -5,6 +5,8 @@
  *   cadence_pack_q4_1_i8, cadence_pack_q4_0_i8, cadence_linear_q4_1_i8, cadence_pack_q8_0_i8,
  *   cadence_linear_q8_0_i8, cadence_linear_q8_0_i8_f32    GGUF Q4_1 / Q4_0 / Q8_0 blocks against
  *                                                         int8 activations (AVX512-VNNI)
+ *   cadence_linear_q4_1_i8x2, cadence_linear_q8_0_i8x2, cadence_linear_q8_0_i8x2_f32
+ *                                                         the same, activations in two int8 terms
  *   cadence_add_rms_norm  residual += delta; out = rms_norm(residual) * w, in one pass
  *   cadence_silu_mul      SwiGLU's silu(gate) * up from the fused gate-up output
  *   cadence_rope          rotary embedding of q and k, in place
@@ -319,6 +321,7 @@ int cadence_linear_q4_1(const uint16_t *x, const uint8_t *packed, const float *b
  *   Q4_0 (w = d (q4 - 8)): the same, with m = -8 d (packed into the Q4_1 layout)
  *   Q8_0 (w = d q8):      y += (d sx) * sum(q8 qx), with q8 stored as q8 + 128 (vpdpbusd's unsigned
  *                         operand) and the sum started at -128 sum(qx), so the int32 sum is exact
+ * The _i8x2 kernels quantize x finer, to Q = 128 qx + qr (15 bits; i8_rows), and sum both terms.
  * A row's result depends on its own values only (its quantization is its own, the integer sums are
  * exact, the float sums go in a fixed order, and every tile shape does the same operations per row
  * and column), so the batch invariance of the other kernels holds here too.
@@ -392,26 +395,53 @@ void cadence_pack_q8_0_i8(const uint8_t *raw, uint8_t *packed, int64_t n, int64_
 }
 
 /* A batch's activations quantized per row and block of 32: qx [M, K] int8, and per [M, K/32]
- * block its scale sx, the sum of its qx (sq) and sx * sq (ss). One allocation (`mem`). */
+ * block its scale sx, the sum of its qx (sq) and sx * sq (ss). One allocation (`mem`).
+ * In two terms (qr not NULL): each value is an integer Q = 128 qx + qr, |Q| <= 127 * 128, qx in
+ * [-127, 127] and qr in [-64, 63], scale sx = max|x| / (127 * 128); sq is the sum of Q. The kernels
+ * sum both int8 terms against the weights and add them as 128 s(qx) + s(qr), exactly: a 15-bit
+ * quantization at twice the integer products. */
 typedef struct {
-    int8_t *qx;
+    int8_t *qx, *qr;
     float *sx, *ss;
     int32_t *sq;
     void *mem;
 } i8_rows;
 
-static int quantize_rows_i8(const uint16_t *x, int64_t m, int64_t k, i8_rows *r) {
+#define I8X2_MAX (127.0f * 128.0f)
+
+/* Block i of the rows in two terms (above): Q rounded to nearest even, split as qx = (Q + 64) >> 7. */
+static void quantize_block_i8x2(const __m512 a, const __m512 c, float amax, int8_t *qx, int8_t *qr,
+                                float *sx, int32_t *sq) {
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? I8X2_MAX / amax : 0.0f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
+    const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, _mm512_set1_epi32(64)), 7);
+    const __m512i hc = _mm512_srai_epi32(_mm512_add_epi32(qc, _mm512_set1_epi32(64)), 7);
+    _mm_storeu_si128((__m128i *)qx, _mm512_cvtsepi32_epi8(ha));
+    _mm_storeu_si128((__m128i *)(qx + 16), _mm512_cvtsepi32_epi8(hc));
+    _mm_storeu_si128((__m128i *)qr, _mm512_cvtsepi32_epi8(_mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 7))));
+    _mm_storeu_si128((__m128i *)(qr + 16), _mm512_cvtsepi32_epi8(_mm512_sub_epi32(qc, _mm512_slli_epi32(hc, 7))));
+    *sx = amax / I8X2_MAX;
+    *sq = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+}
+
+static int quantize_rows_i8(const uint16_t *x, int64_t m, int64_t k, int two, i8_rows *r) {
     const int64_t kb = k / QK;
-    r->mem = malloc((size_t)(m * k) + 3 * (size_t)(m * kb) * 4);
+    r->mem = malloc((size_t)(m * k) * (two ? 2 : 1) + 3 * (size_t)(m * kb) * 4);
     if (!r->mem) return -1;
-    r->qx = r->mem; /* m * k is a multiple of 32: the float arrays after it are aligned */
-    r->sx = (float *)(r->qx + m * k);
+    r->qx = r->mem; /* m * k is a multiple of 32: the arrays after it are aligned */
+    r->qr = two ? r->qx + m * k : NULL;
+    r->sx = (float *)(r->qx + m * k * (two ? 2 : 1));
     r->ss = r->sx + m * kb;
     r->sq = (int32_t *)(r->ss + m * kb);
     for (int64_t i = 0; i < m * kb; i++) {
         const uint16_t *p = x + i * QK; /* row i / kb, block i % kb: rows are contiguous */
         const __m512 a = load_bf16(p, 0xFFFF), c = load_bf16(p + 16, 0xFFFF);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        if (two) {
+            quantize_block_i8x2(a, c, amax, r->qx + i * QK, r->qr + i * QK, r->sx + i, r->sq + i);
+            r->ss[i] = r->sx[i] * (float)r->sq[i];
+            continue;
+        }
         const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* round to nearest even */
         const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
@@ -439,10 +469,18 @@ static inline __attribute__((always_inline)) I8_TARGET void i8_sums(
         }
 }
 
+/* Two terms: s = 128 s + sum of w qr, the int32 sum of w Q (|128 s| < 2^27: no overflow). */
+static inline __attribute__((always_inline)) I8_TARGET void i8_second_term(
+    __m512i s[6][4], const __m512i *w, const int8_t *qr, int64_t k, int mt, int nv) {
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < nv; j++) s[m][j] = _mm512_slli_epi32(s[m][j], 7);
+    i8_sums(s, w, qr, k, mt, nv);
+}
+
 /* Q4_1: rows m0.. of qx (mt of them) against nv of the block's four 16-column vectors, from v0.
  * A block's nibbles are widened once into `w` (on the stack, in L1) and read by every row. */
 static inline __attribute__((always_inline)) I8_TARGET void q4_i8_tile(
-    const int8_t *qx, int64_t k, const float *sx, const float *ss, const uint8_t *qb, const float *bias,
+    const int8_t *qx, const int8_t *qr, int64_t k, const float *sx, const float *ss, const uint8_t *qb, const float *bias,
     uint16_t *y, float *yf, int64_t n, int64_t col0, int mt, int nv, int v0) {
     __m512 acc[6][4];
     __m512i s[6][4], w[32];
@@ -462,6 +500,7 @@ static inline __attribute__((always_inline)) I8_TARGET void q4_i8_tile(
         for (int m = 0; m < mt; m++)
             for (int j = 0; j < nv; j++) s[m][j] = _mm512_setzero_si512();
         i8_sums(s, w, qx + b * QK, k, mt, nv);
+        if (qr) i8_second_term(s, w, qr + b * QK, k, mt, nv);
         for (int j = 0; j < nv; j++) {
             const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 16 * (v0 + j))));
             const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * (v0 + j))));
@@ -477,7 +516,7 @@ static inline __attribute__((always_inline)) I8_TARGET void q4_i8_tile(
 
 /* Q8_0: as q4_i8_tile, on the Q8_0 layout (the weights read as stored). */
 static inline __attribute__((always_inline)) I8_TARGET void q8_i8_tile(
-    const int8_t *qx, int64_t k, const float *sx, const int32_t *sq, const uint8_t *qb, const float *bias,
+    const int8_t *qx, const int8_t *qr, int64_t k, const float *sx, const int32_t *sq, const uint8_t *qb, const float *bias,
     uint16_t *y, float *yf, int64_t n, int64_t col0, int mt, int nv, int v0) {
     __m512 acc[6][4];
     __m512i s[6][4];
@@ -488,8 +527,13 @@ static inline __attribute__((always_inline)) I8_TARGET void q8_i8_tile(
         const uint8_t *blk = qb + b * Q8_BYTES;
         const uint16_t *d = (const uint16_t *)(blk + QK * NB);
         for (int m = 0; m < mt; m++) /* the sums start at -128 sum(qx): undoes the weights' + 128 */
-            for (int j = 0; j < nv; j++) s[m][j] = _mm512_set1_epi32(-128 * sq[m * kb + b]);
+            for (int j = 0; j < nv; j++) s[m][j] = _mm512_set1_epi32(qr ? 0 : -128 * sq[m * kb + b]);
         i8_sums(s, (const __m512i *)(blk + v0 * 512), qx + b * QK, k, mt, nv);
+        if (qr) {
+            i8_second_term(s, (const __m512i *)(blk + v0 * 512), qr + b * QK, k, mt, nv);
+            for (int m = 0; m < mt; m++) /* in two terms sq is the sum of Q = 128 qx + qr */
+                for (int j = 0; j < nv; j++) s[m][j] = _mm512_sub_epi32(s[m][j], _mm512_set1_epi32(128 * sq[m * kb + b]));
+        }
         for (int j = 0; j < nv; j++) {
             const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 16 * (v0 + j))));
             for (int m = 0; m < mt; m++) {
@@ -506,7 +550,7 @@ static inline __attribute__((always_inline)) I8_TARGET void q8_i8_tile(
 static I8_TARGET void i8_block(int q8, const i8_rows *r, int64_t m, int64_t k, const uint8_t *qb,
                                const float *bias, uint16_t *y, float *yf, int64_t n, int64_t col0) {
     int64_t kb = k / QK, m0 = 0;
-#define I8_AT(row) r->qx + (row) * k, k, r->sx + (row) * kb
+#define I8_AT(row) r->qx + (row) * k, r->qr ? r->qr + (row) * k : NULL, k, r->sx + (row) * kb
 #define I8_OUT(row) qb, bias, y ? y + (row) * n : NULL, yf ? yf + (row) * n : NULL, n, col0
 #define I8_TILE(row, mt, nv, v0)                                                                   \
     do {                                                                                             \
@@ -528,11 +572,11 @@ static I8_TARGET void i8_block(int q8, const i8_rows *r, int64_t m, int64_t k, c
 #undef I8_AT
 }
 
-static int linear_i8(int q8, const uint16_t *x, const uint8_t *packed, const float *bias, uint16_t *y, float *yf,
-                     int64_t m, int64_t n, int64_t k, int threads) {
+static int linear_i8(int q8, int two, const uint16_t *x, const uint8_t *packed, const float *bias, uint16_t *y,
+                     float *yf, int64_t m, int64_t n, int64_t k, int threads) {
     const int64_t blocks = (n + NB - 1) / NB, block_bytes = (k / QK) * (q8 ? Q8_BYTES : Q4_BYTES);
     i8_rows r;
-    if (quantize_rows_i8(x, m, k, &r)) return -1;
+    if (quantize_rows_i8(x, m, k, two, &r)) return -1;
 #pragma omp parallel for schedule(guided) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++) i8_block(q8, &r, m, k, packed + b * block_bytes, bias, y, yf, n, b * NB);
     free(r.mem);
@@ -545,17 +589,33 @@ static int linear_i8(int q8, const uint16_t *x, const uint8_t *packed, const flo
  * activations' buffer cannot be allocated. */
 int cadence_linear_q4_1_i8(const uint16_t *x, const uint8_t *packed, const float *bias, uint16_t *y,
                            int64_t m, int64_t n, int64_t k, int threads) {
-    return linear_i8(0, x, packed, bias, y, NULL, m, n, k, threads);
+    return linear_i8(0, 0, x, packed, bias, y, NULL, m, n, k, threads);
 }
 
 int cadence_linear_q8_0_i8(const uint16_t *x, const uint8_t *packed, const float *bias, uint16_t *y,
                            int64_t m, int64_t n, int64_t k, int threads) {
-    return linear_i8(1, x, packed, bias, y, NULL, m, n, k, threads);
+    return linear_i8(1, 0, x, packed, bias, y, NULL, m, n, k, threads);
 }
 
 int cadence_linear_q8_0_i8_f32(const uint16_t *x, const uint8_t *packed, const float *bias, float *y,
                                int64_t m, int64_t n, int64_t k, int threads) {
-    return linear_i8(1, x, packed, bias, NULL, y, m, n, k, threads);
+    return linear_i8(1, 0, x, packed, bias, NULL, y, m, n, k, threads);
+}
+
+/* The same three with the activations in two int8 terms (i8_rows): same layouts. */
+int cadence_linear_q4_1_i8x2(const uint16_t *x, const uint8_t *packed, const float *bias, uint16_t *y,
+                             int64_t m, int64_t n, int64_t k, int threads) {
+    return linear_i8(0, 1, x, packed, bias, y, NULL, m, n, k, threads);
+}
+
+int cadence_linear_q8_0_i8x2(const uint16_t *x, const uint8_t *packed, const float *bias, uint16_t *y,
+                             int64_t m, int64_t n, int64_t k, int threads) {
+    return linear_i8(1, 1, x, packed, bias, y, NULL, m, n, k, threads);
+}
+
+int cadence_linear_q8_0_i8x2_f32(const uint16_t *x, const uint8_t *packed, const float *bias, float *y,
+                                 int64_t m, int64_t n, int64_t k, int threads) {
+    return linear_i8(1, 1, x, packed, bias, NULL, y, m, n, k, threads);
 }
 
 /* ---- elementwise kernels ------------------------------------------------------------------- */
@@ -977,14 +1037,17 @@ void cadence_prefill_attention_kv8(const uint16_t *q, int64_t q_row_stride, cons
 /* ---- a whole decode step's decoder layers in one call -------------------------------------- */
 
 /* Linear layer weights of one layer, by kind: 0 = cadence_pack's bfloat16 layout, 1 = Q4_1, and with
- * int8 activations 2 = Q4_1 (cadence_pack_q4_1_i8), 3 = Q8_0 (cadence_pack_q8_0_i8). Once per matrix
- * of a layer: inlined, a few compares before the kernel's call. */
+ * int8 activations 2 = Q4_1 (cadence_pack_q4_1_i8), 3 = Q8_0 (cadence_pack_q8_0_i8), and in two int8
+ * terms 4 = Q4_1, 5 = Q8_0 (the _i8x2 kernels, on the same layouts). Once per matrix of a layer:
+ * inlined, a few compares before the kernel's call. */
 static inline __attribute__((always_inline)) int linear_any(int64_t kind, const uint16_t *x, const void *packed,
                                                             const float *bias, uint16_t *y, int64_t m, int64_t n,
                                                             int64_t k, int threads) {
     if (kind == 1) return cadence_linear_q4_1(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
     if (kind == 2) return cadence_linear_q4_1_i8(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
     if (kind == 3) return cadence_linear_q8_0_i8(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
+    if (kind == 4) return cadence_linear_q4_1_i8x2(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
+    if (kind == 5) return cadence_linear_q8_0_i8x2(x, (const uint8_t *)packed, bias, y, m, n, k, threads);
     cadence_linear(x, (const uint16_t *)packed, bias, y, m, n, k, threads);
     return 0;
 }
