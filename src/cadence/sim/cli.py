@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -149,6 +150,20 @@ def check_sim_args(args: argparse.Namespace) -> None:
     if args.replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {args.replicas}")
     pd_options(args)  # (refuses a half-given or out-of-range P/D fleet)
+    _warn_long_run(args)
+
+
+# Above this many requests a run takes minutes: say so before the first of them is built.
+LONG_RUN_REQUESTS = 1_000_000
+REQUESTS_PER_MINUTE = 100_000  # one core, docs/simulator.md's Scale
+
+
+def _warn_long_run(args: argparse.Namespace) -> None:
+    n = (getattr(args, "num_requests", None) or 0) * args.repeat
+    if n > LONG_RUN_REQUESTS:
+        print(f"note: {n:,} requests (--num-requests x --repeat): the simulator runs about "
+              f"{REQUESTS_PER_MINUTE:,} a minute on one core, so expect {n / REQUESTS_PER_MINUTE:,.0f} minutes "
+              "or more, and memory for every request", file=sys.stderr, flush=True)
 
 
 def pd_options(args: argparse.Namespace) -> PDOptions | None:

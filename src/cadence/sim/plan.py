@@ -34,7 +34,7 @@ from cadence.config import EngineConfig, option_flags
 from cadence.executor.cost_model import StepCostModel, StepFeatures
 from cadence.sim.fidelity import Validation, safe_bound
 from cadence.sim.pd import PDOptions
-from cadence.sim.simulator import SimOptions, Simulator
+from cadence.sim.simulator import SimOptions, Simulator, sim_max_model_len
 from cadence.wording import counted
 from cadence.workload import Workload
 
@@ -110,14 +110,18 @@ class PlanResult:
     pd_best: Trial | None = None  # the cheapest P/D split (with `disaggregated`)
 
 
-def unloaded_ttft(workload: Workload, config: EngineConfig, model: StepCostModel) -> list[float]:
+def unloaded_ttft(workload: Workload, config: EngineConfig, model: StepCostModel,
+                  max_model_len: int | None = None) -> list[float]:
     """Each request's time to first token on an idle engine: its prefill chunks back to back.
-    No fleet can beat it, so an SLO below its percentile is infeasible."""
+    No fleet can beat it, so an SLO below its percentile is infeasible. Requests longer than
+    `max_model_len` are refused (400) and left out, as the objectives leave them out."""
     budget = config.scheduler.max_num_batched_tokens
     cap = config.scheduler.long_prefill_token_threshold or budget
     chunk = min(budget, cap)
     out = []
     for r in workload.requests:
+        if max_model_len is not None and r.prompt_tokens + r.output_tokens > max_model_len:
+            continue
         t, start = 0.0, 0
         while start < r.prompt_tokens:
             n = min(chunk, r.prompt_tokens - start)
@@ -236,7 +240,7 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
     if not objectives:
         raise ValueError("--slo: give at least one objective, e.g. --slo ttft_p95=1.0")
     result = PlanResult(list(objectives), validation=Validation.from_profile(model.metadata))
-    floor = unloaded_ttft(workload, config, model)
+    floor = unloaded_ttft(workload, config, model, sim_max_model_len(max_model_len, model)) or [0.0]
     result.floor = {f"ttft_p{q}": report.percentile(floor, q) for q in report.PERCENTILES}
     for o in objectives:
         if o.metric == "ttft" and result.floor[o.key] > o.bound:

@@ -1,0 +1,97 @@
+"""The simulator and planner against hand-edited profiles, absurd traces and huge runs: each is
+refused with a message naming the field, or served as the engine would serve it, never quietly
+turned into wrong latencies, a hang or an exhausted memory."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from cadence.config import EngineConfig
+from cadence.executor.cost_model import StepCostModel
+from cadence.sim import simulator as simulator_module
+from cadence.sim.cli import LONG_RUN_REQUESTS, _warn_long_run
+from cadence.sim.plan import unloaded_ttft
+from cadence.sim.profile import default_profile_path
+from cadence.sim.simulator import SimOptions, Simulator
+from cadence.workload import Workload, WorkloadRequest
+
+SHIPPED = json.loads(Path(default_profile_path()).read_text())
+
+
+def _write(tmp_path: Path, edit) -> Path:
+    d = copy.deepcopy(SHIPPED)
+    edit(d)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(d))  # (json writes NaN and Infinity as Python reads them back)
+    return path
+
+
+def _coef(name: str, value):
+    return lambda d: d["cost_model"]["coefficients"].__setitem__(name, value)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_coef("prefill_tokens", -0.01), r"coefficients: \['prefill_tokens'\] must be finite and >= 0"),
+    (_coef("prefill_tokens", float("nan")), r"coefficients: \['prefill_tokens'\] must be finite and >= 0"),
+    (_coef("decode_context", float("inf")), r"coefficients: \['decode_context'\] must be finite and >= 0"),
+    (_coef("prefill_tokens", "0.001"), r"coefficients\.prefill_tokens: expected a number of seconds"),
+    (lambda d: d["cost_model"].__setitem__("min_cost", -1), r"min_cost: must be finite and > 0"),
+    (lambda d: d["cost_model"].__setitem__("request_path", {"per_request": "3ms"}),
+     r"request_path\.per_request: expected a number of seconds, got '3ms'"),
+    (lambda d: d["cost_model"].__setitem__("request_path", None), r"request_path: expected an object of terms"),
+    (lambda d: d.__setitem__("kv_bytes_per_token", 0), r"kv_bytes_per_token: must be a whole number > 0, got 0"),
+    (lambda d: d.__setitem__("kv_bytes_per_token", "abc"), r"kv_bytes_per_token: must be a whole number > 0"),
+])
+def test_a_hand_edited_profile_is_refused_naming_the_field(tmp_path, edit, message) -> None:
+    path = _write(tmp_path, edit)
+    with pytest.raises(ValueError, match=message) as e:
+        StepCostModel.load(path)
+    assert str(e.value).startswith(str(path))
+
+
+def test_an_old_profile_without_the_per_token_term_still_loads(tmp_path) -> None:
+    path = _write(tmp_path, lambda d: d["cost_model"].__setitem__("request_path", {"per_request": 0.003}))
+    model = StepCostModel.load(path)
+    assert model.request_delay_for(500) == 0.003
+
+
+def test_a_prompt_no_replica_can_hold_is_refused_without_being_built(monkeypatch) -> None:
+    built: list[int] = []
+    real = simulator_module.PromptSynth.prompt
+
+    def spy(self, index, req):
+        built.append(req.prompt_tokens)
+        return real(self, index, req)
+
+    monkeypatch.setattr(simulator_module.PromptSynth, "prompt", spy)
+    model = StepCostModel.load(default_profile_path())
+    w = Workload("w", (WorkloadRequest(arrival_time=0.0, prompt_tokens=100, output_tokens=4),
+                       WorkloadRequest(arrival_time=0.1, prompt_tokens=5_000_000, output_tokens=4)))
+    res = Simulator(EngineConfig(), model, SimOptions(max_model_len=1000)).run(w)
+    ok, refused = res.records
+    assert ok.status == 200 and refused.status == 400
+    assert refused.error == ("invalid_request: prompt (5000000 tokens) + max_tokens (4) = 5000004 exceeds "
+                             "max_model_len (1000)")
+    assert built == [100]  # the refused prompt was never synthesised
+
+
+def test_the_unloaded_floor_leaves_out_requests_longer_than_the_context() -> None:
+    model = StepCostModel("tokens", {"const": 0.1}, {"kv_bytes_per_token": 1000})
+    w = Workload("w", (WorkloadRequest(arrival_time=0.0, prompt_tokens=10, output_tokens=5),
+                       WorkloadRequest(arrival_time=0.0, prompt_tokens=10**7, output_tokens=5)))
+    # (Without the bound this prices 19,532 chunks of the refused prompt.)
+    assert unloaded_ttft(w, EngineConfig(), model, max_model_len=4096) == pytest.approx([0.1])
+
+
+def test_a_run_of_millions_of_requests_says_so_before_it_starts(capsys) -> None:
+    _warn_long_run(argparse.Namespace(num_requests=100_000_000, repeat=2))
+    err = capsys.readouterr().err
+    assert "200,000,000 requests" in err and "2,000 minutes" in err
+    _warn_long_run(argparse.Namespace(num_requests=LONG_RUN_REQUESTS, repeat=1))
+    _warn_long_run(argparse.Namespace(num_requests=None, repeat=5))
+    assert capsys.readouterr().err == ""
