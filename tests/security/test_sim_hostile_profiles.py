@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,33 @@ def test_a_run_of_millions_of_requests_says_so_before_it_starts(capsys) -> None:
     _warn_long_run(argparse.Namespace(num_requests=LONG_RUN_REQUESTS, repeat=1))
     _warn_long_run(argparse.Namespace(num_requests=None, repeat=5))
     assert capsys.readouterr().err == ""
+
+
+_GOOD = {"median": 0.95, "low": 0.8, "high": 1.1, "cells": 9, "within": 7}
+
+
+def _validation(ratios: dict, loads=(0.3,)):
+    block = {"date": "2026-12-02", "machine": "x", "workloads": ["chat"], "seeds": [1], "loads": list(loads),
+             "ratios": ratios}
+    return lambda d: d.__setitem__("validation", block)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_validation({"ttft_p90": {**_GOOD, "low": 0.0}}), r"validation\.ratios\.ttft_p90\.low: a ratio sim/real must be"),
+    (_validation({"ttft_p90": {**_GOOD, "low": -1.0}}), r"validation\.ratios\.ttft_p90\.low: a ratio sim/real must be"),
+    (_validation({"ttft_p90": {**_GOOD, "high": float("nan")}}), r"validation\.ratios\.ttft_p90\.high"),
+    (_validation({"ttft_p90": {**_GOOD, "low": 1.5, "high": 0.5}}), r"low <= median <= high"),
+    (_validation({"ttft_p90": {**_GOOD, "within": 99}}), r"0 <= within <= cells"),
+    (_validation({"ttft_p90": {"median": 1.0}}), r"validation\.ratios\.ttft_p90: expected the fields"),
+    (_validation({"ttft": _GOOD}), r"validation\.ratios: 'ttft' is not METRIC_pQ"),
+    (_validation({"ttft_p90": _GOOD}, loads=["a"]), r"validation\.loads: expected a list of fractions"),
+])
+@pytest.mark.parametrize("command", [["sim"], ["sim", "plan", "--slo", "ttft_p95=1", "--max-replicas", "1"]])
+def test_a_validation_block_that_lies_is_refused_before_the_run(tmp_path, capsys, edit, message, command) -> None:
+    from cadence.cli import main
+
+    path = _write(tmp_path, edit)
+    rc = main([*command, "--workload", "chat", "--num-requests", "4", "--rate", "1", "--profile", str(path)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "ttft" not in out  # refused before any report or plan row
+    assert re.search(message, err) and err.startswith(f"cadence: error: {path}: "), err

@@ -129,6 +129,10 @@ def load_profile(path: str | None, args: argparse.Namespace):
     except (ValueError, TypeError, AttributeError) as e:  # the loader's own messages name the file, mostly
         message = str(e) if isinstance(e, ValueError) else f"malformed profile ({e})"
         raise ValueError(message if path is None or message.startswith(str(path)) else f"{path}: {message}") from None
+    try:  # the validation block is read after the run: a damaged one must fail before it
+        Validation.from_profile(model.metadata)
+    except ValueError as e:
+        raise ValueError(f"{path or default_profile_path()}: {e}") from None
     if path is None and getattr(args, "model", None):
         raise ValueError("--model: the shipped profile is for the default model; run `cadence calibrate "
                          f"{args.model} --out p.json` and pass --profile p.json")
