@@ -126,3 +126,25 @@ def test_a_validation_block_that_lies_is_refused_before_the_run(tmp_path, capsys
     out, err = capsys.readouterr()
     assert rc == 2 and "ttft" not in out  # refused before any report or plan row
     assert re.search(message, err) and err.startswith(f"cadence: error: {path}: "), err
+
+
+@pytest.mark.parametrize(("files", "message"), [
+    ({}, r"--from-served .*: no breakdown\.json \(run benchmarks/serving_breakdown\.py"),
+    ({"breakdown.json": "not json"}, r"breakdown\.json: not JSON"),
+    ({"breakdown.json": '{"runs": 3}'}, r"breakdown\.json: expected an object with a list of 'runs'"),
+    ({"breakdown.json": '{"runs": []}', "steps_0.jsonl": "garbage\n"}, r"steps_0\.jsonl:1: not JSON"),
+    ({"breakdown.json": '{"runs": []}', "steps_0.jsonl": '{"duration": 0.01, "prefill_tokens": 4}\n'
+      '{"duration": "x", "prefill_tokens": 4}\n'}, r"steps_0\.jsonl:2: not a step record .*duration"),
+    ({"breakdown.json": '{"runs": []}', "steps_0.jsonl": '{"duration": 0.01, "prefill_tokens": -5}\n'},
+     r"steps_0\.jsonl:1: not a step record .*whole numbers >= 0"),
+])
+def test_a_damaged_served_breakdown_is_refused_naming_the_file(tmp_path, capsys, files, message) -> None:
+    from cadence.cli import main
+
+    d = tmp_path / "breakdown"
+    d.mkdir()
+    for name, text in files.items():
+        (d / name).write_text(text)
+    assert main(["calibrate", "--from-served", str(d), "--out", str(tmp_path / "out.json")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "out.json").exists()
