@@ -148,3 +148,25 @@ def test_a_damaged_served_breakdown_is_refused_naming_the_file(tmp_path, capsys,
     assert main(["calibrate", "--from-served", str(d), "--out", str(tmp_path / "out.json")]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "out.json").exists()
+
+
+_NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+
+
+def test_plan_simulates_a_speculating_engine_at_the_given_acceptance(capsys) -> None:
+    from cadence.cli import main
+
+    rc = main(["sim", "plan", "--workload", "chat", "--num-requests", "6", "--rate", "2", "--slo", "ttft_p95=5",
+               "--max-replicas", "1", "--speculative-config", _NGRAM, "--spec-acceptance-rate", "0.7"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "cheapest: 1 replica" in out
+
+
+@pytest.mark.parametrize("command", [["sim"], ["sim", "plan", "--slo", "ttft_p95=5", "--max-replicas", "1"]])
+def test_an_acceptance_rate_without_speculation_is_refused(capsys, command) -> None:
+    from cadence.cli import main
+
+    rc = main([*command, "--workload", "chat", "--num-requests", "4", "--rate", "1", "--spec-acceptance-rate", "0.7"])
+    assert rc == 2
+    assert "--spec-acceptance-rate): only with speculative_config (--speculative-config)" in capsys.readouterr().err

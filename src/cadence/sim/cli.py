@@ -425,6 +425,7 @@ def run_plan(args: argparse.Namespace) -> int:
     result = plan(workload, engine_cfg, model, objectives, grid=grid, router=args.router,
                   max_replicas=args.max_replicas, max_model_len=args.max_model_len, seed=args.seed,
                   max_error_rate=args.max_error_rate, disaggregate=link,
+                  spec_acceptance=_sim_options(args, cfg).spec_acceptance,
                   progress=lambda t: print(format_trial(t, objectives), flush=True))
     print(format_plan(result, with_table=False))
     return 0 if result.best is not None or result.pd_best is not None else 1

@@ -218,6 +218,9 @@ class Simulator:
         if speculates and options.spec_acceptance is None and executor_factory is None:
             raise ValueError("spec_acceptance_rate (--spec-acceptance-rate): required with speculative_config (the simulator has no model "
                              "to verify drafts: give the rate it accepts them at)")
+        if not speculates and options.spec_acceptance is not None:
+            raise ValueError("spec_acceptance_rate (--spec-acceptance-rate): only with speculative_config "
+                             "(--speculative-config); without it the engine drafts nothing")
         if executor_factory is None:
             if cost_model is None:
                 raise ValueError("cost_model: required unless an executor factory is given")
