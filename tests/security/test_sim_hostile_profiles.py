@@ -4,7 +4,6 @@ turned into wrong latencies, a hang or an exhausted memory."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import re
@@ -90,12 +89,30 @@ def test_the_unloaded_floor_leaves_out_requests_longer_than_the_context() -> Non
 
 
 def test_a_run_of_millions_of_requests_says_so_before_it_starts(capsys) -> None:
-    _warn_long_run(argparse.Namespace(num_requests=100_000_000, repeat=2))
+    _warn_long_run(200_000_000)
     err = capsys.readouterr().err
     assert "200,000,000 requests" in err and "2,000 minutes" in err
-    _warn_long_run(argparse.Namespace(num_requests=LONG_RUN_REQUESTS, repeat=1))
-    _warn_long_run(argparse.Namespace(num_requests=None, repeat=5))
+    _warn_long_run(LONG_RUN_REQUESTS)
     assert capsys.readouterr().err == ""
+
+
+def test_a_trace_repeated_into_millions_of_requests_says_so_before_it_is_built(tmp_path, monkeypatch, capsys) -> None:
+    from cadence.sim import cli as sim_cli
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,10,2\n"
+                     "2023-11-16 18:15:47.6805900,10,2\n")
+
+    def stop(w, n):  # the repeat itself is what would take the minutes: the note must come first
+        raise RuntimeError("repeated")
+
+    monkeypatch.setattr("cadence.sim.workloads.repeat_workload", stop)
+    from cadence.cli import build_parser
+
+    args = build_parser().parse_args(["sim", "--trace", str(trace), "--repeat", "600000"])
+    with pytest.raises(RuntimeError, match="repeated"):
+        sim_cli.prepare_workload(args)
+    assert "1,200,000 requests (the workload x --repeat)" in capsys.readouterr().err
 
 
 _GOOD = {"median": 0.95, "low": 0.8, "high": 1.1, "cells": 9, "within": 7}

@@ -154,7 +154,8 @@ def check_sim_args(args: argparse.Namespace) -> None:
     if args.replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {args.replicas}")
     pd_options(args)  # (refuses a half-given or out-of-range P/D fleet)
-    _warn_long_run(args)
+    if not getattr(args, "trace", None):  # (a trace's length is known once it is read)
+        _warn_long_run((getattr(args, "num_requests", None) or 0) * args.repeat)
 
 
 # Above this many requests a run takes minutes: say so before the first of them is built.
@@ -162,10 +163,9 @@ LONG_RUN_REQUESTS = 1_000_000
 REQUESTS_PER_MINUTE = 100_000  # one core, docs/simulator.md's Scale
 
 
-def _warn_long_run(args: argparse.Namespace) -> None:
-    n = (getattr(args, "num_requests", None) or 0) * args.repeat
+def _warn_long_run(n: int) -> None:
     if n > LONG_RUN_REQUESTS:
-        print(f"note: {n:,} requests (--num-requests x --repeat): the simulator runs about "
+        print(f"note: {n:,} requests (the workload x --repeat): the simulator runs about "
               f"{REQUESTS_PER_MINUTE:,} a minute on one core, so expect {n / REQUESTS_PER_MINUTE:,.0f} minutes "
               "or more, and memory for every request", file=sys.stderr, flush=True)
 
@@ -205,6 +205,8 @@ def prepare_workload(args: argparse.Namespace):
     if cfg.duration is not None:
         w = replace(w, requests=tuple(r for r in w.requests if (r.arrival_time or 0.0) <= cfg.duration))
     if args.repeat > 1:
+        if getattr(args, "trace", None):
+            _warn_long_run(len(w.requests) * args.repeat)
         w = repeat_workload(w, args.repeat)
     return w, cfg
 
