@@ -149,6 +149,20 @@ def mape(pred: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - y) / y))
 
 
+def _seconds(v: Any, name: str) -> float:
+    """A profile's number of seconds, or a ValueError naming its field (JSON has no units)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name}: expected a number of seconds, got {v!r}")
+    return float(v)
+
+
+def _seconds_by_term(cm: dict[str, Any], section: str) -> dict[str, float]:
+    terms = cm.get(section, {}) if section != "coefficients" else cm[section]
+    if not isinstance(terms, dict):
+        raise ValueError(f"{section}: expected an object of terms, got {terms!r}")
+    return {k: _seconds(v, f"{section}.{k}") for k, v in terms.items()}
+
+
 @dataclass
 class StepCostModel:
     """Predicted seconds of one step: a non-negative linear model in one feature set."""
@@ -175,6 +189,14 @@ class StepCostModel:
         unknown = set(self.coefficients) - set(spec)
         if unknown:
             raise ValueError(f"coefficients: {sorted(unknown)} are not features of {self.feature_set!r}")
+        # A weight below 0 makes steps free (every latency near 0), NaN or inf fails every request:
+        # the fit never writes one, so such a profile was edited or damaged.
+        bad = sorted(k for k, v in self.coefficients.items() if not (math.isfinite(v) and v >= 0))
+        if bad:
+            raise ValueError(f"coefficients: {bad} must be finite and >= 0 seconds, got "
+                             f"{[self.coefficients[k] for k in bad]}")
+        if not (math.isfinite(self.min_cost) and self.min_cost > 0):
+            raise ValueError(f"min_cost: must be finite and > 0 seconds, got {self.min_cost}")
         # Fold the columns into one weight per base quantity: the hot path is then 7 multiplies.
         w = [0.0] * len(BASES)
         for col, coef in self.coefficients.items():
@@ -279,10 +301,12 @@ class StepCostModel:
             raise ValueError(f"not a cadence profile (format {PROFILE_FORMAT}): missing or wrong 'cadence_profile'")
         cm = d["cost_model"]
         meta = {k: v for k, v in d.items() if k not in ("cadence_profile", "cost_model", "fit")}
-        return cls(cm["feature_set"], {k: float(v) for k, v in cm["coefficients"].items()}, meta,
-                   dict(d.get("fit", {})), float(cm.get("min_cost", 1e-6)),
-                   {k: float(v) for k, v in cm.get("overhead", {}).items()},
-                   {k: float(v) for k, v in cm.get("request_path", {}).items()})
+        kv = meta.get("kv_bytes_per_token")
+        if kv is not None and not (isinstance(kv, int) and not isinstance(kv, bool) and kv > 0):
+            raise ValueError(f"kv_bytes_per_token: must be a whole number > 0, got {kv!r}")
+        return cls(cm["feature_set"], _seconds_by_term(cm, "coefficients"), meta,
+                   dict(d.get("fit", {})), _seconds(cm.get("min_cost", 1e-6), "min_cost"),
+                   _seconds_by_term(cm, "overhead"), _seconds_by_term(cm, "request_path"))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -299,8 +323,10 @@ class StepCostModel:
             raise ValueError(f"{path}: not JSON ({e.msg})") from None
         try:
             return cls.from_dict(d)
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"{path}: malformed profile ({e})") from None
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: malformed profile ({type(e).__name__}: {e})") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -45,9 +45,21 @@ class StepLog:
 def read_step_log(path: str | Path) -> list[tuple[StepFeatures, float]]:
     """The (shape, duration) pairs of a step log."""
     out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        d = json.loads(line)
-        duration = float(d.pop("duration"))
-        d.pop("step", None)
-        out.append((StepFeatures(**d), duration))
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            out.append(_step(json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{path}:{n}: not a step record ({type(e).__name__}: {e})") from None
     return out
+
+
+def _step(d: dict) -> tuple[StepFeatures, float]:
+    duration = d.pop("duration")
+    d.pop("step", None)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in d.values()):
+        raise ValueError(f"step shape counts must be whole numbers >= 0, got {d}")
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)):
+        raise ValueError(f"duration: expected seconds, got {duration!r}")
+    return StepFeatures(**d), float(duration)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -128,6 +129,10 @@ def load_profile(path: str | None, args: argparse.Namespace):
     except (ValueError, TypeError, AttributeError) as e:  # the loader's own messages name the file, mostly
         message = str(e) if isinstance(e, ValueError) else f"malformed profile ({e})"
         raise ValueError(message if path is None or message.startswith(str(path)) else f"{path}: {message}") from None
+    try:  # the validation block is read after the run: a damaged one must fail before it
+        Validation.from_profile(model.metadata)
+    except ValueError as e:
+        raise ValueError(f"{path or default_profile_path()}: {e}") from None
     if path is None and getattr(args, "model", None):
         raise ValueError("--model: the shipped profile is for the default model; run `cadence calibrate "
                          f"{args.model} --out p.json` and pass --profile p.json")
@@ -149,6 +154,20 @@ def check_sim_args(args: argparse.Namespace) -> None:
     if args.replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {args.replicas}")
     pd_options(args)  # (refuses a half-given or out-of-range P/D fleet)
+    if not getattr(args, "trace", None):  # (a trace's length is known once it is read)
+        _warn_long_run((getattr(args, "num_requests", None) or 0) * args.repeat)
+
+
+# Above this many requests a run takes minutes: say so before the first of them is built.
+LONG_RUN_REQUESTS = 1_000_000
+REQUESTS_PER_MINUTE = 100_000  # one core, docs/simulator.md's Scale
+
+
+def _warn_long_run(n: int) -> None:
+    if n > LONG_RUN_REQUESTS:
+        print(f"note: {n:,} requests (the workload x --repeat): the simulator runs about "
+              f"{REQUESTS_PER_MINUTE:,} a minute on one core, so expect {n / REQUESTS_PER_MINUTE:,.0f} minutes "
+              "or more, and memory for every request", file=sys.stderr, flush=True)
 
 
 def pd_options(args: argparse.Namespace) -> PDOptions | None:
@@ -186,6 +205,8 @@ def prepare_workload(args: argparse.Namespace):
     if cfg.duration is not None:
         w = replace(w, requests=tuple(r for r in w.requests if (r.arrival_time or 0.0) <= cfg.duration))
     if args.repeat > 1:
+        if getattr(args, "trace", None):
+            _warn_long_run(len(w.requests) * args.repeat)
         w = repeat_workload(w, args.repeat)
     return w, cfg
 
@@ -406,6 +427,7 @@ def run_plan(args: argparse.Namespace) -> int:
     result = plan(workload, engine_cfg, model, objectives, grid=grid, router=args.router,
                   max_replicas=args.max_replicas, max_model_len=args.max_model_len, seed=args.seed,
                   max_error_rate=args.max_error_rate, disaggregate=link,
+                  spec_acceptance=_sim_options(args, cfg).spec_acceptance,
                   progress=lambda t: print(format_trial(t, objectives), flush=True))
     print(format_plan(result, with_table=False))
     return 0 if result.best is not None or result.pd_best is not None else 1

@@ -15,6 +15,7 @@ Two readers:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -46,6 +47,36 @@ class RatioSpread:
         return {"median": self.median, "low": self.low, "high": self.high, "cells": self.cells, "within": self.within}
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _ratio_key(key: str) -> str:
+    metric, _, q = key.rpartition("_p")
+    if not metric or not q.isdigit() or not 0 < int(q) < 100:
+        raise ValueError(f"validation.ratios: {key!r} is not METRIC_pQ (e.g. ttft_p90)")
+    return key
+
+
+def _spread(key: str, s: Any) -> RatioSpread:
+    """A stored spread, checked: a ratio of 0 or below, or a low end above the high one, would
+    turn the safe count and the error band into nonsense without a word."""
+    where = f"validation.ratios.{key}"
+    fields = ("median", "low", "high", "cells", "within")
+    if not isinstance(s, dict) or set(s) != set(fields):
+        raise ValueError(f"{where}: expected the fields {', '.join(fields)}, got {s!r}")
+    for name in ("median", "low", "high"):
+        if not (_number(s[name]) and s[name] > 0):
+            raise ValueError(f"{where}.{name}: a ratio sim/real must be a finite number > 0, got {s[name]!r}")
+    if not s["low"] <= s["median"] <= s["high"]:
+        raise ValueError(f"{where}: expected low <= median <= high, got {s['low']}, {s['median']}, {s['high']}")
+    if not all(isinstance(s[n], int) and not isinstance(s[n], bool) for n in ("cells", "within")) \
+            or not 0 <= s["within"] <= s["cells"] or s["cells"] < 1:
+        raise ValueError(f"{where}: expected whole numbers 0 <= within <= cells, cells >= 1, "
+                         f"got within {s['within']!r} of {s['cells']!r}")
+    return RatioSpread(float(s["median"]), float(s["low"]), float(s["high"]), s["cells"], s["within"])
+
+
 def _quantile(sorted_values: list[float], q: float) -> float:
     """Linear interpolation between order statistics (numpy's default)."""
     pos = q * (len(sorted_values) - 1)
@@ -70,9 +101,12 @@ class Validation:
         v = metadata.get("validation")
         if not isinstance(v, dict) or not isinstance(v.get("ratios"), dict):
             return None
-        spreads = {k: RatioSpread(**s) for k, s in v["ratios"].items()}
+        spreads = {_ratio_key(k): _spread(k, s) for k, s in v["ratios"].items()}
+        loads = v.get("loads", ())
+        if not isinstance(loads, list) or not all(_number(x) and x > 0 for x in loads):
+            raise ValueError(f"validation.loads: expected a list of fractions of saturation, got {loads!r}")
         return cls(spreads, str(v.get("date", "?")), str(v.get("machine", "?")), tuple(v.get("workloads", ())),
-                   tuple(v.get("seeds", ())), tuple(v.get("loads", ())))
+                   tuple(v.get("seeds", ())), tuple(loads))
 
     def as_dict(self) -> dict[str, Any]:
         return {"date": self.date, "machine": self.machine, "workloads": list(self.workloads),

@@ -31,10 +31,10 @@ from typing import Any
 
 from cadence.bench import report
 from cadence.config import EngineConfig, option_flags
-from cadence.executor.cost_model import StepCostModel, StepFeatures
+from cadence.executor.cost_model import SpecAcceptance, StepCostModel, StepFeatures
 from cadence.sim.fidelity import Validation, safe_bound
 from cadence.sim.pd import PDOptions
-from cadence.sim.simulator import SimOptions, Simulator
+from cadence.sim.simulator import SimOptions, Simulator, sim_max_model_len
 from cadence.wording import counted
 from cadence.workload import Workload
 
@@ -110,14 +110,18 @@ class PlanResult:
     pd_best: Trial | None = None  # the cheapest P/D split (with `disaggregated`)
 
 
-def unloaded_ttft(workload: Workload, config: EngineConfig, model: StepCostModel) -> list[float]:
+def unloaded_ttft(workload: Workload, config: EngineConfig, model: StepCostModel,
+                  max_model_len: int | None = None) -> list[float]:
     """Each request's time to first token on an idle engine: its prefill chunks back to back.
-    No fleet can beat it, so an SLO below its percentile is infeasible."""
+    No fleet can beat it, so an SLO below its percentile is infeasible. Requests longer than
+    `max_model_len` are refused (400) and left out, as the objectives leave them out."""
     budget = config.scheduler.max_num_batched_tokens
     cap = config.scheduler.long_prefill_token_threshold or budget
     chunk = min(budget, cap)
     out = []
     for r in workload.requests:
+        if max_model_len is not None and r.prompt_tokens + r.output_tokens > max_model_len:
+            continue
         t, start = 0.0, 0
         while start < r.prompt_tokens:
             n = min(chunk, r.prompt_tokens - start)
@@ -134,9 +138,11 @@ def unloaded_ttft(workload: Workload, config: EngineConfig, model: StepCostModel
 
 def evaluate(workload: Workload, config: EngineConfig, model: StepCostModel, replicas: int,
              objectives: list[Objective], *, router: str, max_model_len: int | None, seed: int,
-             max_error_rate: float, options: dict[str, Any], pd: PDOptions | None = None) -> Trial:
+             max_error_rate: float, options: dict[str, Any], pd: PDOptions | None = None,
+             spec_acceptance: SpecAcceptance | None = None) -> Trial:
     """One simulation judged against the objectives: `replicas` colocated, or the P/D fleet `pd`."""
-    sim_options = SimOptions(replicas=replicas, router=router, max_model_len=max_model_len, seed=seed)
+    sim_options = SimOptions(replicas=replicas, router=router, max_model_len=max_model_len, seed=seed,
+                             spec_acceptance=spec_acceptance)
     if pd is None:
         sim = Simulator(config, model, sim_options)
     else:
@@ -230,13 +236,15 @@ def search_disaggregated(workload: Workload, config: EngineConfig, model: StepCo
 def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objectives: list[Objective], *,
          grid: dict[str, list[Any]] | None = None, router: str = "least-loaded", max_replicas: int = 64,
          max_model_len: int | None = None, seed: int = 0, max_error_rate: float = 0.0,
-         progress: Any = None, disaggregate: PDOptions | None = None) -> PlanResult:
+         progress: Any = None, disaggregate: PDOptions | None = None,
+         spec_acceptance: SpecAcceptance | None = None) -> PlanResult:
     """Search the grid of engine options x replica counts; with `disaggregate` (its link's bandwidth
-    and latency; its counts are searched), P/D splits too. See the module docstring."""
+    and latency; its counts are searched), P/D splits too. `spec_acceptance`: how a speculating
+    engine's drafts are accepted (see `SimOptions`). See the module docstring."""
     if not objectives:
         raise ValueError("--slo: give at least one objective, e.g. --slo ttft_p95=1.0")
     result = PlanResult(list(objectives), validation=Validation.from_profile(model.metadata))
-    floor = unloaded_ttft(workload, config, model)
+    floor = unloaded_ttft(workload, config, model, sim_max_model_len(max_model_len, model)) or [0.0]
     result.floor = {f"ttft_p{q}": report.percentile(floor, q) for q in report.PERCENTILES}
     for o in objectives:
         if o.metric == "ttft" and result.floor[o.key] > o.bound:
@@ -251,7 +259,7 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
 
         def run(n: int, cfg: EngineConfig = cfg, opts: dict = opts) -> Trial:
             t = evaluate(workload, cfg, model, n, objectives, router=router, max_model_len=max_model_len,
-                         seed=seed, max_error_rate=max_error_rate, options=opts)
+                         seed=seed, max_error_rate=max_error_rate, options=opts, spec_acceptance=spec_acceptance)
             if progress is not None:
                 progress(t)
             return t
@@ -264,7 +272,8 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
         result.notes.append(f"no configuration met the SLOs with up to {max_replicas} replicas")
     elif result.validation is not None:
         _search_safe(result, workload, config, model, router=router, max_replicas=max_replicas,
-                     max_model_len=max_model_len, seed=seed, max_error_rate=max_error_rate, progress=progress)
+                     max_model_len=max_model_len, seed=seed, max_error_rate=max_error_rate, progress=progress,
+                     spec_acceptance=spec_acceptance)
     if disaggregate is not None:
         result.disaggregated = True
         opts = result.best.options if result.best is not None else {}
@@ -280,7 +289,7 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
 
 def _search_safe(result: PlanResult, workload: Workload, config: EngineConfig, model: StepCostModel, *,
                  router: str, max_replicas: int, max_model_len: int | None, seed: int, max_error_rate: float,
-                 progress: Any) -> None:
+                 progress: Any, spec_acceptance: SpecAcceptance | None = None) -> None:
     """The cheapest configuration's count under objectives tightened by the profile's validation.
     It is at least the raw count: a count that misses an objective misses a tighter one too."""
     assert result.best is not None and result.validation is not None
@@ -296,7 +305,8 @@ def _search_safe(result: PlanResult, workload: Workload, config: EngineConfig, m
 
     def run(n: int) -> Trial:
         t = replace(evaluate(workload, cfg, model, n, result.safe_objectives, router=router,
-                             max_model_len=max_model_len, seed=seed, max_error_rate=max_error_rate, options=opts),
+                             max_model_len=max_model_len, seed=seed, max_error_rate=max_error_rate, options=opts,
+                             spec_acceptance=spec_acceptance),
                     margin=True)
         if progress is not None:
             progress(t)

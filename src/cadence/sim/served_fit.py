@@ -115,6 +115,20 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return best[1], best[2]
 
 
+def _breakdown(d: Path) -> dict[str, Any]:
+    """A breakdown directory's summary, or a ValueError naming the file."""
+    path = d / "breakdown.json"
+    if not path.is_file():
+        raise ValueError(f"--from-served {d}: no breakdown.json (run benchmarks/serving_breakdown.py --out {d})")
+    try:
+        summary = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg})") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("runs"), list):
+        raise ValueError(f"{path}: expected an object with a list of 'runs'")
+    return summary
+
+
 def refit(base: StepCostModel, breakdown_dirs: str | Path | list[str | Path]) -> StepCostModel:
     """`base` refitted on its sweep plus the served steps under one or more breakdown directories
     (each a `serving_breakdown.py --out`, e.g. one per workload; module docstring)."""
@@ -123,7 +137,7 @@ def refit(base: StepCostModel, breakdown_dirs: str | Path | list[str | Path]) ->
     logs: list[Path] = []
     workloads = []
     for d in dirs:
-        summary = json.loads((d / "breakdown.json").read_text())
+        summary = _breakdown(d)
         found = sorted(d.glob("steps_*.jsonl"))
         if not found:
             raise ValueError(f"{d}: no steps_*.jsonl (run benchmarks/serving_breakdown.py --out {d})")

@@ -34,7 +34,7 @@ from cadence.bench.report import RequestRecord
 from cadence.clock import VirtualClock
 from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
-from cadence.errors import HTTP_STATUS, AdmissionError
+from cadence.errors import HTTP_STATUS, AdmissionError, ErrorKind
 from cadence.executor.cost_model import SimExecutor, SpecAcceptance, StepCostModel
 from cadence.kv.hashing import block_hashers
 from cadence.request import Request, SamplingParams
@@ -51,6 +51,11 @@ _INF = math.inf
 # Longest decode stretch planned at once: its step times are a list, and a request arriving early
 # wastes the rest of the plan.
 MAX_STRETCH_STEPS = 512
+
+
+def sim_max_model_len(given: int | None, cost_model: StepCostModel | None) -> int:
+    """The simulated engines' context: the one given, else the profile's model's, else 8192."""
+    return given or int((cost_model.metadata if cost_model else {}).get("max_model_len", 0)) or 8192
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,9 @@ class Simulator:
         if speculates and options.spec_acceptance is None and executor_factory is None:
             raise ValueError("spec_acceptance_rate (--spec-acceptance-rate): required with speculative_config (the simulator has no model "
                              "to verify drafts: give the rate it accepts them at)")
+        if not speculates and options.spec_acceptance is not None:
+            raise ValueError("spec_acceptance_rate (--spec-acceptance-rate): only with speculative_config "
+                             "(--speculative-config); without it the engine drafts nothing")
         if executor_factory is None:
             if cost_model is None:
                 raise ValueError("cost_model: required unless an executor factory is given")
@@ -220,7 +228,7 @@ class Simulator:
             seeds = iter(range(options.seed, options.seed + options.replicas))
             executor_factory = lambda clock: SimExecutor(  # noqa: E731
                 cost_model, clock=clock, spec_acceptance=options.spec_acceptance, seed=next(seeds))
-        max_len = options.max_model_len or int((cost_model.metadata if cost_model else {}).get("max_model_len", 0)) or 8192
+        max_len = sim_max_model_len(options.max_model_len, cost_model)
         self.max_model_len = max_len
         self._cost_model = cost_model  # its request path delays each request (`_request_delays`)
         # The fleet's router, fed what a real fleet's would see (see `_route`).
@@ -265,6 +273,23 @@ class Simulator:
         """Output tokens the replica a request is routed to produces (a P/D fleet's prefill: one)."""
         return wr.output_tokens
 
+    def _refuse_too_long(self, rec: RequestRecord, wr: WorkloadRequest, t: float) -> bool:
+        """Answer a request no replica could ever hold with the engine's 400, before its prompt is
+        made: a trace line of a billion tokens would otherwise be built in memory to be refused."""
+        core = self.replicas[0].core
+        max_tokens = self._first_leg_tokens(wr)
+        total = wr.prompt_tokens + max_tokens
+        if total <= core.max_request_tokens:
+            return False
+        # The engine's own wording (admission checks the context first, then the KV cache).
+        limit = (f"max_model_len ({core.max_model_len})" if total > core.max_model_len
+                 else f"the KV cache capacity ({core.max_request_tokens} tokens)")
+        rec.status = HTTP_STATUS[ErrorKind.INVALID_REQUEST]
+        rec.error = (f"{ErrorKind.INVALID_REQUEST.value}: prompt ({wr.prompt_tokens} tokens) + max_tokens "
+                     f"({max_tokens}) = {total} exceeds {limit}")
+        self._client.on_done(t - self._t0)
+        return True
+
     def _send(self, i: int, t: float) -> None:
         """Request i reaches the fleet's engines at virtual time t: route it and queue it on its replica."""
         wr = self._workload.requests[i]
@@ -274,6 +299,8 @@ class Simulator:
                             output_count_source="usage",
                             token_times=array("d"))
         self._records.append(rec)
+        if self._refuse_too_long(rec, wr, t):
+            return
         prompt = self._synth.prompt(i, wr)
         rep = self.replicas[self._route(prompt, t)] if len(self.replicas) > 1 else self.replicas[0]
         if rep.stretch is not None:
