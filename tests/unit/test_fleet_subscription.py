@@ -99,6 +99,19 @@ def test_a_failed_subscription_fails_every_stream_of_its_replica_and_no_other() 
     assert not state.OPEN_STREAMS
 
 
+def test_a_subscription_that_is_never_answered_fails_its_streams() -> None:
+    replicas = _Replicas({})  # (never released: the replica died before the subscription reached it)
+
+    async def run() -> Any:
+        subs = Subscriptions(replicas.open_stream, replicas.abort, ray_unavailable, connect_timeout=0.05)
+        # (bounded: without the subscription's own timeout the stream would wait forever)
+        return await asyncio.wait_for(asyncio.gather(_read(_stream(subs, "r1", "x")), return_exceptions=True), 5.0)
+
+    [failed] = asyncio.run(run())
+    assert isinstance(failed, CadenceError) and failed.kind == ErrorKind.UNAVAILABLE, failed
+    assert not state.OPEN_STREAMS and not state.SUBSCRIPTIONS
+
+
 def test_closing_a_stream_early_aborts_it_on_its_replica_and_late_items_are_aborted_too() -> None:
     replicas = _Replicas({"x": [{"r1": [_delta("r1", 1)]}, {"gone": [_delta("gone", 2)]}]})
 
@@ -188,6 +201,7 @@ def test_abort_ends_a_subscribed_request_on_the_replica() -> None:
         call = GenerateCall(([5, 6, 7],), SamplingParams(max_tokens=200, ignore_eos=True), "long",
                             subscriber="ingress-1")
         [_ async for _ in replica.generate(call)]
+        assert await sub.__anext__() == {}  # (it answers at once)
         first = await sub.__anext__()
         replica.abort("long")
         items = list(first["long"])
@@ -202,3 +216,26 @@ def test_abort_ends_a_subscribed_request_on_the_replica() -> None:
         assert tokens < 200 and replica.engine.num_in_flight == 0
     finally:
         replica.engine.shutdown(timeout=5.0)
+
+
+def test_the_router_counts_a_replicas_open_streams_and_not_its_subscriptions() -> None:
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.request_router import ReplicaID
+
+    from cadence.fleet.router import CadenceRequestRouter
+    from cadence.routing import ReplicaStats
+
+    replica = SimpleNamespace(replica_id=ReplicaID("x", DeploymentID("CadenceReplica")),
+                              routing_stats=ReplicaStats(0, 0, 64).to_dict())
+    router = object.__new__(CadenceRequestRouter)  # (only its load arithmetic, without Serve)
+    router._replica_queue_len_cache = {replica.replica_id: 1}  # Serve's count: the subscription alone
+    state.subscription_opened("x")
+    for _ in range(3):
+        state.stream_opened("x")
+    try:
+        assert router._stats(replica, placed=1).load == 4  # three streaming, one being admitted
+    finally:
+        state.OPEN_STREAMS.clear()
+        state.SUBSCRIPTIONS.clear()

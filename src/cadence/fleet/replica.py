@@ -133,6 +133,7 @@ class CadenceReplica:
             outbox = self._outboxes[subscriber] = Outbox()
         outbox.connect()
         try:
+            yield {}  # (the ingress knows it is connected)
             while (batch := await outbox.take(IDLE_LINGER_S)) is not None:
                 yield batch
         except BaseException:

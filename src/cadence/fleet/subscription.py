@@ -31,6 +31,7 @@ log = logging.getLogger("cadence.fleet")
 UNCONNECTED_LIMIT = 1024  # items an outbox holds for a subscriber that has not connected
 CONNECT_WAIT_S = 30.0  # how long a pump waits for room in an unconnected, full outbox
 IDLE_LINGER_S = 2.0  # a subscription with no streams ends after this long
+CONNECT_TIMEOUT_S = 10.0  # how long the ingress waits for a replica to answer its subscription
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,9 @@ class Subscriptions:
     a failed subscription ends its requests with."""
 
     def __init__(self, open_stream: Callable[[str, str], Any], abort: Callable[[str, str], Any],
-                 lost: Callable[[BaseException], BaseException]) -> None:
+                 lost: Callable[[BaseException], BaseException], connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
         self.subscriber = uuid.uuid4().hex
+        self._connect_timeout = connect_timeout
         self._open_stream = open_stream
         self._abort = abort
         self._lost = lost
@@ -205,12 +207,20 @@ class Subscriptions:
     async def _read(self, replica: str) -> None:
         state.subscription_opened(replica)
         error: BaseException | None = None
+        stream = self._open_stream(self.subscriber, replica)
         try:
-            async for batch in self._open_stream(self.subscriber, replica):
+            # A replica answers a subscription at once (an empty batch): one that does not (it
+            # died after admitting a request, before this reached it) fails its requests.
+            self._deliver(replica, await asyncio.wait_for(stream.__anext__(), self._connect_timeout))
+            async for batch in stream:
                 self._deliver(replica, batch)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # (a RayError: the replica died or could not be reached)
+        except StopAsyncIteration:
+            pass
+        except Exception as e:  # (a RayError: the replica died or could not be reached; or no answer)
+            if hasattr(stream, "cancel"):
+                stream.cancel()
             log.warning("replica %s: subscription failed (%s)", replica, type(e).__name__)
             error = self._lost(e)
         finally:
