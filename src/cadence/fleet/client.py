@@ -29,6 +29,7 @@ from cadence.engine.output_processor import StreamDelta
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.fleet.protocol import Admitted, Deltas, Failed, GenerateCall, Refused, Target
 from cadence.fleet.replica import ReplicaInfo, refusal_error
+from cadence.fleet.subscription import Subscriptions
 from cadence.kv.hashing import block_hashers
 from cadence.metrics.prometheus import PrometheusExporter, merge_expositions
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
@@ -183,6 +184,18 @@ async def admission_anywhere(send: Callable[[GenerateCall], Any], call: Generate
         log.info("request %s: refused by %s (queue full); trying another replica", call.request_id, first.replica)
 
 
+async def _call_ended(gen: Any) -> None:
+    """Read a subscribed call's end (it ends with its admission), so that Serve counts it done."""
+    try:
+        await gen.__anext__()
+    except StopAsyncIteration:
+        return
+    except Exception as e:  # (the request is admitted: its deltas travel on the subscription)
+        log.info("an admitted call ended with %s", type(e).__name__)
+        return
+    gen.cancel()
+
+
 def handle_replicas(handle: Any) -> list[str]:
     """The replicas this process's router sends `handle`'s calls to."""
     from cadence.fleet.state import deployment_replica_ids, replica_ids
@@ -238,6 +251,9 @@ class FleetStream:
         except RayError as e:
             self._close()
             raise (self._error or ray_unavailable(e)) from None
+        except CadenceError:  # (its replica's subscription failed)
+            self._close()
+            raise
         if self._error is not None:
             self._close()
             raise self._error
@@ -273,6 +289,8 @@ class FleetStream:
 class FleetClient:
     """The HTTP layer's engine: a Ray Serve handle to the replicas (see the module docstring)."""
 
+    subscribe_streams = True  # requests' deltas travel on the replicas' subscriptions (fleet/subscription.py)
+
     def __init__(self, handle: Any, info: ReplicaInfo, tokenizer: Any, engine_config: EngineConfig,
                  max_held: int | None = None) -> None:
         """`max_held`: the most requests this ingress holds at once, waiting for a replica's
@@ -300,6 +318,7 @@ class FleetClient:
         # The ingress compiles constraints too (the grammar library loads on first use), so that a
         # refused one is a 400 naming the request's field before any replica sees it.
         self._grammars = StructuredOutputs(tokenizer, info.vocab_size)
+        self._subs = Subscriptions(self._subscribe, self._abort_on, ray_unavailable)
 
     # -- state --------------------------------------------------------------------------------------
     # The ingress itself is healthy while it runs; a replica's health is Serve's to check.
@@ -351,14 +370,28 @@ class FleetClient:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
         check_request_id()
         self.check_room()
+        subscribed = self.subscribe_streams and handle is self._handle
         call = GenerateCall(tuple(prompts), params, request_id, policy, self.chain(prompts[0], policy.cache_salt),
-                            TRACE_CARRIER.get(), queue_status)
+                            TRACE_CARRIER.get(), queue_status, subscriber=self._subs.subscriber if subscribed else None)
+        inbox = self._subs.inbox(request_id) if subscribed else None
         self._admitting += 1
         try:
             gen, first = await admission_anywhere(handle.options(stream=True).generate.remote, call, "replica",
                                                   handle_replicas(handle))
+        except BaseException:
+            if inbox is not None:
+                self._subs.drop(inbox)
+            raise
         finally:
             self._admitting -= 1
+        if inbox is not None:
+            self._subs.admitted(inbox, first.replica)
+            try:
+                await _call_ended(gen)
+            except asyncio.CancelledError:  # the client left: the request is aborted
+                inbox.cancel()
+                raise
+            gen = inbox
         note_replica(first.replica)
         self._remember(request_id, first.replica)
         total = len(prompts) * params.n
@@ -367,6 +400,12 @@ class FleetClient:
         stream.admission = first.status
         self._live[request_id] = stream
         return stream
+
+    def _subscribe(self, subscriber: str, replica: str) -> Any:
+        return self._handle.options(stream=True).subscribe.remote(subscriber, Target(replica))
+
+    async def _abort_on(self, replica: str, request_id: str) -> None:
+        await asyncio.wait_for(self._handle.abort.remote(request_id, Target(replica)), REPLICA_CALL_TIMEOUT_S)
 
     def check_room(self) -> None:
         """429 when this ingress already holds `max_held` requests. The bound is kept here rather

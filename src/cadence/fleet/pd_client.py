@@ -91,6 +91,8 @@ class PDFleetClient(FleetClient):
     """The HTTP layer's engine over two replica pools (see the module docstring). `decode` is the
     plain fleet client's handle (requests served whole go there)."""
 
+    subscribe_streams = False  # (each request's streams are calls of their own: see docs/fleet.md)
+
     def __init__(self, prefill: Any, decode: Any, info: ReplicaInfo, tokenizer: Any, engine_config: EngineConfig,
                  transfer_timeout: float, max_held: int | None = None) -> None:
         super().__init__(decode, info, tokenizer, engine_config, max_held)

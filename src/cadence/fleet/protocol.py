@@ -27,6 +27,9 @@ class GenerateCall:
     num_emitted: int = 0
     # Replicas that refused the request for a full queue: the router places it elsewhere.
     avoid: tuple[str, ...] = ()
+    # The ingress subscription (`CadenceReplica.subscribe`) the request's deltas travel on; None:
+    # on the call's own stream, after its admission.
+    subscriber: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
 """The replica deployment: one `AsyncEngine` in a Ray Serve replica.
 
-`generate` streams a request's deltas back to the ingress: first an `Admitted` (or a `Refused`,
-the engine's own admission answer), then the engine's `StreamDelta`s, and a `Failed` if the
-request fails midway. When the ingress cancels the call (its client went away), Serve cancels
-the generator here and its `finally` aborts the request in the engine, freeing its blocks.
+`generate` answers a request's admission: an `Admitted` (or a `Refused`, the engine's own
+admission answer). A call naming a `subscriber` ends there, and the request's deltas (and a
+`Failed` if it fails midway) travel on that subscriber's `subscribe` stream, with every other
+request of that subscriber (fleet/subscription.py); `abort` aborts one. A call without one
+streams its own deltas after the admission (the prefill and decode pools); when the ingress
+cancels it (its client went away), Serve cancels the generator here and its `finally` aborts the
+request in the engine, freeing its blocks.
 
 Serve polls `record_routing_stats` (the fleet router's `ReplicaStats`) and `check_health`
 (which fails once the engine's loop is dead, so Serve replaces the replica); `metrics` is this
@@ -12,6 +15,7 @@ engine's Prometheus exposition for the ingress to merge.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +25,7 @@ from typing import Any
 from cadence.config import EngineConfig, ServerConfig
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.fleet.protocol import Admitted, Deltas, Failed, GenerateCall, Refused, Target
+from cadence.fleet.subscription import IDLE_LINGER_S, Batch, Outbox, pump
 from cadence.routing import DIGEST_LIMIT, ReplicaStats, fingerprints
 
 log = logging.getLogger("cadence.fleet")
@@ -79,6 +84,8 @@ class CadenceReplica:
                                                self.exporter.record_spans_dropped)
             self.engine.enable_request_events()
         self._digest: frozenset[int] = frozenset()
+        self._outboxes: dict[str, Outbox] = {}  # by subscriber
+        self._pumps: dict[str, asyncio.Task] = {}  # a subscribed request's pump, by request id
         log.info("replica %s serving %s", self.name, self.engine.model_name)
 
     def info(self) -> ReplicaInfo:
@@ -94,8 +101,58 @@ class CadenceReplica:
         except CadenceError as e:
             yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)
             return
+        if call.subscriber is not None:
+            self._start_pump(call, stream, start_ns)
+            yield Admitted(self.name, stream.admission)
+            return
         async for item in self._serve(call, stream, start_ns):
             yield item
+
+    def _start_pump(self, call: GenerateCall, stream: Any, start_ns: int) -> None:
+        """The request's items go to its subscriber's outbox (its `Admitted` is the call's answer)."""
+        assert call.subscriber is not None
+        outbox = self._outboxes.get(call.subscriber)
+        if outbox is None:
+            outbox = self._outboxes[call.subscriber] = Outbox()
+        outbox.open(call.request_id)
+        items = self._serve(call, stream, start_ns)
+        task = asyncio.get_running_loop().create_task(pump(_after_admission(items), call.request_id, outbox))
+        self._pumps[call.request_id] = task
+        task.add_done_callback(lambda t: self._pump_done(call.request_id, t))
+
+    def _pump_done(self, request_id: str, task: asyncio.Task) -> None:
+        if self._pumps.get(request_id) is task:
+            del self._pumps[request_id]
+
+    async def subscribe(self, subscriber: str, target: Target | None = None) -> AsyncIterator[Batch]:
+        """The deltas of `subscriber`'s requests here, one batch of whatever is ready at a time;
+        it ends once none of them has been open for a while. Cancelled (its reader is gone), it
+        aborts them."""
+        outbox = self._outboxes.get(subscriber)
+        if outbox is None:
+            outbox = self._outboxes[subscriber] = Outbox()
+        outbox.connect()
+        try:
+            yield {}  # (the ingress knows it is connected)
+            while (batch := await outbox.take(IDLE_LINGER_S)) is not None:
+                yield batch
+        except BaseException:
+            for request_id in list(outbox.streams):
+                self._abort(request_id)
+            raise
+        finally:
+            outbox.disconnect()
+            if outbox.idle and self._outboxes.get(subscriber) is outbox:
+                del self._outboxes[subscriber]
+
+    def abort(self, request_id: str, target: Target | None = None) -> None:
+        """Abort a subscribed request (its reader left)."""
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        task = self._pumps.get(request_id)
+        if task is not None:
+            task.cancel()
 
     async def _serve(self, call: GenerateCall, stream: Any, start_ns: int) -> AsyncIterator[Any]:
         """An admitted request's `Admitted`, deltas and `Failed`, and its span when traced. Deltas
@@ -182,6 +239,18 @@ class CadenceReplica:
         tracer = getattr(self, "tracer", None)
         if tracer is not None:
             tracer.shutdown()
+
+
+async def _after_admission(items: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`_serve`'s items without its first, the `Admitted` (the call answered it already)."""
+    try:
+        first = True
+        async for item in items:
+            if not first:
+                yield item
+            first = False
+    finally:
+        await items.aclose()  # type: ignore[attr-defined]
 
 
 def _item(deltas: list[Any]) -> Any:

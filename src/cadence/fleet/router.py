@@ -2,9 +2,11 @@
 over the replicas' published stats.
 
 Each replica publishes a `ReplicaStats` through Serve's `record_routing_stats` every
-`STATS_PERIOD_S`. A replica's load is Serve's own count of its ongoing requests where the router
-has one, else the published running + waiting, and never less than the requests this router
-placed there and has not seen finish. Serve routes a burst's requests concurrently, each choice
+`STATS_PERIOD_S`. A replica's load is Serve's own count of its ongoing calls where the router
+has one (less this process's subscriptions to it), else the published running + waiting, and
+never less than the requests this router placed there and has not seen admitted plus this
+process's streams open there: a subscribed request's call ends with its admission, so Serve
+stops counting it while it streams. Serve routes a burst's requests concurrently, each choice
 made before the previous ones are sent (when Serve's count and the stats first show them), so
 only the router's own count of its placements keeps a burst from landing on one replica.
 
@@ -47,8 +49,11 @@ class CadenceRequestRouter(RequestRouter):
 
     def _stats(self, replica: RunningReplica, placed: int) -> ReplicaStats:
         published = ReplicaStats.from_dict(replica.routing_stats or {})
+        rid = replica.replica_id.unique_id
         queued = self._replica_queue_len_cache.get(replica.replica_id)
-        load = max(published.load if queued is None else queued, placed)
+        if queued is not None:  # (Serve's count of calls there: this process's subscriptions are no load)
+            queued = max(0, queued - state.SUBSCRIPTIONS[rid])
+        load = max(published.load if queued is None else queued, placed + state.OPEN_STREAMS[rid])
         running = min(published.running, load)
         return ReplicaStats(running, load - running, published.free_blocks, published.digest)
 

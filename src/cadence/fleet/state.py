@@ -6,6 +6,8 @@ copies; state the ingress reads lives here, in a module both import by name.
 
 from __future__ import annotations
 
+from collections import Counter
+
 REPLICA_IDS: set[str] = set()  # the replicas this process's fleet routers route to
 DEPLOYMENT_REPLICAS: dict[str, set[str]] = {}  # the same, by deployment name
 
@@ -25,3 +27,30 @@ def set_deployment_replicas(deployment: str, ids: set[str]) -> None:
 def deployment_replica_ids(deployment: str) -> list[str]:
     """The ids of one deployment's replicas (sorted)."""
     return sorted(DEPLOYMENT_REPLICAS.get(deployment, ()))
+
+
+# This process's streams and subscriptions by replica id: the router counts a replica's streams
+# itself (a subscribed stream is no ongoing Serve call), and subtracts the subscriptions from
+# Serve's count of its calls.
+OPEN_STREAMS: Counter[str] = Counter()
+SUBSCRIPTIONS: Counter[str] = Counter()
+
+
+def stream_opened(replica: str) -> None:
+    OPEN_STREAMS[replica] += 1
+
+
+def stream_closed(replica: str) -> None:
+    OPEN_STREAMS[replica] -= 1
+    if OPEN_STREAMS[replica] <= 0:
+        del OPEN_STREAMS[replica]
+
+
+def subscription_opened(replica: str) -> None:
+    SUBSCRIPTIONS[replica] += 1
+
+
+def subscription_closed(replica: str) -> None:
+    SUBSCRIPTIONS[replica] -= 1
+    if SUBSCRIPTIONS[replica] <= 0:
+        del SUBSCRIPTIONS[replica]
