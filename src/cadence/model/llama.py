@@ -179,8 +179,8 @@ class Linear:
                              else (kernel.linear_q8_0_i8_f32, kernel.linear_q8_0_i8))
                 self._float32 = lambda x: f32(x, i8, n, bias)
                 return lambda x: bf16(x, i8, n, bias)
-            q4 = kernel.linear_q4_1_i8x2 if two else kernel.linear_q4_1_i8
-            return lambda x: q4(x, i8, n, bias)
+            q4_i8 = kernel.linear_q4_1_i8x2 if two else kernel.linear_q4_1_i8
+            return lambda x: q4_i8(x, i8, n, bias)
         if kernel is not None and self.q4_1 is not None:
             q4, self.path = self.q4_1, "cadence's kernel on the checkpoint's Q4_1 blocks"
             return lambda x: kernel.linear_q4_1(x, q4, n, bias)
