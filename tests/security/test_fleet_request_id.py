@@ -68,6 +68,7 @@ def _ingress(tokenizer: Tokenizer) -> tuple[TestClient, FleetClient, _Handle]:
     handle = _Handle()
     info = ReplicaInfo("tiny", 1024, 1024, tokenizer.vocab_size, 16, "sha256")
     client = FleetClient(handle, info, tokenizer, EngineConfig.from_options(max_model_len=1024), max_held=8)
+    client.subscribe_streams = False  # (the stand-in answers each call with its own stream: Admitted, then deltas)
     app = create_app(client, ServerConfig(host="127.0.0.1", port=0), render_metrics=client.render_metrics)
     app.add_middleware(ReplicaHeaderMiddleware, echo_request_id=True)
     return TestClient(app), client, handle

@@ -112,6 +112,20 @@ def test_a_subscription_that_is_never_answered_fails_its_streams() -> None:
     assert not state.OPEN_STREAMS and not state.SUBSCRIPTIONS
 
 
+def test_a_subscription_refused_when_opened_fails_its_streams() -> None:
+    def refused(subscriber: str, replica: str) -> Any:
+        raise RuntimeError("the application is gone")  # (as Ray raises at .remote())
+
+    async def run() -> Any:
+        subs = Subscriptions(refused, _Replicas({}).abort, ray_unavailable)
+        # (bounded: a reader that died before its try would leave the stream waiting forever)
+        return await asyncio.wait_for(asyncio.gather(_read(_stream(subs, "r1", "x")), return_exceptions=True), 5.0)
+
+    [failed] = asyncio.run(run())
+    assert isinstance(failed, CadenceError) and failed.kind == ErrorKind.UNAVAILABLE, failed
+    assert not state.OPEN_STREAMS and not state.SUBSCRIPTIONS
+
+
 def test_closing_a_stream_early_aborts_it_on_its_replica_and_late_items_are_aborted_too() -> None:
     replicas = _Replicas({"x": [{"r1": [_delta("r1", 1)]}, {"gone": [_delta("gone", 2)]}]})
 

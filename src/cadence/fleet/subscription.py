@@ -207,8 +207,11 @@ class Subscriptions:
     async def _read(self, replica: str) -> None:
         state.subscription_opened(replica)
         error: BaseException | None = None
-        stream = self._open_stream(self.subscriber, replica)
+        stream: Any = None
         try:
+            # Inside the try: a call Ray refuses at once (the application gone, the handle shut
+            # down) must fail the replica's requests too, not leave them waiting on a dead task.
+            stream = self._open_stream(self.subscriber, replica)
             # A replica answers a subscription at once (an empty batch): one that does not (it
             # died after admitting a request, before this reached it) fails its requests.
             self._deliver(replica, await asyncio.wait_for(stream.__anext__(), self._connect_timeout))
@@ -219,7 +222,7 @@ class Subscriptions:
         except StopAsyncIteration:
             pass
         except Exception as e:  # (a RayError: the replica died or could not be reached; or no answer)
-            if hasattr(stream, "cancel"):
+            if stream is not None and hasattr(stream, "cancel"):
                 stream.cancel()
             log.warning("replica %s: subscription failed (%s)", replica, type(e).__name__)
             error = self._lost(e)
