@@ -18,6 +18,7 @@ from cadence.model.arch import ModelArchConfig
 from cadence.model.attention import KV_CACHE_DTYPES, AttentionMetadata, PagedKVCache, SeqSpan, to_device
 from cadence.model.llama import INT8_TWO_TERMS, LlamaModel
 from cadence.model.sampler import Sampler
+from cadence.sched.features import verifications_run_as_decodes
 
 log = logging.getLogger("cadence.executor")
 
@@ -232,8 +233,7 @@ class ModelRunner:
         (context lengths p + 1 .. p + k + 1): the kernel writes every row's K/V of a layer before
         any row of that layer attends, and a decode query computes the bits a chunk's query at
         that position does, so the step takes the one-call path with the same logits."""
-        if has_drafts and self.model.fused_decode is not None and all(
-                r.num_tokens == 1 or r.num_tokens == 1 + r.num_draft_tokens for r in order):
+        if has_drafts and self.model.fused_decode is not None and verifications_run_as_decodes(order):
             return [SeqSpan(r.start_pos + i, 1, r.block_table) for r in order for i in range(r.num_tokens)]
         return [SeqSpan(r.start_pos, r.num_tokens, r.block_table) for r in order]
 

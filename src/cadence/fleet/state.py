@@ -41,9 +41,7 @@ def stream_opened(replica: str) -> None:
 
 
 def stream_closed(replica: str) -> None:
-    OPEN_STREAMS[replica] -= 1
-    if OPEN_STREAMS[replica] <= 0:
-        del OPEN_STREAMS[replica]
+    _closed(OPEN_STREAMS, replica)
 
 
 def subscription_opened(replica: str) -> None:
@@ -51,6 +49,11 @@ def subscription_opened(replica: str) -> None:
 
 
 def subscription_closed(replica: str) -> None:
-    SUBSCRIPTIONS[replica] -= 1
-    if SUBSCRIPTIONS[replica] <= 0:
-        del SUBSCRIPTIONS[replica]
+    _closed(SUBSCRIPTIONS, replica)
+
+
+def _closed(counts: Counter[str], replica: str) -> None:
+    """One fewer for `replica`; a replica with none left is dropped (the router reads absence as 0)."""
+    counts[replica] -= 1
+    if counts[replica] <= 0:
+        del counts[replica]

@@ -87,11 +87,18 @@ def is_verification(r: ScheduledRequest) -> bool:
     return r.num_draft_tokens > 0 and len(r.token_ids) == 1 + r.num_draft_tokens
 
 
+def verifications_run_as_decodes(rows: Sequence[ScheduledRequest]) -> bool:
+    """Every row a single-token decode or a verification row: a step whose verification rows the
+    runner lays out as decode rows (where the model has the one-call decode kernel), and the cost
+    model prices so (`scan_rows`)."""
+    return all(len(r.token_ids) == 1 or is_verification(r) for r in rows)
+
+
 def decode_contexts(rows: Sequence[ScheduledRequest]) -> list[tuple[int, Sequence[int]]]:
     """(context length, block table) of each decode row the step computes, in step order: the
     single-token rows, and, in a step without a prompt chunk, each position of a verification row
     (`scan_rows`)."""
-    expand = all(len(r.token_ids) == 1 or is_verification(r) for r in rows)
+    expand = verifications_run_as_decodes(rows)
     out: list[tuple[int, Sequence[int]]] = []
     for r in rows:
         n = len(r.token_ids)
