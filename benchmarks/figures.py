@@ -399,7 +399,8 @@ def fmt_stdout_block(out: Path, with_command: bool = False) -> str:
 
 def _fidelity_groups(out: Path) -> dict[str, list[tuple[float, float, dict, dict]]]:
     """sim_fidelity.py's --out: a folder per workload and seed (WORKLOAD_seedSEED), each with the
-    saturation run and a real_RATE / sim_RATE pair per load."""
+    saturation run and a real_RATE / sim_RATE pair per load (repeats, real_RATE_rN, are left out:
+    the figures compare the simulator with the first real run)."""
     dirs = sorted(d for d in out.iterdir() if (d / "saturation").is_dir())
     return {d.name: _fidelity_runs(d) for d in dirs}
 
@@ -410,7 +411,8 @@ def _fidelity_runs(out: Path) -> list[tuple[float, float, dict, dict]]:
         out = next(d for d in sorted(out.iterdir()) if (d / "saturation").is_dir())
     sat = _json(out / "saturation" / "summary.json")["overall"]["request_throughput"]
     rows = []
-    for real in sorted(out.glob("real_*"), key=lambda d: float(d.name[5:])):
+    firsts = [d for d in out.glob("real_*") if "_r" not in d.name[5:]]
+    for real in sorted(firsts, key=lambda d: float(d.name[5:])):
         rate = float(real.name[5:])
         sim = out / f"sim_{real.name[5:]}"
         rows.append((rate / sat, rate, _json(real / "summary.json"), _json(sim / "summary.json")))

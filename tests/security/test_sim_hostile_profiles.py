@@ -118,10 +118,13 @@ def test_a_trace_repeated_into_millions_of_requests_says_so_before_it_is_built(t
 _GOOD = {"median": 0.95, "low": 0.8, "high": 1.1, "cells": 9, "within": 7}
 
 
-def _validation(ratios: dict, loads=(0.3,)):
+def _validation(ratios: dict, loads=(0.3,), **extra):
     block = {"date": "2026-12-02", "machine": "x", "workloads": ["chat"], "seeds": [1], "loads": list(loads),
-             "ratios": ratios}
+             "ratios": ratios, **extra}
     return lambda d: d.__setitem__("validation", block)
+
+
+_REAL = {"within": 8, "cells": 12, "repeats": 2}
 
 
 @pytest.mark.parametrize(("edit", "message"), [
@@ -133,6 +136,13 @@ def _validation(ratios: dict, loads=(0.3,)):
     (_validation({"ttft_p90": {"median": 1.0}}), r"validation\.ratios\.ttft_p90: expected the fields"),
     (_validation({"ttft": _GOOD}), r"validation\.ratios: 'ttft' is not METRIC_pQ"),
     (_validation({"ttft_p90": _GOOD}, loads=["a"]), r"validation\.loads: expected a list of fractions"),
+    (_validation({"ttft_p90": _GOOD}, real_vs_real={**_REAL, "within": 13}), r"real_vs_real: .*0 <= within <= cells"),
+    (_validation({"ttft_p90": _GOOD}, real_vs_real={**_REAL, "within": -1}), r"real_vs_real: .*0 <= within <= cells"),
+    (_validation({"ttft_p90": _GOOD}, real_vs_real={**_REAL, "repeats": 1}), r"real_vs_real: .*repeats >= 2"),
+    (_validation({"ttft_p90": _GOOD}, real_vs_real={**_REAL, "cells": 12.0}), r"real_vs_real: expected whole numbers"),
+    (_validation({"ttft_p90": _GOOD}, real_vs_real={**_REAL, "within": True}), r"real_vs_real: expected whole numbers"),
+    (_validation({"ttft_p90": _GOOD}, real_vs_real={"within": 8, "cells": 12}), r"real_vs_real: expected the fields"),
+    (_validation({"ttft_p90": _GOOD}, real_vs_real=0.67), r"validation\.real_vs_real: expected the fields"),
 ])
 @pytest.mark.parametrize("command", [["sim"], ["sim", "plan", "--slo", "ttft_p95=1", "--max-replicas", "1"]])
 def test_a_validation_block_that_lies_is_refused_before_the_run(tmp_path, capsys, edit, message, command) -> None:

@@ -3,7 +3,10 @@
 `benchmarks/sim_fidelity.py --record-validation` runs real `cadence bench` runs beside simulated
 ones (several workloads, seeds and loads) and writes what it found into the cost profile as a
 `validation` block: for each latency percentile (`ttft_p50`, `itl_p90`, ...) the sim/real ratios'
-median and spread over every cell. A ratio below 1 means the simulator was optimistic.
+median and spread over every cell. A ratio below 1 means the simulator was optimistic. Where
+each real run was made more than once (`--repeat`), the block also carries `real_vs_real`: how
+many p50/p90 cells of a repeat fell within 15% of the first run, the bound the real system itself
+sets on how close any simulator can come on that machine.
 
 Two readers:
 - `cadence sim` prints the band beside its percentiles: a simulated p90 TTFT of 300 ms with
@@ -86,6 +89,33 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 
 @dataclass(frozen=True)
+class RealVsReal:
+    """How close the real runs came to themselves: p50/p90 cells of repeats 2..N within WITHIN of
+    the first run's."""
+
+    within: int
+    cells: int
+    repeats: int  # real runs per (workload, seed, load)
+
+    @classmethod
+    def parse(cls, r: Any) -> RealVsReal:
+        """A stored `real_vs_real`, checked like the spreads: a count that cannot be would make the
+        machine look steadier (or noisier) than it was."""
+        where = "validation.real_vs_real"
+        fields = ("within", "cells", "repeats")
+        if not isinstance(r, dict) or set(r) != set(fields):
+            raise ValueError(f"{where}: expected the fields {', '.join(fields)}, got {r!r}")
+        if not all(isinstance(r[n], int) and not isinstance(r[n], bool) for n in fields) \
+                or not 0 <= r["within"] <= r["cells"] or r["cells"] < 1 or r["repeats"] < 2:
+            raise ValueError(f"{where}: expected whole numbers 0 <= within <= cells, cells >= 1, repeats >= 2, "
+                             f"got within {r['within']!r} of {r['cells']!r}, repeats {r['repeats']!r}")
+        return cls(r["within"], r["cells"], r["repeats"])
+
+    def as_dict(self) -> dict[str, int]:
+        return {"within": self.within, "cells": self.cells, "repeats": self.repeats}
+
+
+@dataclass(frozen=True)
 class Validation:
     """A profile's `validation` block: the spread of sim/real per percentile key, and where it ran."""
 
@@ -95,6 +125,7 @@ class Validation:
     workloads: tuple[str, ...]
     seeds: tuple[int, ...]
     loads: tuple[float, ...]
+    real_vs_real: RealVsReal | None = None  # absent where each real run was made once
 
     @classmethod
     def from_profile(cls, metadata: Mapping[str, Any]) -> Validation | None:
@@ -105,13 +136,17 @@ class Validation:
         loads = v.get("loads", ())
         if not isinstance(loads, list) or not all(_number(x) and x > 0 for x in loads):
             raise ValueError(f"validation.loads: expected a list of fractions of saturation, got {loads!r}")
+        real = RealVsReal.parse(v["real_vs_real"]) if "real_vs_real" in v else None
         return cls(spreads, str(v.get("date", "?")), str(v.get("machine", "?")), tuple(v.get("workloads", ())),
-                   tuple(v.get("seeds", ())), tuple(loads))
+                   tuple(v.get("seeds", ())), tuple(loads), real)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"date": self.date, "machine": self.machine, "workloads": list(self.workloads),
-                "seeds": list(self.seeds), "loads": list(self.loads),
-                "ratios": {k: s.as_dict() for k, s in self.spreads.items()}}
+        doc = {"date": self.date, "machine": self.machine, "workloads": list(self.workloads),
+               "seeds": list(self.seeds), "loads": list(self.loads),
+               "ratios": {k: s.as_dict() for k, s in self.spreads.items()}}
+        if self.real_vs_real is not None:
+            doc["real_vs_real"] = self.real_vs_real.as_dict()
+        return doc
 
     def spread_for(self, metric: str, q: int) -> RatioSpread | None:
         """The spread measured for `metric` at percentile `q`, or the nearest percentile above it
@@ -129,9 +164,14 @@ class Validation:
 
     def describe(self) -> str:
         within, cells = self.gated_within()
-        return (f"validated {self.date} on {self.machine}: {within} of {cells} p50/p90 cells within "
+        text = (f"validated {self.date} on {self.machine}: {within} of {cells} p50/p90 cells within "
                 f"{WITHIN:.0%} ({', '.join(self.workloads)}; seeds {', '.join(map(str, self.seeds))}; "
                 f"loads {', '.join(f'{x:.0%}' for x in self.loads)})")
+        if self.real_vs_real is not None:
+            r = self.real_vs_real
+            text += (f"; real vs real {r.within} of {r.cells} ({r.within / r.cells:.0%}) over "
+                     f"{r.repeats} runs each")
+        return text
 
 
 def safe_bound(bound: float, spread: RatioSpread | None) -> float:
