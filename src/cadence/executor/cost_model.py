@@ -116,21 +116,48 @@ def _prices_shared(feature_set: str) -> bool:
     return any("decode_context_shared" in col for col in FEATURE_SETS[feature_set].values())
 
 
-def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares on relative error (rows weighted by 1/y, since step times span two orders of
-    magnitude and MAPE is what we report), with no negative weight: more work never makes a step
-    cheaper, so a feature that comes out negative is dropped and the rest refitted."""
-    w = 1.0 / y
+IRLS_ROUNDS = 30  # reweighting rounds of `_fit_nonneg` at most: each shrinks the change 10-50x (measured)
+_SETTLED = 1e-8  # a round moving no prediction by more than this fraction ends the reweighting
+
+
+def _nonneg_weighted(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Least squares with rows scaled by `w`, no weight negative: more work never makes a step
+    cheaper, so a column whose weight comes out negative is dropped and the rest refitted."""
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
     while active:
         sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
         contrib = sol * x[:, active].mean(axis=0)
         if (sol >= 0).all():
-            coef[:] = 0.0
             coef[active] = sol
             return coef
         del active[int(np.argmin(contrib))]
+    return coef
+
+
+def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares on relative error, non-negative (`_nonneg_weighted`), each row weighted by
+    1/(its predicted time): step times span two orders of magnitude, so a 10 ms step must count
+    as much as a 1 s one, and the simulator adds step times up, so the price must be the MEAN
+    time of a shape, not below it. Weighting by the measured time (1/y) would bias it low on
+    noisy samples: a sample slowed by noise gets a smaller weight than one sped up by the same
+    amount, and the fit lands under the mean by about the noise's squared coefficient of
+    variation. Weights from the prediction do not depend on a sample's own noise, so the
+    estimating equation sum x (y - mu) / mu^2 = 0 holds in expectation (the quasi-likelihood of
+    a noise whose spread grows with the mean). Iteratively reweighted from the 1/y fit; on
+    noiseless samples both are exact, so the reweighting changes nothing there."""
+    coef = _nonneg_weighted(x, y, 1.0 / y)
+    # A row priced near zero would take all the weight: predictions count at least a tenth of
+    # the quickest measured step.
+    floor = 0.1 * float(y.min())
+    mu = np.maximum(x @ coef, floor)
+    for _ in range(IRLS_ROUNDS):
+        coef = _nonneg_weighted(x, y, 1.0 / mu)
+        new_mu = np.maximum(x @ coef, floor)
+        settled = np.max(np.abs(new_mu - mu) / mu) <= _SETTLED
+        mu = new_mu
+        if settled:
+            break
     return coef
 
 
