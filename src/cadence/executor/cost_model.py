@@ -116,7 +116,7 @@ def _prices_shared(feature_set: str) -> bool:
     return any("decode_context_shared" in col for col in FEATURE_SETS[feature_set].values())
 
 
-IRLS_ROUNDS = 30  # reweighting rounds of `_fit_nonneg` at most: each shrinks the change 10-50x (measured)
+IRLS_ROUNDS = 30  # reweighting rounds of `_fit_nonneg` at most: on recorded steps each shrinks the change 3-50x
 _SETTLED = 1e-8  # a round moving no prediction by more than this fraction ends the reweighting
 
 
@@ -141,8 +141,8 @@ def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     as much as a 1 s one, and the simulator adds step times up, so the price must be the MEAN
     time of a shape, not below it. Weighting by the measured time (1/y) would bias it low on
     noisy samples: a sample slowed by noise gets a smaller weight than one sped up by the same
-    amount, and the fit lands under the mean by about the noise's squared coefficient of
-    variation. Weights from the prediction do not depend on a sample's own noise, so the
+    amount, and the fit lands under the mean by about twice the noise's squared coefficient
+    of variation. Weights from the prediction do not depend on a sample's own noise, so the
     estimating equation sum x (y - mu) / mu^2 = 0 holds in expectation (the quasi-likelihood of
     a noise whose spread grows with the mean). Iteratively reweighted from the 1/y fit; on
     noiseless samples both are exact, so the reweighting changes nothing there."""
