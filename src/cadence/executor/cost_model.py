@@ -116,24 +116,52 @@ def _prices_shared(feature_set: str) -> bool:
     return any("decode_context_shared" in col for col in FEATURE_SETS[feature_set].values())
 
 
-def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares on relative error (rows weighted by 1/y, since step times span two orders of
-    magnitude and MAPE is what we report), with no negative weight: more work never makes a step
-    cheaper, so a feature that comes out negative is dropped and the rest refitted."""
-    w = 1.0 / y
+IRLS_ROUNDS = 30  # reweighting rounds of `_fit_nonneg` at most: on recorded steps each shrinks the change 3-50x
+_SETTLED = 1e-8  # a round moving no prediction by more than this fraction ends the reweighting
+
+
+def _nonneg_weighted(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Least squares with rows scaled by `w`, no weight negative: more work never makes a step
+    cheaper, so a column whose weight comes out negative is dropped and the rest refitted."""
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
     while active:
         sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
         contrib = sol * x[:, active].mean(axis=0)
         if (sol >= 0).all():
-            coef[:] = 0.0
             coef[active] = sol
             return coef
         del active[int(np.argmin(contrib))]
     return coef
 
 
+def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares on relative error, non-negative (`_nonneg_weighted`), each row weighted by
+    1/(its predicted time): step times span two orders of magnitude, so a 10 ms step must count
+    as much as a 1 s one, and the simulator adds step times up, so the price must be the MEAN
+    time of a shape, not below it. Weighting by the measured time (1/y) would bias it low on
+    noisy samples: a sample slowed by noise gets a smaller weight than one sped up by the same
+    amount, and the fit lands under the mean by about twice the noise's squared coefficient
+    of variation. Weights from the prediction do not depend on a sample's own noise, so the
+    estimating equation sum x (y - mu) / mu^2 = 0 holds in expectation (the quasi-likelihood of
+    a noise whose spread grows with the mean). Iteratively reweighted from the 1/y fit; on
+    noiseless samples both are exact, so the reweighting changes nothing there."""
+    coef = _nonneg_weighted(x, y, 1.0 / y)
+    # A row priced near zero would take all the weight: predictions count at least a tenth of
+    # the quickest measured step.
+    floor = 0.1 * float(y.min())
+    mu = np.maximum(x @ coef, floor)
+    for _ in range(IRLS_ROUNDS):
+        coef = _nonneg_weighted(x, y, 1.0 / mu)
+        new_mu = np.maximum(x @ coef, floor)
+        settled = np.max(np.abs(new_mu - mu) / mu) <= _SETTLED
+        mu = new_mu
+        if settled:
+            break
+    return coef
+
+
+SPLITS = 10  # random train/held-out splits a feature set is judged over
 TIE = 1e-9  # held-out errors this close are a tie (a column the data never moved, or rounding)
 
 
@@ -252,37 +280,45 @@ class StepCostModel:
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[StepFeatures, float]], *, holdout: float = 0.25, seed: int = 0,
-            feature_sets: Iterable[str] = tuple(FEATURE_SETS), metadata: dict[str, Any] | None = None) -> StepCostModel:
-        """Fit every candidate feature set on a training split, keep the one with the lowest
-        mean absolute percentage error on the held-out steps, then refit it on all steps."""
+            splits: int = SPLITS, feature_sets: Iterable[str] = tuple(FEATURE_SETS),
+            metadata: dict[str, Any] | None = None) -> StepCostModel:
+        """Fit every candidate feature set on a training split and measure its mean absolute
+        percentage error on the held-out steps, over `splits` random splits; keep the set with the
+        lowest mean held-out error, then refit it on all steps. One split is not enough on served
+        steps, whose times scatter by about 20%: which set wins a single split turns on which few
+        noisy steps it happened to hold out."""
         if len(samples) < 8:
             raise ValueError(f"samples: need at least 8 measured steps to fit and validate, got {len(samples)}")
         if any(not (math.isfinite(s) and s > 0) for _, s in samples):
             raise ValueError("samples: step times must be finite and > 0 seconds")
-        idx = list(range(len(samples)))
-        random.Random(seed).shuffle(idx)
-        n_test = max(2, round(len(idx) * holdout))
-        test, train = idx[:n_test], idx[n_test:]
+        if splits < 1:
+            raise ValueError(f"splits: need at least 1, got {splits}")
+        n_test = max(2, round(len(samples) * holdout))
         feats = [f for f, _ in samples]
         y = np.array([s for _, s in samples], dtype=np.float64)
-        candidates: dict[str, dict[str, float]] = {}
         # Without a step whose rows shared blocks, a set pricing them is the set without them plus a
         # column of zeros: left out, so that it cannot win on rounding with a weight nothing measured.
         shared_seen = any(f.decode_context_shared for f in feats)
-        for fs in feature_sets:
-            if not shared_seen and _prices_shared(fs):
-                continue
-            x = _design(feats, fs)
-            coef = _fit_nonneg(x[train], y[train])
-            pred = np.maximum(x @ coef, 1e-6)
-            candidates[fs] = {"train_mape": mape(pred[train], y[train]), "heldout_mape": mape(pred[test], y[test])}
+        sets = [fs for fs in feature_sets if shared_seen or not _prices_shared(fs)]
+        designs = {fs: _design(feats, fs) for fs in sets}
+        errors: dict[str, list[tuple[float, float]]] = {fs: [] for fs in sets}
+        for k in range(splits):
+            idx = list(range(len(samples)))
+            random.Random(seed + k).shuffle(idx)
+            test, train = idx[:n_test], idx[n_test:]
+            for fs, x in designs.items():
+                coef = _fit_nonneg(x[train], y[train])
+                pred = np.maximum(x @ coef, 1e-6)
+                errors[fs].append((mape(pred[train], y[train]), mape(pred[test], y[test])))
+        candidates = {fs: {"train_mape": float(np.mean([e[0] for e in errs])),
+                           "heldout_mape": float(np.mean([e[1] for e in errs]))} for fs, errs in errors.items()}
         best = _simplest_best(candidates)
         x = _design(feats, best)
         coef = _fit_nonneg(x, y)
         cols = list(FEATURE_SETS[best])
         report = {"chosen": best, "heldout_mape": candidates[best]["heldout_mape"],
                   "train_mape": candidates[best]["train_mape"], "num_samples": len(samples),
-                  "num_heldout": n_test, "candidates": candidates,
+                  "num_heldout": n_test, "num_splits": splits, "candidates": candidates,
                   "all_mape_after_refit": mape(np.maximum(x @ coef, 1e-6), y)}
         return cls(best, {c: float(v) for c, v in zip(cols, coef, strict=True)}, dict(metadata or {}), report)
 

@@ -470,8 +470,10 @@ def _refit_from_served(args: argparse.Namespace) -> int:
 
 def _report_fit(model: Any, path: Path) -> int:
     fit = model.fit_report
+    splits = fit.get("num_splits", 1)
+    over = f", mean of {splits} random splits" if splits > 1 else ""
     print(f"feature set {fit['chosen']}: held-out error (MAPE) {fit['heldout_mape']:.1%} on {fit['num_heldout']} "
-          f"of {fit['num_samples']} steps; training {fit['train_mape']:.1%}")
+          f"of {fit['num_samples']} steps{over}; training {fit['train_mape']:.1%}")
     for name, c in fit["candidates"].items():
         print(f"  {name:<16} held-out {c['heldout_mape']:.1%}  training {c['train_mape']:.1%}")
     ov = model.overhead
