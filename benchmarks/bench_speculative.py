@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -126,7 +127,8 @@ def warm_up(port: int) -> None:
 def one_cell(workload: str, streams: int, mode: str, rnd: int, args: argparse.Namespace, out: Path) -> Cell:
     name = f"{workload}{streams}_{mode}_r{rnd}"
     serve = [*CADENCE, "serve", "--host", "127.0.0.1", "--port", str(args.port), "--num-threads",
-             str(args.num_threads), *(["--tiny"] if args.tiny else []), *spec_config(mode, args.k, args.method, args.draft)]
+             str(args.num_threads), *(["--tiny"] if args.tiny else []), *spec_config(mode, args.k, args.method, args.draft),
+             *shlex.split(args.serve_args)]
     source = ["--requests-file", str(out / "grounded.jsonl")] if workload == "grounded" else ["--workload", "chat"]
     num = args.num_requests if streams == 1 else max(args.num_requests, 2 * streams)
     bench = [*CADENCE, "bench", "--base-url", f"http://127.0.0.1:{args.port}", "--endpoint", "chat", *source,
@@ -169,6 +171,8 @@ def main() -> int:
     p.add_argument("--num-threads", type=int, default=2, help="the server's torch threads (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="round r uses seed + r (default %(default)s)")
     p.add_argument("--tiny", action="store_true", help="serve the tiny random model (a check that the script runs)")
+    p.add_argument("--serve-args", default="", help="extra `cadence serve` flags for every cell, e.g. "
+                   "\"--cost-profile PATH\" (the step-cost profile adaptive k prices drafts with)")
     p.add_argument("--port", type=int, default=8031)
     p.add_argument("--out", default=str(ROOT / "results/speculative"))
     args = p.parse_args()

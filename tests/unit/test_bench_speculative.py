@@ -25,3 +25,24 @@ def test_every_grounded_source_has_source_text(tmp_path):
     lines = out.read_text().splitlines()
     assert len(lines) == len(bench.GROUNDED_SOURCES)
     assert all("def " in line for line in lines)  # each prompt quotes a function
+
+
+def test_serve_args_reach_every_cells_server(tmp_path, monkeypatch):
+    bench = _load()
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def served(cmd, *a, **k):
+        started.append(cmd)
+        raise Stop
+
+    monkeypatch.setattr(bench, "served", served)
+    monkeypatch.setattr("sys.argv", ["bench_speculative.py", "--streams", "", "--rounds", "1", "--num-requests", "1",
+                                     "--serve-args", "--cost-profile /tmp/p.json", "--out", str(tmp_path)])
+    try:
+        bench.main()
+    except Stop:
+        pass
+    assert started and started[0][-2:] == ["--cost-profile", "/tmp/p.json"]
