@@ -86,6 +86,22 @@ def test_the_fit_recovers_a_cost_per_prompt_token_from_cached_prompts_of_several
     assert fit == {"per_request": pytest.approx(0.006, abs=1e-9), "per_prompt_token": pytest.approx(0.0, abs=1e-12)}
 
 
+def test_a_prompt_cached_but_for_its_last_token_is_priced_as_the_decode_row_the_engine_makes():
+    # A second send of n = 16k + 1 tokens finds 16k cached: the engine computes the last token as
+    # a one-token row, which it lays out as a decode row, not a prompt chunk.
+    model = _base()
+    runs = []
+    for words, lengths in ((8, (17, 17, 17)), (96, (145, 145, 145)), (384, (561, 561, 561))):
+        for n in lengths:
+            row = model.predict(StepFeatures(decode_seqs=1, sampled=1, decode_context=n, decode_padded=n))
+            runs.append({"words": words, "prompt_tokens": n, "cached_tokens": n - 1, "ttft_s": row + 0.004 + 2e-6 * n})
+    chunk = model.predict(StepFeatures(prefill_tokens=1, prefill_seqs=1, sampled=1, prefill_attention=145))
+    row = model.predict(StepFeatures(decode_seqs=1, sampled=1, decode_context=145, decode_padded=145))
+    assert abs(chunk - row) > 1e-4  # (the two prices differ: the test tells them apart)
+    fit = fit_request_path(runs, model)
+    assert fit == {"per_request": pytest.approx(0.004, abs=1e-7), "per_prompt_token": pytest.approx(2e-6, rel=1e-3)}
+
+
 def test_a_long_prompt_reaches_its_engine_later_than_a_short_one_by_the_per_token_term():
     config = EngineConfig()
     base = dataclasses.replace(_base(), request_path={"per_request": 0.01})

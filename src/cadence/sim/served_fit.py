@@ -16,7 +16,9 @@ those into a profile:
 - the serving overhead becomes what the engine thread was measured to spend outside the
   executor, fitted over the runs as a constant per step plus a cost per scheduled row;
 - the request path (what a request pays outside the steps: HTTP, tokenization, hand-offs) comes
-  from the idle probe each served run starts with, priced against the refitted model.
+  from the served requests themselves where the runs kept their records (sim/served_path.py: each
+  request's time to first token less its queue wait and its prompt step, as measured), else from
+  the idle probe each served run starts with, priced against the refitted model.
 
 `cadence calibrate --from-served DIR --profile BASE --out NEW` does both.
 """
@@ -33,6 +35,7 @@ import numpy as np
 
 from cadence.executor.cost_model import StepCostModel, StepFeatures
 from cadence.executor.step_log import read_step_log
+from cadence.sim.served_path import FirstToken, fit_served_path, run_first_tokens
 from cadence.sim.serving import fit_request_path
 
 SERVED_PER_SWEEP = 4
@@ -136,12 +139,14 @@ def refit(base: StepCostModel, breakdown_dirs: str | Path | list[str | Path]) ->
     runs: list[dict[str, Any]] = []
     logs: list[Path] = []
     workloads = []
+    run_dirs: list[Path] = []
     for d in dirs:
         summary = _breakdown(d)
         found = sorted(d.glob("steps_*.jsonl"))
         if not found:
             raise ValueError(f"{d}: no steps_*.jsonl (run benchmarks/serving_breakdown.py --out {d})")
         runs += summary["runs"]
+        run_dirs += [d] * len(summary["runs"])
         logs += found
         workloads.append(summary.get("workload"))
     sweep = sweep_samples(base)
@@ -150,15 +155,21 @@ def refit(base: StepCostModel, breakdown_dirs: str | Path | list[str | Path]) ->
     fitted = StepCostModel.fit(sweep + served, metadata=meta)
     fitted.fit_report["samples"] = base.fit_report["samples"]
     overhead = engine_overhead(runs)
+    tokens: list[FirstToken] = [t for d, r in zip(run_dirs, runs, strict=True) for t in run_first_tokens(d, r, overhead)]
+    served_path = fit_served_path(tokens)
     probe = [p for r in runs for p in r.get("request_path_probe", ())]
-    # The probe's first tokens less their prefill steps as the refitted model prices them.
-    request_path = (fit_request_path(probe, dataclasses.replace(fitted, overhead=overhead)) if probe
-                    else base.request_path)
+    if served_path is not None:
+        request_path, path_source = served_path, (f"served traffic: {len(tokens)} requests' first tokens less "
+                                                  "their queue wait and prompt step")
+    elif probe:  # the probe's first tokens less their prefill steps as the refitted model prices them
+        request_path = fit_request_path(probe, dataclasses.replace(fitted, overhead=overhead))
+        path_source = "cadence serve at idle, before each served run"
+    else:
+        request_path, path_source = base.request_path, base.metadata.get("request_path_source", "none")
     fitted.metadata["served_refit"] = {
         "breakdown": ", ".join(str(d) for d in dirs), "served_steps": len(served), "sweep_steps": len(sweep),
         "loads": [r.get("fraction") for r in runs], "workload": ", ".join(str(w) for w in workloads),
         "overhead": overhead}
     fitted.metadata["overhead_source"] = "served traffic: the engine thread outside the executor"
-    fitted.metadata["request_path_source"] = ("cadence serve at idle, before each served run" if probe
-                                              else base.metadata.get("request_path_source", "none"))
+    fitted.metadata["request_path_source"] = path_source
     return dataclasses.replace(fitted, overhead=overhead, request_path=request_path)

@@ -188,8 +188,12 @@ def probe_request_path(url: str, *, words: tuple[int, ...] = PROBE_WORDS, repeat
 
 def _priced_first_step(model: StepCostModel, prompt_tokens: int, cached: int) -> float:
     """The cost model's price of the step that computes a prompt's last `prompt_tokens - cached`
-    tokens over its `cached` ones and samples its first token."""
+    tokens over its `cached` ones and samples its first token. One token left is a decode row, as
+    the engine lays out any one-token row (a prompt cached but for its last token)."""
     m = prompt_tokens - cached
+    if m == 1:
+        return model.predict(StepFeatures(decode_seqs=1, sampled=1, decode_context=prompt_tokens,
+                                          decode_padded=prompt_tokens))
     return model.predict(StepFeatures(prefill_tokens=m, prefill_seqs=1, sampled=1,
                                       prefill_attention=m * cached + m * (m + 1) // 2))
 
