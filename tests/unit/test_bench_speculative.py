@@ -7,6 +7,8 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+import pytest
+
 from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,8 +43,6 @@ def test_serve_args_reach_every_cells_server(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "served", served)
     monkeypatch.setattr("sys.argv", ["bench_speculative.py", "--streams", "", "--rounds", "1", "--num-requests", "1",
                                      "--serve-args", "--cost-profile /tmp/p.json", "--out", str(tmp_path)])
-    try:
+    with pytest.raises(Stop):
         bench.main()
-    except Stop:
-        pass
     assert started and started[0][-2:] == ["--cost-profile", "/tmp/p.json"]
