@@ -8,7 +8,6 @@ import inspect
 from pathlib import Path
 
 import pytest
-
 from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
