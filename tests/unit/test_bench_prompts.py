@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from cadence.bench.prompts import CORPUS, LocalTokenizer, PromptBuilder, ServerTokenizer
-from cadence.workload import Workload, WorkloadRequest
+from cadence.workload import Workload, WorkloadRequest, builtin_workload
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +122,119 @@ def test_probe_returns_none_without_endpoints() -> None:
 def test_local_tokenizer_needs_a_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tokenizer.json"):
         LocalTokenizer(tmp_path)
+
+
+# ----- shared blocks token-exact at block boundaries -----
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(tmp_path_factory) -> LocalTokenizer:
+    """The default model's tokenizer (SmolLM2, from its GGUF), read the way `cadence bench --tokenizer` reads one."""
+    from cadence.model.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("smollm2") / "tokenizer.json"
+    Tokenizer.from_model_path(None).save_json(path)
+    return LocalTokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer(tmp_path_factory) -> LocalTokenizer:
+    """A Llama-2-style SentencePiece BPE with a BOS: "▁" before the text and for every space, so
+    " word" alone is one token more than after another word."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    # The builder finds the BOS as what "Hello there." and "Goodbye now." open with: those words must
+    # be in the vocabulary, or both would open with the same lone "▁" too.
+    tok.train_from_iterator([CORPUS, "Hello there. Goodbye now."],
+                            trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>"]))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    path = tmp_path_factory.mktemp("meta") / "tokenizer.json"
+    tok.save(str(path))
+    return LocalTokenizer(path)
+
+
+@pytest.mark.parametrize("which", ["smollm2_tokenizer", "local_tokenizer"])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5, 100])
+def test_shared_prefix_workload_shares_every_block(which: str, seed: int, request: pytest.FixtureRequest) -> None:
+    """Every request of the built-in shared-prefix workload holds the whole 16 x 64-token system
+    prompt token for token (BOS counted), as the simulator assumes, and is still exactly sized."""
+    tok: LocalTokenizer = request.getfixturevalue(which)
+    w = builtin_workload("shared-prefix", 12, seed)
+    builder = PromptBuilder(tok, seed)
+    ids = [tok.encode(t) for t in builder.build_all(w)]
+    shared = len(w.requests[0].prefix_group) * w.prefix_block_tokens
+    assert shared == 1024 and all(r.prefix_group == w.requests[0].prefix_group for r in w.requests)
+    assert min(_common(ids[0], x) for x in ids[1:]) >= shared
+    assert [len(x) for x in ids] == [r.prompt_tokens for r in w.requests]
+    assert builder.inexact == []
+
+
+def _mooncake_requests(block: int) -> tuple[list[WorkloadRequest], list[list[int]]]:
+    """Pairs of requests sharing exactly 1, 2 and 3 leading hash ids (then different ids), and
+    which pairs share how many."""
+    reqs = [
+        WorkloadRequest(prompt_tokens=5 * block + 9, output_tokens=1, prefix_group=(11, 12, 13, 14, 15)),
+        WorkloadRequest(prompt_tokens=4 * block + 30, output_tokens=1, prefix_group=(11, 22, 23, 24)),
+        WorkloadRequest(prompt_tokens=4 * block + 1, output_tokens=1, prefix_group=(11, 12, 33, 34)),
+        WorkloadRequest(prompt_tokens=5 * block, output_tokens=1, prefix_group=(11, 12, 13, 44, 45)),
+        WorkloadRequest(prompt_tokens=3 * block + 7, output_tokens=1, prefix_group=(11, 12, 13)),
+    ]
+    shared = [[len(reqs[i].prefix_group)] * len(reqs) for i in range(len(reqs))]
+    for i, a in enumerate(reqs):
+        for j, b in enumerate(reqs):
+            if i != j:
+                shared[i][j] = _common(list(a.prefix_group), list(b.prefix_group))
+    return reqs, shared
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["by-word", "whole-text"])
+@pytest.mark.parametrize("which", ["smollm2_tokenizer", "local_tokenizer", "metaspace_tokenizer"])
+@pytest.mark.parametrize("block", [16, 32, 64])
+def test_trace_requests_share_exactly_their_common_blocks(which: str, block: int, whole: bool,
+                                                           request: pytest.FixtureRequest) -> None:
+    """Requests sharing k leading ids share at least k whole blocks of tokens, and not the next,
+    with blocks sized from per-word counts or (a tokenizer whose counts do not add up) whole texts."""
+    tok: LocalTokenizer = request.getfixturevalue(which)
+    reqs, shared = _mooncake_requests(block)
+    for seed in range(4):
+        builder = PromptBuilder(tok, seed)
+        builder.count_tokens("")  # calibrates: these tokenizers' counts add up word by word
+        assert builder._additive
+        builder._additive = not whole
+        ids = [tok.encode(t) for t in builder.build_all(Workload("t", tuple(reqs), prefix_block_tokens=block))]
+        assert [len(x) for x in ids] == [r.prompt_tokens for r in reqs]
+        assert builder.inexact == []
+        for i in range(len(reqs)):
+            for j in range(i + 1, len(reqs)):
+                k = shared[i][j]
+                common = _common(ids[i], ids[j])
+                assert k * block <= common < (k + 1) * block, (seed, i, j, k, common)
+
+
+def test_block_text_ends_at_a_word_and_keeps_its_tokens(smollm2_tokenizer: LocalTokenizer) -> None:
+    """The real tokenizer does not merge across a block's end: the tokens of the first blocks are a
+    prefix of the tokens of any longer text that goes on from them."""
+    block = 64
+    builder = PromptBuilder(smollm2_tokenizer, 2)
+    builder.count_tokens("")  # calibrate
+    chain = tuple(range(16))
+    counts = builder._block_word_counts(chain, block)
+    text = builder._draft(WorkloadRequest(prompt_tokens=2000, output_tokens=1, prefix_group=chain), 0, counts, 50)
+    full = smollm2_tokenizer.encode(text)
+    for i in range(1, len(chain) + 1):
+        head = " ".join(text.split()[: sum(counts[:i])])
+        head_ids = smollm2_tokenizer.encode(head)
+        assert full[: len(head_ids)] == head_ids
+        assert i * block <= len(head_ids) < i * block + 8  # reached, with as few words as that needs
+        fewer = smollm2_tokenizer.encode(" ".join(head.split()[:-1]))
+        assert len(fewer) < i * block

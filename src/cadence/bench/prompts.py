@@ -7,8 +7,14 @@ exactly N tokens with a tokenizer: the server's own (/tokenize and /detokenize, 
 llama.cpp shapes), a local `tokenizers` file (--tokenizer PATH), or, for servers with neither, an
 estimate of 4 characters per token (reported, because sizes are then approximate).
 
-Requests with equal leading `prefix_group` ids get equal leading text: the text of a block id
-depends only on the seed and the id, so a Mooncake trace's shared prefixes stay shared. Nothing
+Requests with equal leading `prefix_group` ids get equal leading text: the text of block i of a
+chain depends only on the seed and the ids of blocks 0..i, so a Mooncake trace's shared prefixes
+stay shared. With a tokenizer the shared text is token-exact at block boundaries: the first i+1
+blocks (special tokens such as BOS counted, since a cached block covers positions from 0) come to
+at least (i+1) * block_tokens tokens with as few words as that needs, and every block ends at a
+word boundary, which byte-level BPE does not merge across, so a cache that holds whole blocks
+holds every block the workload shares (a block of only about the right size loses the last one
+whenever the text falls a token short). Nothing
 else is shared: each request's own text opens with three corpus words that spell its index (a
 different opening for every request), since two prompts that began with the same corpus sentence
 would share their first KV blocks, and a server with a prefix cache would skip work that the
@@ -132,6 +138,7 @@ class ServerTokenizer:
         return None, why
 
 
+_ANCHOR = "The"  # the word a word's tokens are counted after (see PromptBuilder._word_count)
 _NO_ROUTE = ("Not Found", "Method Not Allowed")  # a framework's answer for a route it does not have
 
 
@@ -181,6 +188,10 @@ class PromptBuilder:
     inexact: list[tuple[int, int]] = field(default_factory=list)  # (wanted, got)
     _specials: list[int] | None = None
     _words_per_token: float | None = None
+    _additive: bool = True  # tokens of "a b" == tokens of "a" + tokens of " b" (set by _calibrate)
+    _word_tokens: dict[str, int] = field(default_factory=dict)  # " word" (or a text's first "word") -> tokens
+    _anchor_tokens: int = 0  # tokens of _ANCHOR, special tokens included
+    _chains: _ChainCache = field(default_factory=lambda: _ChainCache())
 
     @property
     def method(self) -> str:
@@ -200,6 +211,12 @@ class PromptBuilder:
         sample = " ".join(SENTENCES)
         content = len(self.tokenizer.encode(sample)) - n
         self._words_per_token = len(sample.split()) / max(1, content)
+        # Byte-level BPE and SentencePiece never merge across a space, so a text's tokens are the
+        # sum of its words' and blocks can be sized from per-word counts; a tokenizer where that
+        # fails on the corpus is sized by encoding each chain's whole text.
+        self._anchor_tokens = len(self.tokenizer.encode(_ANCHOR))
+        words = sample.split()
+        self._additive = content == self._word_count(words[0], True) + sum(self._word_count(w) for w in words[1:])
 
     def count_tokens(self, text: str) -> int | None:
         """Tokens of `text` without the special tokens the tokenizer adds; None without one."""
@@ -218,12 +235,80 @@ class PromptBuilder:
             self._calibrate()
         return self._exact(req, index, block_tokens)
 
-    def _draft(self, req: WorkloadRequest, index: int, block_words: int, tail_words: int) -> str:
+    def _draft(self, req: WorkloadRequest, index: int, block_words: int | list[int], tail_words: int) -> str:
+        """The shared blocks' words (`block_words` each, or the i-th count for block i), then the request's own."""
         words: list[str] = []
-        for block_id in req.prefix_group:
-            words += _words(f"block:{self.seed}:{block_id}", block_words)
+        for i, block_id in enumerate(req.prefix_group):
+            n = block_words if isinstance(block_words, int) else block_words[i]
+            words += _words(f"block:{self.seed}:{block_id}", n)
         words += (_opening(index) + _words(f"request:{self.seed}:{index}", tail_words))[:tail_words]
         return " ".join(words)
+
+    def _word_count(self, word: str, first: bool = False) -> int:
+        """Tokens `word` adds after a word and a space (or opening the text, `first`). Counted after a
+        word rather than alone: SentencePiece reads a text's leading space as one more "▁"."""
+        key = word if first else " " + word
+        n = self._word_tokens.get(key)
+        if n is None:
+            assert self.tokenizer is not None and self._specials is not None
+            n = len(self.tokenizer.encode(word)) - len(self._specials) if first \
+                else len(self.tokenizer.encode(_ANCHOR + key)) - self._anchor_tokens
+            self._word_tokens[key] = n
+        return n
+
+    def _block_word_counts(self, prefix_group: Sequence[int], block_tokens: int) -> list[int]:
+        """Words of each shared block, so that blocks 0..i come to at least (i+1) * block_tokens
+        tokens (special tokens included) with as few words as that needs: each block's count
+        depends on the ids before it, and is worked out once per distinct chain prefix."""
+        assert self._specials is not None
+        counts: list[int] = []
+        node, tokens, before = _ChainCache.ROOT, len(self._specials), []
+        for i, block_id in enumerate(prefix_group):
+            stream_key = f"block:{self.seed}:{block_id}"
+            found = self._chains.get(node, block_id)
+            if found is None:
+                if self._additive:
+                    n, total = self._size_block(stream_key, tokens, (i + 1) * block_tokens, not any(counts))
+                else:
+                    n, total = self._size_block_whole(before, stream_key, (i + 1) * block_tokens)
+                found = self._chains.add(node, block_id, n, total)
+            node, n, tokens = found
+            counts.append(n)
+            if not self._additive:  # whole-prefix counting needs the text so far
+                before += _words(stream_key, n)
+        return counts
+
+    def _size_block(self, stream_key: str, tokens: int, target: int, opens_text: bool) -> tuple[int, int]:
+        """(words, tokens of the chain with them) for the block whose words `stream_key` draws, the
+        chain so far being `tokens` long, from per-word counts (`opens_text`: no space before the first)."""
+        assert self._words_per_token is not None
+        n = 0
+        while tokens < target:  # every word adds at least one token: the loop ends
+            chunk = _words(stream_key, n + max(8, math.ceil((target - tokens) * self._words_per_token)))
+            for w in chunk[n:]:
+                tokens += self._word_count(w, opens_text and n == 0)
+                n += 1
+                if tokens >= target:
+                    break
+        return n, tokens
+
+    def _size_block_whole(self, before: list[str], stream_key: str, target: int) -> tuple[int, int]:
+        """`_size_block` by encoding the whole prefix: for tokenizers whose counts do not add up by word."""
+        assert self.tokenizer is not None and self._words_per_token is not None
+
+        def count(n: int) -> int:
+            words = before + _words(stream_key, n)
+            return len(self.tokenizer.encode(" ".join(words))) if words else len(self._specials or ())
+
+        lo, hi = 0, max(1, math.ceil(target * self._words_per_token / 8))  # count(lo) < target <= count(hi)
+        if count(lo) >= target:
+            return 0, count(0)
+        while count(hi) < target:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if count(mid) >= target else (mid, hi)
+        return hi, count(hi)
 
     def _estimate(self, req: WorkloadRequest, index: int, block_tokens: int) -> str:
         tokens_per_word = 5.5 / self.chars_per_token  # an English word and its space: ~5.5 characters
@@ -236,7 +321,7 @@ class PromptBuilder:
         tok, specials, wpt = self.tokenizer, self._specials, self._words_per_token
         assert tok is not None and specials is not None and wpt is not None
         want = max(1, req.prompt_tokens - len(specials))
-        block_words = max(1, round(block_tokens * wpt))
+        block_words = self._block_word_counts(req.prefix_group, block_tokens)
         tail = math.ceil(want * wpt * 1.3) + 8
         while True:
             ids = tok.encode(self._draft(req, index, block_words, tail))[len(specials):]
@@ -259,3 +344,28 @@ class PromptBuilder:
         """Text for every request (None where the request brings its own chat messages)."""
         return [None if r.messages is not None else self.text_for(r, i, workload.prefix_block_tokens)
                 for i, r in enumerate(workload.requests)]
+
+
+class _ChainCache:
+    """Sized shared blocks as a trie of prefix chains: (node of ids 0..i-1, id i) -> node of ids 0..i,
+    holding block i's word count and the tokens of blocks 0..i. Requests sharing leading ids share
+    nodes, so each distinct chain prefix is sized once however many requests carry it."""
+
+    ROOT = 0
+
+    def __init__(self) -> None:
+        self._nodes: dict[tuple[int, int], int] = {}
+        self._words: list[int] = [0]
+        self._tokens: list[int] = [0]
+
+    def get(self, node: int, block_id: int) -> tuple[int, int, int] | None:
+        """(child node, block words, chain tokens) of `block_id` after `node`, if sized."""
+        child = self._nodes.get((node, block_id))
+        return None if child is None else (child, self._words[child], self._tokens[child])
+
+    def add(self, node: int, block_id: int, words: int, tokens: int) -> tuple[int, int, int]:
+        child = len(self._words)
+        self._nodes[(node, block_id)] = child
+        self._words.append(words)
+        self._tokens.append(tokens)
+        return child, words, tokens
