@@ -71,6 +71,29 @@ def test_propose_equals_the_brute_force_definition_also_when_packed_incrementall
     assert (() if follow is None else tuple(tokens[follow : follow + k])) == want
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2), max_size=60), st.integers(1, 4), st.integers(0, 70))
+def test_propose_equals_the_brute_force_definition_with_wide_lookup_bounds(
+        tokens: list[int], min_n: int, extra: int) -> None:
+    # A small alphabet repeats long n-grams, so the longest match lies anywhere in the bounds.
+    assert propose(tokens, 4, min_n, min_n + extra) == _reference_propose(tokens, 4, min_n, min_n + extra)
+
+
+def test_a_huge_prompt_lookup_max_costs_a_few_searches_not_one_per_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Distinct tokens but for the last, which repeats the first: only the 1-gram occurs earlier.
+    tokens = [*range(4000), 0]
+    calls = []
+    search = PackedTokens._latest_match
+
+    def counted(self: PackedTokens, n: int) -> int | None:
+        calls.append(n)
+        return search(self, n)
+
+    monkeypatch.setattr(PackedTokens, "_latest_match", counted)
+    assert propose(tokens, 3, 1, 10**9) == (1, 2, 3)
+    assert len(calls) <= 2 + len(tokens).bit_length()
+
+
 # ---------------------------------------------------------------- configuration
 def test_config_takes_vllm_json_and_fills_lookup_bounds_like_vllm() -> None:
     cfg = EngineConfig.from_options(speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 3}))

@@ -35,12 +35,27 @@ class PackedTokens:
     def continuation(self, min_n: int, max_n: int) -> int | None:
         """Where the continuation starts (the token index after the latest earlier occurrence of
         the last n tokens, for the longest n in [min_n, max_n] that occurs), or None."""
-        num = self.num_tokens
-        for n in range(min(max_n, num - 1), min_n - 1, -1):
-            start = self._latest_match(n)
-            if start is not None:
-                return start + n
-        return None
+        lo, hi = min_n, min(max_n, self.num_tokens - 1)
+        if hi < lo:
+            return None
+        # An occurrence of the last n tokens holds one of the last n - 1 (a token later), so the
+        # lengths that occur are the first ones of [min_n, hi]: the longest is found by bisection,
+        # a few searches however large prompt_lookup_max is, rather than one search per length.
+        found = self._latest_match(hi)
+        if found is not None:
+            return found + hi
+        found = self._latest_match(lo)
+        if found is None:
+            return None
+        hi -= 1
+        while lo < hi:  # lo occurs (at `found`); every length above hi does not
+            mid = (lo + hi + 1) // 2
+            start = self._latest_match(mid)
+            if start is None:
+                hi = mid - 1
+            else:
+                lo, found = mid, start
+        return found + lo
 
     def _latest_match(self, n: int) -> int | None:
         """Token index of the latest occurrence of the last `n` tokens that starts before the
