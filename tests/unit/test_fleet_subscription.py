@@ -112,6 +112,21 @@ def test_a_subscription_that_is_never_answered_fails_its_streams() -> None:
     assert not state.OPEN_STREAMS and not state.SUBSCRIPTIONS
 
 
+def test_the_streams_of_a_subscription_never_answered_are_aborted_on_their_replica() -> None:
+    # A replica alive but too slow to answer within the timeout would otherwise go on generating
+    # the failed streams' tokens into an outbox nobody reads.
+    replicas = _Replicas({})
+
+    async def run() -> None:
+        subs = Subscriptions(replicas.open_stream, replicas.abort, ray_unavailable, connect_timeout=0.05)
+        streams = [_stream(subs, "r1", "x"), _stream(subs, "r2", "x", choices=2)]
+        await asyncio.wait_for(asyncio.gather(*(_read(s) for s in streams), return_exceptions=True), 5.0)
+        await asyncio.gather(*subs._aborts)
+
+    asyncio.run(run())
+    assert sorted(replicas.aborted) == [("x", "r1"), ("x", "r2")]
+
+
 def test_a_subscription_refused_when_opened_fails_its_streams() -> None:
     def refused(subscriber: str, replica: str) -> Any:
         raise RuntimeError("the application is gone")  # (as Ray raises at .remote())

@@ -299,6 +299,10 @@ class FleetClient:
         self._handle = handle
         self._max_held = max_held
         self._admitting = 0  # requests sent to the replicas, not yet admitted or refused
+        # Requests on their way to a replica (until their stream is returned), with the error of an
+        # abort that came for one meanwhile (its client left): its stream starts failed, which
+        # aborts it on the replica that admitted it.
+        self._in_admission: dict[str, CadenceError | None] = {}
         self._last_metrics: dict[str, str] = {}  # each replica's last exposition, by replica id
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
@@ -366,7 +370,7 @@ class FleetClient:
         """`submit` to the replicas behind `handle`."""
         if self._draining:
             raise CadenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
-        if request_id in self._live:
+        if request_id in self._live or request_id in self._in_admission:
             raise CadenceError(ErrorKind.INVALID_REQUEST, f"request id {request_id!r} is in use")
         check_request_id()
         self.check_room()
@@ -375,10 +379,12 @@ class FleetClient:
                             TRACE_CARRIER.get(), queue_status, subscriber=self._subs.subscriber if subscribed else None)
         inbox = self._subs.inbox(request_id) if subscribed else None
         self._admitting += 1
+        self._in_admission[request_id] = None
         try:
             gen, first = await admission_anywhere(handle.options(stream=True).generate.remote, call, "replica",
                                                   handle_replicas(handle))
         except BaseException:
+            self._in_admission.pop(request_id, None)
             if inbox is not None:
                 self._subs.drop(inbox)
             raise
@@ -389,6 +395,7 @@ class FleetClient:
             try:
                 await _call_ended(gen)
             except asyncio.CancelledError:  # the client left: the request is aborted
+                self._in_admission.pop(request_id, None)
                 inbox.cancel()
                 raise
             gen = inbox
@@ -399,6 +406,9 @@ class FleetClient:
         stream = FleetStream(gen, request_id, sub_ids, self._closed)
         stream.admission = first.status
         self._live[request_id] = stream
+        aborted = self._in_admission.pop(request_id, None)
+        if aborted is not None:
+            stream.fail(aborted)
         return stream
 
     def _subscribe(self, subscriber: str, replica: str) -> Any:
@@ -444,9 +454,12 @@ class FleetClient:
             del self._live[stream.request_id]
 
     def abort(self, request_id: str, error: CadenceError | None = None) -> None:
+        error = error or CadenceError(ErrorKind.UNAVAILABLE, "request aborted")
         stream = self._live.get(request_id)
         if stream is not None:
-            stream.fail(error or CadenceError(ErrorKind.UNAVAILABLE, "request aborted"))
+            stream.fail(error)
+        elif request_id in self._in_admission:  # the replica has not answered yet: it aborts once admitted
+            self._in_admission[request_id] = error
 
     def begin_drain(self) -> None:
         self._draining = True
@@ -454,6 +467,8 @@ class FleetClient:
     def abort_all(self, error: CadenceError) -> None:
         for stream in list(self._live.values()):
             stream.fail(error)
+        for request_id in self._in_admission:
+            self._in_admission[request_id] = error
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._draining = True  # (the replicas are Serve's to stop)

@@ -207,6 +207,7 @@ class Subscriptions:
     async def _read(self, replica: str) -> None:
         state.subscription_opened(replica)
         error: BaseException | None = None
+        unanswered = False
         stream: Any = None
         try:
             # Inside the try: a call Ray refuses at once (the application gone, the handle shut
@@ -226,6 +227,7 @@ class Subscriptions:
                 stream.cancel()
             log.warning("replica %s: subscription failed (%s)", replica, type(e).__name__)
             error = self._lost(e)
+            unanswered = isinstance(e, TimeoutError)
         finally:
             state.subscription_closed(replica)
             del self._readers[replica]
@@ -234,6 +236,8 @@ class Subscriptions:
             for inbox in mine:
                 self._forget(inbox)
                 inbox.fail(error)
+                if unanswered:  # (a replica alive but too busy to answer would run them for nobody)
+                    self._send_abort(replica, inbox.request_id)
         elif mine:  # it ended (idle) as another request was admitted there: open it again
             self._readers[replica] = asyncio.get_running_loop().create_task(self._read(replica))
 
