@@ -268,3 +268,53 @@ def test_the_router_counts_a_replicas_open_streams_and_not_its_subscriptions() -
     finally:
         state.OPEN_STREAMS.clear()
         state.SUBSCRIPTIONS.clear()
+
+
+def test_an_outbox_goes_once_the_streams_its_departed_subscriber_left_open_have_ended() -> None:
+    replica = CadenceReplica(EngineConfig.from_options(**TINY), tiny=True)
+
+    async def run() -> None:
+        sub = replica.subscribe("ingress-1")
+        call = GenerateCall(([5, 6, 7],), SamplingParams(max_tokens=200, ignore_eos=True), "long",
+                            subscriber="ingress-1")
+        [_ async for _ in replica.generate(call)]
+        assert await sub.__anext__() == {}
+        await sub.__anext__()  # the stream is under way
+        await sub.aclose()  # the ingress went away with the stream open: its reader is cancelled
+        for _ in range(200):  # the aborted pump ends on the engine's next step
+            if not replica._pumps:
+                break
+            await asyncio.sleep(0.01)
+        assert replica._pumps == {}
+        assert replica._outboxes == {}
+
+    try:
+        asyncio.run(run())
+        assert replica.engine.num_in_flight == 0
+    finally:
+        replica.engine.shutdown(timeout=5.0)
+
+
+def test_an_outbox_waits_for_a_subscriber_that_has_not_connected_yet() -> None:
+    replica = CadenceReplica(EngineConfig.from_options(**TINY), tiny=True)
+
+    async def run() -> list[Any]:
+        call = GenerateCall(([5, 6, 7],), SamplingParams(max_tokens=2, ignore_eos=True), "short",
+                            subscriber="ingress-1")
+        [_ async for _ in replica.generate(call)]
+        for _ in range(200):  # the request ends before its subscriber connects
+            if not replica._pumps:
+                break
+            await asyncio.sleep(0.01)
+        assert "ingress-1" in replica._outboxes
+        items: list[Any] = []
+        async for batch in replica.subscribe("ingress-1"):
+            items.extend(batch.get("short", []))
+        return items
+
+    try:
+        items = asyncio.run(run())
+        assert isinstance(items[-1], Ended)
+        assert sum(len(d.token_ids) for item in items[:-1] for d in deltas_of(item)) == 2
+    finally:
+        replica.engine.shutdown(timeout=5.0)

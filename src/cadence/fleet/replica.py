@@ -118,11 +118,16 @@ class CadenceReplica:
         items = self._serve(call, stream, start_ns)
         task = asyncio.get_running_loop().create_task(pump(_after_admission(items), call.request_id, outbox))
         self._pumps[call.request_id] = task
-        task.add_done_callback(lambda t: self._pump_done(call.request_id, t))
+        subscriber = call.subscriber
+        task.add_done_callback(lambda t: self._pump_done(call.request_id, t, subscriber, outbox))
 
-    def _pump_done(self, request_id: str, task: asyncio.Task) -> None:
+    def _pump_done(self, request_id: str, task: asyncio.Task, subscriber: str, outbox: Outbox) -> None:
         if self._pumps.get(request_id) is task:
             del self._pumps[request_id]
+        # A subscriber that left with streams open is not coming back for them (`subscribe` aborted
+        # them): its outbox goes with the last of them. (One not yet connected keeps its outbox.)
+        if outbox.departed and not outbox.streams and self._outboxes.get(subscriber) is outbox:
+            del self._outboxes[subscriber]
 
     async def subscribe(self, subscriber: str, target: Target | None = None) -> AsyncIterator[Batch]:
         """The deltas of `subscriber`'s requests here, one batch of whatever is ready at a time;
@@ -137,6 +142,7 @@ class CadenceReplica:
             while (batch := await outbox.take(IDLE_LINGER_S)) is not None:
                 yield batch
         except BaseException:
+            outbox.departed = bool(outbox.streams)
             for request_id in list(outbox.streams):
                 self._abort(request_id)
             raise

@@ -52,6 +52,7 @@ class Outbox:
         self._count = 0
         self.streams: set[str] = set()  # requests admitted for this subscriber and not ended
         self.connected = False
+        self.departed = False  # its subscriber left with streams open (they are being aborted)
         self._ready = asyncio.Event()  # items to take, or the streams changed
         self._room = asyncio.Event()  # connected, or fewer than `limit` items held
         self._room.set()
@@ -77,6 +78,7 @@ class Outbox:
 
     def connect(self) -> None:
         self.connected = True
+        self.departed = False
         self._update_room()
 
     def disconnect(self) -> None:
