@@ -110,3 +110,55 @@ def test_without_a_key_the_page_asks_for_one(live, tmp_path):
     reader, _ = read_page(tmp_path, f"{live.url}/dashboard")
     assert reader.status is not None and reader.status["data-state"] == "unauthorized", reader.status
     assert reader.keyform is not None and "shown" in (reader.keyform.get("class") or "")
+
+
+class SpecReader(HTMLParser):
+    """The speculative-decoding section's attributes and its note's text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.section: dict[str, str | None] | None = None
+        self.note = ""
+        self._in_note = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if found.get("id") == "spec-section":
+            self.section = found
+        self._in_note = found.get("id") == "spec-note"
+
+    def handle_data(self, data: str) -> None:
+        if self._in_note:
+            self.note += data
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in_note = False
+
+
+def read_spec(tmp_path: Path, url: str) -> SpecReader:
+    reader = SpecReader()
+    reader.feed(chromium(tmp_path, url, "--dump-dom").stdout)
+    assert reader.section is not None, "no speculative-decoding section in the page"
+    return reader
+
+
+def test_a_speculating_server_shows_its_acceptance_rate(server_factory, tmp_path):
+    import httpx
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    srv = server_factory({"speculative_config": spec})
+    body = {"prompt": "apple banana cherry apple banana cherry apple banana", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+    assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    data = httpx.get(srv.url + "/dashboard/data", timeout=30).json()["speculative"]
+    assert data is not None and data["draft_tokens"] > 0, data
+    reader = read_spec(tmp_path, f"{srv.url}/dashboard")
+    assert "hidden" not in reader.section, reader.section
+    rate = f"acceptance {100 * data['acceptance_rate']:.1f}% ({data['accepted_tokens']} of {data['draft_tokens']}"
+    assert reader.note.startswith(rate), reader.note
+    assert "draft tokens/s" in reader.note and "accepted/s" in reader.note
+
+
+def test_a_server_that_does_not_speculate_shows_no_speculation(live, tmp_path):
+    reader = read_spec(tmp_path, f"{live.url}/dashboard#key=k-admin")
+    assert "hidden" in reader.section and reader.note == "", (reader.section, reader.note)

@@ -304,3 +304,24 @@ def test_a_census_dropped_while_unwatched_is_unknown_while_requests_remain():
     source.census = QueueCensus({"b": 1}, {3: 1}, {"a": 2}, num_cached_free_blocks=4)
     rec.record_step(IterationStats(num_generation_tokens=1), gauges(2, 1, free=50))
     assert rec.snapshot()["queue"]["by_tenant"] == {"b": 1}
+
+
+def test_speculation_shows_its_rates_and_nothing_when_the_server_does_not_speculate():
+    clock = FakeClock()
+    rec = DashboardRecorder(clock=clock)
+    rec.record_step(IterationStats(step=1, num_generation_tokens=2), gauges())
+    assert rec.snapshot()["speculative"] is None  # no draft yet: nothing to show
+    clock.t += WINDOW_S
+    rec.record_step(IterationStats(step=2, num_generation_tokens=2, num_drafts=2, num_draft_tokens=8,
+                                   num_accepted_tokens=6), gauges())
+    clock.t += 1.0
+    rec.record_step(IterationStats(step=3, num_generation_tokens=2, num_drafts=2, num_draft_tokens=4,
+                                   num_accepted_tokens=0), gauges())
+    spec = rec.snapshot()["speculative"]
+    assert spec["draft_tokens"] == 12 and spec["accepted_tokens"] == 6 and spec["acceptance_rate"] == 0.5
+    assert spec["draft_tokens_per_s"] == pytest.approx(12 / WINDOW_S, abs=1e-3)
+    assert spec["accepted_tokens_per_s"] == pytest.approx(6 / WINDOW_S, abs=1e-3)
+    clock.t += WINDOW_S + 1  # the drafts leave the window; the totals stay
+    spec = rec.snapshot()["speculative"]
+    assert spec["draft_tokens"] == 0 and spec["acceptance_rate"] is None
+    assert (spec["total_draft_tokens"], spec["total_accepted_tokens"]) == (12, 6)

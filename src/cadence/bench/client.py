@@ -23,6 +23,7 @@ import httpx
 from tqdm import tqdm
 
 from cadence.bench import report
+from cadence.bench import speculative as spec
 from cadence.bench.prompts import LocalTokenizer, PromptBuilder, ServerTokenizer, Tokenizer
 from cadence.bench.report import RequestRecord
 from cadence.wording import counted
@@ -393,6 +394,7 @@ async def run_benchmark_async(cfg: BenchConfig) -> BenchResult:
         for i in structured_indices(len(records), cfg.structured_fraction, cfg.seed):
             records[i].structured = True
         bar = tqdm(total=len(records), disable=not cfg.progress, desc=cfg.label or "bench", unit="req")
+        spec_before = await spec.read_counters(client)
         t0, started_at = time.perf_counter(), time.time()
 
         async def send(i: int) -> None:
@@ -404,12 +406,17 @@ async def run_benchmark_async(cfg: BenchConfig) -> BenchResult:
         else:
             await _open_loop(send, workload.requests, cfg, t0)
         bar.close()
+        spec_after = await spec.read_counters(client) if spec_before is not None else None
     sent = [r for r in records if r.send_time is not None]
     await asyncio.to_thread(_count_outputs, sent, builder)
     if isinstance(tokenizer, ServerTokenizer):
         tokenizer.close()
     meta = _meta(cfg, model, workload, builder, len(sent), len(records))
     result = BenchResult(sent, report.summarize(sent, cfg.slos, meta), started_at)
+    speculative = spec.summarize(spec_before, spec_after)
+    result.summary["speculative"] = speculative
+    if speculative is None and spec_after is not None and cfg.force_output_lengths:
+        result.summary["meta"]["notes"].append(spec.EXACT_LENGTH_HINT)
     if refused:
         result.summary["warnings"].append(f"the server's /tokenize refused ({refused}): prompt sizes are an "
                                           "estimate of 4 characters per token")

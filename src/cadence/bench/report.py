@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from cadence.bench.speculative import format_lines as spec_lines
 from cadence.wording import counted
 
 PERCENTILES = (50, 90, 95, 99)
@@ -509,6 +510,7 @@ def format_table(summary: dict) -> str:
 
     lines.append(f"throughput {rate(o['request_throughput'], 'req/s')}  output {rate(o['output_token_throughput'], 'tok/s')}  "
                  f"total {rate(o['total_token_throughput'], 'tok/s')}")
+    lines += spec_lines(summary.get("speculative"))
     if summary["slos"]:
         slo = " ".join(f"{k}<={v:g}s" for k, v in summary["slos"].items())
         lines.append(f"goodput {rate(o['goodput'], 'req/s')} ({(o['goodput_fraction'] or 0) * 100:.1f}% of requests meet {slo})")

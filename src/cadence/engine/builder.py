@@ -139,6 +139,7 @@ def build_engine(config: EngineConfig, *, tiny: bool = False, clock: Clock | Non
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         assert spec.model is not None  # (validated)
+        runner.kv_blocks_given = config.cache.num_kv_blocks is not None
         runner.drafter = load_drafter(spec.model, arch.vocab_size, tokenizer.vocabulary(),
                                       block_size=config.cache.block_size, dtype=dtype, device=device)
         log.info("speculative decoding: draft model %s, up to %d drafts a step", spec.model, spec.num_speculative_tokens)

@@ -73,6 +73,8 @@ class ModelRunner:
         self.kv_cache: PagedKVCache | None = None
         # Speculative decoding with a draft model: proposes the next drafts after each step.
         self.drafter: Drafter | None = None
+        # True where the block count was given (--num-kv-blocks) rather than derived from a memory figure.
+        self.kv_blocks_given = False
 
     # -- Executor protocol ------------------------------------------------------------------------
 
@@ -94,8 +96,10 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.initialize_cache(num_blocks)
             per_block = self.drafter.bytes_per_block()
-            log.info("draft model's KV cache: %d blocks of %d tokens, %.1f MiB, within the KV cache memory",
-                     num_blocks, block_size, num_blocks * per_block / 2**20)
+            where = ("outside any memory figure (--num-kv-blocks gives the block count of both caches)"
+                     if self.kv_blocks_given else "within the KV cache memory")
+            log.info("draft model's KV cache: %d blocks of %d tokens, %.1f MiB, %s",
+                     num_blocks, block_size, num_blocks * per_block / 2**20, where)
         self.kv_cache = PagedKVCache.allocate(
             num_layers=self.arch.num_layers,
             num_blocks=num_blocks,

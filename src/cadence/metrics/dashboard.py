@@ -84,6 +84,8 @@ class DashboardRecorder:
         self._finishes: deque[tuple[float, str, int, str]] = deque(maxlen=MAX_RING)  # at, tenant, tokens, reason
         self._preemptions: deque[tuple[float, int]] = deque(maxlen=MAX_RING)
         self._refusals: deque[tuple[float, str, int]] = deque(maxlen=MAX_RING)
+        self._spec: deque[tuple[float, int, int]] = deque(maxlen=MAX_RING)  # at, draft tokens, accepted
+        self._spec_totals = [0, 0]  # draft tokens, accepted, since the start
         self._total_preemptions = 0
         self._total_refusals = 0
         self._gauges: SchedulerStats | None = None
@@ -130,6 +132,10 @@ class DashboardRecorder:
             if f.handed_off:  # counted by the engine the request went on to
                 continue
             self._finishes.append((now, self.tenant(f.tenant), f.num_output_tokens, f.finish_reason))
+        if it.num_draft_tokens:
+            self._spec.append((now, it.num_draft_tokens, it.num_accepted_tokens))
+            self._spec_totals[0] += it.num_draft_tokens
+            self._spec_totals[1] += it.num_accepted_tokens
         if it.num_preemptions:
             self._preemptions.append((now, it.num_preemptions))
             self._total_preemptions += it.num_preemptions
@@ -161,13 +167,14 @@ class DashboardRecorder:
         with self._lock:
             self._read_at = now
             cutoff = now - WINDOW_S
-            for ring in (self._ttft, self._itl, self._finishes, self._preemptions, self._refusals):
+            for ring in (self._ttft, self._itl, self._finishes, self._preemptions, self._refusals, self._spec):
                 while ring and ring[0][0] < cutoff:
                     ring.popleft()
             steps = list(self._steps)
             ttft, itl = list(self._ttft), list(self._itl)
             finishes, preemptions, refusals = list(self._finishes), list(self._preemptions), list(self._refusals)
             total_preemptions, total_refusals = self._total_preemptions, self._total_refusals
+            spec, spec_totals = list(self._spec), tuple(self._spec_totals)
             census, census_at = self._census, self._census_at
             gauges = gauges or self._gauges
         show = self._visible(tenant)
@@ -191,6 +198,7 @@ class DashboardRecorder:
                 **_events_json(total_refusals, sum(n for _, _, n in refusals), span),
                 "by_reason": dict(_sum_by(((reason, n) for _, reason, n in refusals))),
             },
+            "speculative": _spec_json(spec, spec_totals, span),
         }
 
     def _visible(self, tenant: str | None) -> Callable[[str], bool]:
@@ -315,3 +323,21 @@ def _service_json(finishes: list[tuple[float, str, int, str]], show: Callable[[s
 
 def _events_json(total: int, in_window: int, span: float) -> dict[str, float | int]:
     return {"total": total, "window": in_window, "per_s": round(in_window / span, 3)}
+
+
+def _spec_json(window: list[tuple[float, int, int]], totals: tuple[int, int], span: float) -> dict[str, Any] | None:
+    """Speculative decoding's drafts: None until a step has verified one (a server that does not
+    speculate). The acceptance rate is the last minute's (None when it verified no draft)."""
+    if not totals[0]:
+        return None
+    drafted = sum(d for _, d, _ in window)
+    accepted = sum(a for _, _, a in window)
+    return {
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "draft_tokens_per_s": round(drafted / span, 3),
+        "accepted_tokens_per_s": round(accepted / span, 3),
+        "total_draft_tokens": totals[0],
+        "total_accepted_tokens": totals[1],
+    }

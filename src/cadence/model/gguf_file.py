@@ -166,7 +166,7 @@ def open_gguf(path: Path) -> Any:
     """
     path = Path(path)
     if not path.is_file():
-        raise LoadError(f"{path}: no such file")
+        raise LoadError(f"{path}: not a regular file" if path.exists() else f"{path}: no such file")
     try:
         st = path.stat()
         return _open_cached(str(path.resolve()), st.st_size, st.st_mtime_ns)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,16 @@ def missing_model_message(path: Path) -> str:
     return text
 
 
+def file_kind(p: Path) -> str:
+    """What `p` is, in words, where it exists but is neither a regular file nor a directory."""
+    mode = p.stat().st_mode
+    for test, word in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return word
+    return "a special file"
+
+
 def load_checkpoint(path: str | Path | None, dtype: torch.dtype = torch.float32) -> Checkpoint:
     """Load a GGUF file or a Hugging Face directory; None loads the default model."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -99,6 +110,9 @@ def _load_any(p: Path, dtype: torch.dtype) -> Checkpoint:
         if len(ggufs) == 1:
             return _load_gguf(ggufs[0], dtype)
         raise LoadError(f"{p}: a model directory needs a config.json (or exactly one .gguf file)")
+    if not p.is_file():  # a device, a pipe or a socket (/dev/null): nothing a model can be read from
+        raise LoadError(f"{p}: not a model: {file_kind(p)}, neither a regular file nor a directory (give a GGUF "
+                        "file or a Hugging Face model directory)")
     if p.suffix == ".safetensors" or p.name == "config.json":
         raise LoadError(f"{p}: pass the Hugging Face directory that holds config.json and the safetensors files")
     return _load_gguf(p, dtype)
