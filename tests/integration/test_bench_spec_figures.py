@@ -62,3 +62,15 @@ def test_a_server_without_speculation_gives_no_section(server, tmp_path, capsys)
     assert "speculative" in summary and summary["speculative"] is None
     printed = capsys.readouterr().out
     assert "speculative" not in printed and "draft tokens" not in printed
+
+
+def test_exact_lengths_on_a_server_that_does_not_speculate_print_no_hint(server, tmp_path, capsys) -> None:
+    summary = _bench(server.url, tmp_path)
+    assert summary["speculative"] is None
+    assert EXACT_LENGTH_HINT not in capsys.readouterr().out
+
+
+def test_metrics_say_how_far_the_server_speculates(server, spec_server) -> None:
+    name = ("cadence:spec_decode_num_speculative_tokens", ())
+    assert samples(httpx.get(spec_server.url + "/metrics").text)[name] == SPEC["num_speculative_tokens"]
+    assert samples(httpx.get(server.url + "/metrics").text)[name] == 0

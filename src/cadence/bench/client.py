@@ -415,7 +415,7 @@ async def run_benchmark_async(cfg: BenchConfig) -> BenchResult:
     result = BenchResult(sent, report.summarize(sent, cfg.slos, meta), started_at)
     speculative = spec.summarize(spec_before, spec_after)
     result.summary["speculative"] = speculative
-    if speculative is None and spec_after is not None and cfg.force_output_lengths:
+    if speculative is None and spec_after is not None and spec_after.speculates and cfg.force_output_lengths:
         result.summary["meta"]["notes"].append(spec.EXACT_LENGTH_HINT)
     if refused:
         result.summary["warnings"].append(f"the server's /tokenize refused ({refused}): prompt sizes are an "

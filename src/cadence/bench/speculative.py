@@ -8,6 +8,7 @@ another client's traffic during the run is counted too.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import httpx
@@ -16,11 +17,13 @@ DRAFTS = "cadence:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "cadence:spec_decode_num_draft_tokens_total"
 ACCEPTED = "cadence:spec_decode_num_accepted_tokens_total"
 COUNTERS = (DRAFTS, DRAFT_TOKENS, ACCEPTED)
+# The server's configured drafts a step (0: it does not speculate); a fleet gives one per replica and their sum.
+CONFIGURED_K = "cadence:spec_decode_num_speculative_tokens"
 METRICS_TIMEOUT_S = 10.0
 
 # A run with exact lengths, on a server with the counters, that proposed nothing: what to tell the operator.
-EXACT_LENGTH_HINT = ("no draft tokens were proposed: exact output lengths (min_tokens) keep requests from "
-                     "speculating; --no-exact-output lets them (if the server speculates)")
+EXACT_LENGTH_HINT = ("no draft tokens were proposed on a server that speculates: exact output lengths "
+                     "(min_tokens) keep requests from speculating; --no-exact-output lets them")
 
 
 @dataclass(frozen=True)
@@ -28,11 +31,17 @@ class SpecCounters:
     drafts: float
     draft_tokens: float
     accepted: float
+    configured_k: float = 0.0  # the most drafts a request verifies a step (0: not speculating, or not said)
+
+    @property
+    def speculates(self) -> bool:
+        return self.configured_k > 0
 
 
 def parse_counters(text: str) -> SpecCounters | None:
     """The three counters from a Prometheus text page; None unless all three are there."""
     found: dict[str, float] = {}
+    k = 0.0
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name in COUNTERS:
@@ -40,9 +49,12 @@ def parse_counters(text: str) -> SpecCounters | None:
                 found[name] = float(value.split()[0])
             except (ValueError, IndexError):
                 return None
+        elif name.partition("{")[0] == CONFIGURED_K:  # (a fleet's: per replica and summed)
+            with contextlib.suppress(ValueError, IndexError):
+                k = max(k, float(value.split()[0]))
     if len(found) < len(COUNTERS):
         return None
-    return SpecCounters(found[DRAFTS], found[DRAFT_TOKENS], found[ACCEPTED])
+    return SpecCounters(found[DRAFTS], found[DRAFT_TOKENS], found[ACCEPTED], k)
 
 
 async def read_counters(client: httpx.AsyncClient) -> SpecCounters | None:

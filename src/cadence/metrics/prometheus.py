@@ -238,6 +238,12 @@ class PrometheusExporter:
             "Speculative decoding: draft tokens accepted over draft tokens verified, since the start.",
             registry=r,
         )
+        self.spec_k = Gauge(
+            "cadence:spec_decode_num_speculative_tokens",
+            "Speculative decoding: num_speculative_tokens configured (the most drafts a request verifies a step); "
+            "0: the server does not speculate.",
+            registry=r,
+        )
         self._spec_totals = [0, 0]  # draft tokens, accepted
         self.cache_queries = Counter(
             "cadence:prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.", registry=r
@@ -282,6 +288,10 @@ class PrometheusExporter:
     def record_kv_cache(self, kv_cache_dtype: str, capacity_tokens: int) -> None:
         """The KV cache's size and storage, once at start-up."""
         self.kv_capacity.labels(kv_cache_dtype).set(capacity_tokens)
+
+    def record_speculation(self, num_speculative_tokens: int) -> None:
+        """Whether, and how far, the server speculates: once at start-up."""
+        self.spec_k.set(num_speculative_tokens)
 
     def watch_engine(self, is_healthy: Callable[[], bool]) -> None:
         """Read the engine's health at each scrape (a stall is seen by no step, so no step reports it)."""
