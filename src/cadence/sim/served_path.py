@@ -130,7 +130,7 @@ def fit_served_path(tokens: Sequence[FirstToken]) -> dict[str, float] | None:
     """per_request + per_prompt_token x prompt tokens through the median path of each bin of
     prompt lengths (a request held up by something else does not move a median), both terms
     clipped at 0; None with fewer than MIN_REQUESTS requests. One bin only: its median, per request."""
-    from cadence.sim.serving import _line
+    from cadence.sim.serving import fit_line
 
     if len(tokens) < MIN_REQUESTS:
         return None
@@ -141,5 +141,5 @@ def fit_served_path(tokens: Sequence[FirstToken]) -> dict[str, float] | None:
         return {"per_request": max(statistics.median(t.path for t in tokens), 0.0)}
     x = [statistics.median(t.prompt_tokens for t in b) for b in bins.values()]
     y = [statistics.median(t.path for t in b) for b in bins.values()]
-    per_token, per_request = _line(x, y)
+    per_token, per_request = fit_line(x, y)
     return {"per_request": per_request, "per_prompt_token": per_token}

@@ -128,7 +128,7 @@ def decode_overhead(url: str, model: StepCostModel, vocab: int, *, replicas: int
         # The mean beside the fitted median: where a server sends tokens in bursts, they part.
         rows.append({"batch": n, "clients": replicas * n, "median_itl_s": statistics.median(gaps),
                      "mean_itl_s": statistics.fmean(gaps), "modelled_step_s": model.predict(f)})
-    per_seq, per_step = _line([r["batch"] for r in rows], [r["median_itl_s"] - r["modelled_step_s"] for r in rows])
+    per_seq, per_step = fit_line([r["batch"] for r in rows], [r["median_itl_s"] - r["modelled_step_s"] for r in rows])
     return {"per_step": per_step, "per_seq": per_seq, "replicas": replicas, "runs": rows}
 
 
@@ -218,7 +218,7 @@ def fit_request_path(runs: list[dict[str, float]], model: StepCostModel) -> dict
             y = [statistics.median(r["ttft_s"] - _priced_first_step(model, int(r["prompt_tokens"]),
                                                                      int(r["cached_tokens"])) for r in g)
                  for g in groups.values()]
-            per_token, per_request = _line(x, y)
+            per_token, per_request = fit_line(x, y)
             return {"per_request": per_request, "per_prompt_token": per_token}
     shortest = min(int(r["prompt_tokens"]) for r in runs)
     excess = []
@@ -229,7 +229,7 @@ def fit_request_path(runs: list[dict[str, float]], model: StepCostModel) -> dict
     return {"per_request": max(statistics.median(excess), 0.0)}
 
 
-def _line(x: list[float], y: list[float]) -> tuple[float, float]:
+def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
     """Least-squares slope and intercept, both clipped at 0 (serving never makes a step cheaper)."""
     n = len(x)
     mx, my = sum(x) / n, sum(y) / n
