@@ -154,7 +154,7 @@ def test_serving_overhead_line_is_never_negative() -> None:
     from cadence.sim.serving import fit_line
 
     assert fit_line([1, 4, 16], [0.010, 0.013, 0.025]) == pytest.approx((0.001, 0.009))
-    slope, icpt = _line([1, 4, 16], [0.02, 0.01, -0.03])  # serving cannot make steps cheaper
+    slope, icpt = fit_line([1, 4, 16], [0.02, 0.01, -0.03])  # serving cannot make steps cheaper
     assert slope == 0.0 and icpt == pytest.approx(0.0, abs=1e-12)
 
 
