@@ -262,7 +262,8 @@ class PromptBuilder:
         depends on the ids before it, and is worked out once per distinct chain prefix."""
         assert self._specials is not None
         counts: list[int] = []
-        node, tokens, before = _ChainCache.ROOT, len(self._specials), []
+        node, tokens = _ChainCache.ROOT, len(self._specials)
+        before: list[str] = []
         for i, block_id in enumerate(prefix_group):
             stream_key = f"block:{self.seed}:{block_id}"
             found = self._chains.get(node, block_id)
@@ -294,11 +295,12 @@ class PromptBuilder:
 
     def _size_block_whole(self, before: list[str], stream_key: str, target: int) -> tuple[int, int]:
         """`_size_block` by encoding the whole prefix: for tokenizers whose counts do not add up by word."""
-        assert self.tokenizer is not None and self._words_per_token is not None
+        tok = self.tokenizer
+        assert tok is not None and self._words_per_token is not None
 
         def count(n: int) -> int:
             words = before + _words(stream_key, n)
-            return len(self.tokenizer.encode(" ".join(words))) if words else len(self._specials or ())
+            return len(tok.encode(" ".join(words))) if words else len(self._specials or ())
 
         lo, hi = 0, max(1, math.ceil(target * self._words_per_token / 8))  # count(lo) < target <= count(hi)
         if count(lo) >= target:

@@ -174,7 +174,7 @@ class DashboardRecorder:
             ttft, itl = list(self._ttft), list(self._itl)
             finishes, preemptions, refusals = list(self._finishes), list(self._preemptions), list(self._refusals)
             total_preemptions, total_refusals = self._total_preemptions, self._total_refusals
-            spec, spec_totals = list(self._spec), tuple(self._spec_totals)
+            spec, spec_totals = list(self._spec), (self._spec_totals[0], self._spec_totals[1])
             census, census_at = self._census, self._census_at
             gauges = gauges or self._gauges
         show = self._visible(tenant)
