@@ -177,8 +177,8 @@ def _add_observability(p: argparse.ArgumentParser) -> None:
                         "(default: OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, else every trace)")
     g.add_argument("--cost-profile", default=None, metavar="PATH",
                    help="calibrated step-cost profile (cadence calibrate) that predicts a waiting request's time "
-                        "to first token in GET /v1/requests/{id}; 'none': no prediction (default: the shipped "
-                        "profile the simulator uses)")
+                        "to first token in GET /v1/requests/{id} and prices adaptive speculative drafts; 'none': "
+                        "no prediction (default: the shipped profile of the server's thread count)")
     g.add_argument("--metrics-compat", action="append", default=[], choices=METRICS_COMPAT,
                    help="also export vLLM's metric names (vllm:num_requests_running, ...) on /metrics, for "
                         "vLLM's dashboards and alerts (default: cadence's names only)")

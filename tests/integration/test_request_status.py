@@ -103,6 +103,8 @@ def test_finished_requests_are_kept_a_bounded_number(server_factory, monkeypatch
 
 
 def test_a_waiting_request_has_a_predicted_ttft_from_the_shipped_profile(server_factory) -> None:
+    import torch
+
     from cadence.sim.profile import default_profile_path
 
     live = server_factory({"max_num_seqs": 1})
@@ -114,7 +116,7 @@ def test_a_waiting_request_has_a_predicted_ttft_from_the_shipped_profile(server_
         # Behind a holder that may decode 200 tokens: at least its remaining decode steps.
         assert isinstance(body["predicted_ttft"], float) and body["predicted_ttft"] > 0, body
         assert body["predicted_ttft_unavailable"] is None and body["ttft"] is None
-        assert body["cost_profile"]["path"] == str(default_profile_path())
+        assert body["cost_profile"]["path"] == str(default_profile_path(torch.get_num_threads()))
         assert body["cost_profile"]["model"] == "SmolLM2-135M-Instruct"
     waiter.join(60)
     with httpx.Client(base_url=live.url, timeout=60) as client:

@@ -318,3 +318,13 @@ def test_an_outbox_waits_for_a_subscriber_that_has_not_connected_yet() -> None:
         assert sum(len(d.token_ids) for item in items[:-1] for d in deltas_of(item)) == 2
     finally:
         replica.engine.shutdown(timeout=5.0)
+
+
+def test_a_replica_prices_adaptive_drafts_with_the_profile_it_predicts_ttft_with() -> None:
+    replica = CadenceReplica(EngineConfig.from_options(**TINY), tiny=True)
+    try:
+        predictor = replica.engine.predictor
+        assert predictor is not None
+        assert replica.engine.core.scheduler.step_cost == predictor.step_cost
+    finally:
+        replica.engine.shutdown(timeout=5.0)

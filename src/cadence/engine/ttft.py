@@ -353,13 +353,14 @@ def _policy_order(sched: Scheduler) -> Iterable[Request]:
 NO_PROFILE = "none"  # --cost-profile none: no prediction
 
 
-def load_cost_profile(path: str | None) -> TTFTPredictor | None:
-    """The predictor over the profile at `path` (None: the shipped one the simulator uses; "none":
-    no prediction). A missing or malformed file is a ValueError naming --cost-profile."""
+def load_cost_profile(path: str | None, num_threads: int | None = None) -> TTFTPredictor | None:
+    """The predictor over the profile at `path` (None: the shipped one for `num_threads`, see
+    `default_profile_path`; "none": no prediction). A missing or malformed file is a ValueError
+    naming --cost-profile."""
 
     if path is not None and path.strip().lower() == NO_PROFILE:
         return None
-    source = path or str(default_profile_path())
+    source = path or str(default_profile_path(num_threads))
     try:
         model = StepCostModel.load(source)
     except OSError as e:
@@ -369,3 +370,12 @@ def load_cost_profile(path: str | None) -> TTFTPredictor | None:
     if not all(math.isfinite(w) for w in model._w):
         raise ValueError(f"--cost-profile {source}: the cost model's weights are not finite")
     return TTFTPredictor(model, source)
+
+
+def attach_predictor(engine: Any, predictor: TTFTPredictor) -> None:
+    """Give `predictor` to an `AsyncEngine` that runs in this process: it predicts a waiting
+    request's TTFT, and adaptive speculative decoding prices its drafts with the same profile."""
+    engine.predictor = predictor
+    core = engine.core
+    core.scheduler.step_cost = predictor.step_cost
+    core.scheduler.step_cost_prices_shared = predictor.cost_model.prices_shared_context

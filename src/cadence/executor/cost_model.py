@@ -89,10 +89,16 @@ SPEC_CYCLE = 8  # with speculation, the simulator's outputs cycle through this m
 DEFAULT_SIM_TOKEN = 13  # the scripted output token: any id works, the simulator has no EOS
 
 
-def default_profile_path() -> Path:
+def default_profile_path(num_threads: int | None = None) -> Path:
     """The profile shipped with cadence: the default model on this project's machine (docs/simulator.md).
-    It lies in the simulator's folder, its main reader; numpy is all that reading it needs."""
-    return Path(__file__).resolve().parent.parent / "sim" / "profiles" / "default.json"
+    It lies in the simulator's folder, its main reader; numpy is all that reading it needs. With
+    `num_threads`, the one calibrated at that many threads where one ships (`default_Nthreads.json`):
+    what a step of k more rows costs beside a one-row step, and so what a draft is worth, changes
+    with the threads that share the step; else the one-thread `default.json`."""
+    folder = Path(__file__).resolve().parent.parent / "sim" / "profiles"
+    if num_threads is not None and num_threads > 1 and (folder / f"default_{num_threads}threads.json").is_file():
+        return folder / f"default_{num_threads}threads.json"
+    return folder / "default.json"
 
 
 def machine_info() -> dict[str, Any]:

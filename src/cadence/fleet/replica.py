@@ -61,11 +61,12 @@ class ReplicaInfo:
 class CadenceReplica:
     def __init__(self, engine_config: EngineConfig, tiny: bool = False, metrics_compat: tuple[str, ...] = (),
                  observability: ReplicaObservability | None = None) -> None:
+        import torch
         from ray import serve
 
         from cadence.engine.async_engine import AsyncEngine
         from cadence.engine.builder import build_engine
-        from cadence.engine.ttft import load_cost_profile
+        from cadence.engine.ttft import attach_predictor, load_cost_profile
         from cadence.metrics.prometheus import PrometheusExporter
 
         obs = observability or ReplicaObservability()
@@ -77,7 +78,9 @@ class CadenceReplica:
         spec = engine_config.speculative_config
         self.exporter.record_speculation(spec.num_speculative_tokens if spec is not None else 0)
         self.exporter.watch_thread_times(self.engine.engine_thread_times)
-        self.engine.predictor = load_cost_profile(obs.cost_profile)
+        predictor = load_cost_profile(obs.cost_profile, torch.get_num_threads())
+        if predictor is not None:  # (the TTFT it predicts, and adaptive k's price of drafts)
+            attach_predictor(self.engine, predictor)
         self.tracer: Any = None
         if obs.otlp_traces_endpoint is not None:
             from cadence.server.tracing import RequestTracer

@@ -282,17 +282,19 @@ def create_app(
 def _attach_predictor(engine: EngineClient, server_config: ServerConfig) -> dict[str, Any] | None:
     """Load --cost-profile; give the predictor to an engine that runs here (a fleet's replicas load
     their own). Returns the profile's description for request status answers (None: no profile)."""
-    from cadence.engine.ttft import load_cost_profile
+    from cadence.engine.ttft import attach_predictor, load_cost_profile
 
-    predictor = load_cost_profile(server_config.cost_profile)
+    local = getattr(engine, "core", None) is not None  # an engine that runs here (not a fleet's ingress)
+    threads = None
+    if local:
+        import torch  # (loaded already by the engine, its threads set; a fleet's ingress never loads it)
+
+        threads = torch.get_num_threads()
+    predictor = load_cost_profile(server_config.cost_profile, threads)
     if predictor is None:
         return None
-    if hasattr(engine, "predictor"):
-        setattr(engine, "predictor", predictor)  # noqa: B010 (an attribute of AsyncEngine, not of the protocol)
-    core = getattr(engine, "core", None)
-    if core is not None:  # adaptive speculative decoding prices its drafts with the same profile
-        core.scheduler.step_cost = predictor.step_cost
-        core.scheduler.step_cost_prices_shared = predictor.cost_model.prices_shared_context
+    if local:
+        attach_predictor(engine, predictor)
     return predictor.describe(engine.model_name)
 
 
