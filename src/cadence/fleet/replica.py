@@ -75,8 +75,7 @@ class CadenceReplica:
         self.exporter = PrometheusExporter(
             vllm_model_name=self.engine.model_name if "vllm" in metrics_compat else None)
         self.engine.stats_hooks.append(self.exporter.record_step)
-        spec = engine_config.speculative_config
-        self.exporter.record_speculation(spec.num_speculative_tokens if spec is not None else 0)
+        self.exporter.record_speculation(engine_config.speculative_config)
         self.exporter.watch_thread_times(self.engine.engine_thread_times)
         predictor = load_cost_profile(obs.cost_profile, torch.get_num_threads())
         if predictor is not None:  # (the TTFT it predicts, and adaptive k's price of drafts)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -33,6 +33,9 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from cadence.config import SpeculativeConfig
 
 from cadence.boundary import FinishedRequestStats, IterationStats, SchedulerStats
 from cadence.metrics.vllm_compat import VllmMetrics
@@ -289,9 +292,10 @@ class PrometheusExporter:
         """The KV cache's size and storage, once at start-up."""
         self.kv_capacity.labels(kv_cache_dtype).set(capacity_tokens)
 
-    def record_speculation(self, num_speculative_tokens: int) -> None:
-        """Whether, and how far, the server speculates: once at start-up."""
-        self.spec_k.set(num_speculative_tokens)
+    def record_speculation(self, config: SpeculativeConfig | None) -> None:
+        """Whether, and how far, the server speculates (its `SpeculativeConfig`, None: it does not):
+        once at start-up."""
+        self.spec_k.set(config.num_speculative_tokens if config is not None else 0)
 
     def watch_engine(self, is_healthy: Callable[[], bool]) -> None:
         """Read the engine's health at each scrape (a stall is seen by no step, so no step reports it)."""

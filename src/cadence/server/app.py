@@ -247,7 +247,7 @@ def create_app(
     if render_metrics is None:  # a local engine (a fleet's replicas report their own caches)
         core = engine.engine.core
         exporter.record_kv_cache(core.kv_cache_dtype, core.num_blocks * core.config.cache.block_size)
-        exporter.record_speculation(_speculative_tokens(core.config))
+        exporter.record_speculation(core.config.speculative_config)
     if engine.engine_thread_times() is not None:
         exporter.watch_thread_times(lambda: engine.engine_thread_times() or {})
     tracer = make_tracer(server_config, exporter)
@@ -392,11 +392,6 @@ def _add_routes(
         exporter.record_scheduler(engine.engine.core.scheduler_stats)
         data, content_type = exporter.render()
         return Response(data, media_type=content_type)
-
-
-def _speculative_tokens(config: Any) -> int:
-    spec = config.speculative_config
-    return spec.num_speculative_tokens if spec is not None else 0
 
 
 # -- running the server ---------------------------------------------------------------------------
