@@ -22,6 +22,10 @@
    also prints every repeat over the first (real/real), and the summary adds sim/real against the
    mean of the repeats and real vs real counted like sim/real: how close the real system comes to
    itself on this machine, the bound on how close any simulator can come.
+5. `--no-step-scatter` simulates every step at its shape's mean, even with a profile that measured
+   how served steps scatter around it (`cadence sim --no-step-scatter`), and keeps those
+   simulations as sim_RATE_mean beside the scattered sim_RATE: with `--sim-only`, one set of real
+   runs judges both.
 
 The server, the client and this script share the machine; run it on a quiet one.
 """
@@ -62,8 +66,12 @@ def saturation(args: argparse.Namespace, out: Path) -> float:
     d = out / "saturation"
     _run([*CADENCE, "sim", "--workload", args.workload, "--num-requests", str(args.saturation_requests),
           "--rate", "1000", "--seed", str(args.seed), "--profile", args.profile, "--out", str(d),
-          "--num-threads", "1"])
+          "--num-threads", "1", *_scatter_flag(args)])
     return _summary(d)["overall"]["request_throughput"]
+
+
+def _scatter_flag(args: argparse.Namespace) -> list[str]:
+    return ["--no-step-scatter"] if args.no_step_scatter else []
 
 
 def _common(args: argparse.Namespace, rate: float, num_requests: int) -> list[str]:
@@ -101,9 +109,9 @@ def real_run(args: argparse.Namespace, rate: float, real: Path) -> dict:
 
 def simulate(args: argparse.Namespace, rate: float, out: Path, num_requests: int) -> dict:
     """`cadence sim` of the same workload at `rate`, kept in sim_RATE."""
-    sim = out / f"sim_{rate:.3f}"
+    sim = out / (f"sim_{rate:.3f}_mean" if args.no_step_scatter else f"sim_{rate:.3f}")
     _run([*CADENCE, "sim", *_common(args, rate, num_requests), "--profile", args.profile, "--num-threads", "1",
-          "--out", str(sim)])
+          "--out", str(sim), *_scatter_flag(args)])
     return _summary(sim)
 
 
@@ -286,11 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-only", action="store_true",
                    help="keep the real runs already under --out and simulate them again with --profile "
                         "(compare profiles on the same real runs; every recorded repeat is read)")
+    p.add_argument("--no-step-scatter", action="store_true",
+                   help="simulate every step at its mean, without the profile's step-time scatter "
+                        "(kept as sim_RATE_mean; with --sim-only, compare both on the same real runs)")
     p.add_argument("--record-validation", action="store_true",
                    help="write the sim/real spread into the profile (read by `cadence sim` and `sim plan`)")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error(f"--repeat: expected a whole number >= 1, got {args.repeat}")
+    if args.no_step_scatter and args.record_validation:
+        p.error("--record-validation: the profile's validation must be of how `cadence sim` simulates with it "
+                "(its scatter on); drop --no-step-scatter")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.calibrate:

@@ -182,3 +182,22 @@ def test_record_validation_carries_real_vs_real_only_when_repeated(tmp_path, mon
     assert main(["sim", "--workload", "chat", "--num-requests", "4", "--rate", "1", "--profile",
                  str(tmp_path / "profile_3.json")]) == 0
     assert "real vs real 8 of 12 (67%) over 3 runs each" in capsys.readouterr().out
+
+
+def test_sim_only_without_step_scatter_keeps_the_mean_priced_runs_beside(tmp_path, monkeypatch, capsys) -> None:
+    fake = _FakeCommands()
+    flags: list[bool] = []
+    run = fake.run
+    monkeypatch.setattr(fake, "run", lambda cmd: (flags.append("--no-step-scatter" in cmd), run(cmd))[1])
+    fake.install(monkeypatch)
+    out = tmp_path / "fid"
+    common = ["--workloads", "chat", "--seeds", "1", "--num-requests", "6", "--out", str(out)]
+    assert sf.main([*common, "--fractions", "0.5"]) == 0
+    fake.sims.clear(), flags.clear()
+    assert sf.main([*common, "--sim-only", "--no-step-scatter"]) == 0
+    assert fake.sims == ["sim_1.000_mean"] and flags == [True]
+    assert sorted(d.name for d in (out / "chat_seed1").iterdir()) == ["real_1.000", "saturation", "sim_1.000",
+                                                                     "sim_1.000_mean"]
+    with pytest.raises(SystemExit):
+        sf.main([*common, "--sim-only", "--no-step-scatter", "--record-validation"])
+    assert "--record-validation" in capsys.readouterr().err

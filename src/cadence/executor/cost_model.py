@@ -27,6 +27,7 @@ import numpy as np
 
 from cadence.boundary import ModelOutput, SchedulerOutput
 from cadence.clock import VirtualClock
+from cadence.executor.step_scatter import ScatterDraws, StepScatter
 from cadence.host_load import cpu_model
 from cadence.sched.features import (
     BASES,
@@ -215,6 +216,10 @@ class StepCostModel:
     # Not a step's cost: the simulator delays each request's arrival at its engine by
     # `request_delay_for(its prompt tokens)`.
     request_path: dict[str, float] = field(default_factory=dict)
+    # How served steps scatter around the predicted mean (measured on served traffic by
+    # `cadence calibrate --from-served`): the simulator multiplies each step's predicted time by a
+    # draw from it. None: every step costs its mean.
+    step_scatter: StepScatter | None = None
 
     def __post_init__(self) -> None:
         spec = FEATURE_SETS.get(self.feature_set)
@@ -334,7 +339,8 @@ class StepCostModel:
         return {"cadence_profile": PROFILE_FORMAT, **self.metadata,
                 "cost_model": {"feature_set": self.feature_set, "coefficients": self.coefficients,
                                "overhead": self.overhead, "request_path": self.request_path,
-                               "min_cost": self.min_cost, "unit": "seconds"},
+                               "min_cost": self.min_cost, "unit": "seconds",
+                               **({"step_scatter": self.step_scatter.to_dict()} if self.step_scatter else {})},
                 "fit": self.fit_report}
 
     @classmethod
@@ -346,9 +352,11 @@ class StepCostModel:
         kv = meta.get("kv_bytes_per_token")
         if kv is not None and not (isinstance(kv, int) and not isinstance(kv, bool) and kv > 0):
             raise ValueError(f"kv_bytes_per_token: must be a whole number > 0, got {kv!r}")
+        scatter = cm.get("step_scatter")
         return cls(cm["feature_set"], _seconds_by_term(cm, "coefficients"), meta,
                    dict(d.get("fit", {})), _seconds(cm.get("min_cost", 1e-6), "min_cost"),
-                   _seconds_by_term(cm, "overhead"), _seconds_by_term(cm, "request_path"))
+                   _seconds_by_term(cm, "overhead"), _seconds_by_term(cm, "request_path"),
+                   None if scatter is None else StepScatter.from_dict(scatter))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -451,12 +459,17 @@ class SimExecutor:
     `spec_acceptance` (`SpecAcceptance`), drawn from a generator seeded with `seed`, whatever they
     are, and the token after the accepted ones is the one of its output index. For a draft model
     (`draft_requests`), the drafts proposed are the outputs that follow; the draft model's own
-    time is not modelled."""
+    time is not modelled.
+
+    With `scatter`, each step's cost is its predicted mean times the draw of its index and kind
+    (`ScatterDraws`: the step-time scatter measured on served traffic); without, the mean."""
 
     def __init__(self, cost_model: StepCostModel, *, clock: VirtualClock | None = None,
                  token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None,
-                 spec_acceptance: SpecAcceptance | None = None, seed: int = 0) -> None:
+                 spec_acceptance: SpecAcceptance | None = None, seed: int = 0,
+                 scatter: ScatterDraws | None = None) -> None:
         self.cost_model = cost_model
+        self.scatter = scatter
         self.spec_acceptance = spec_acceptance
         self._rng = random.Random(seed)
         self.clock = clock
@@ -488,6 +501,8 @@ class SimExecutor:
         # Shared keys need a second pass over the tables: only for a model that prices them.
         sh = shared_decode_keys(rows, self._block_size()) if self.prices_shared_context and ds > 1 else 0
         cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, sm, dc, ds * dmax, pa, sh)
+        if self.scatter is not None:  # (without: the mean, untouched)
+            cost *= self.scatter.factor(self.num_steps, pt > 0)
         self._charge(cost)
         if self.spec_acceptance is None:
             if sm != len(sampled):
@@ -548,8 +563,10 @@ class SimExecutor:
 
     # -- decode runs (see DecodeRun): steps of the same plain decodes, costed and charged in bulk ----
 
-    def decode_run_costs(self, run: DecodeRun) -> list[float]:
-        """What `execute` would charge for each step of `run`, in order (charges nothing).
+    def decode_run_costs(self, run: DecodeRun, first_step: int = 0) -> list[float]:
+        """What `execute` would charge for each step of `run`, in order (charges nothing), its
+        first step coming `first_step` steps after those charged so far (the index its scatter
+        draw is taken at).
 
         Step j decodes `run.num_seqs` rows, each at its first step's position plus j, and feeds the
         run's prompt chunk (if any) at its start plus j chunks: the features of `execute`, from the
@@ -560,10 +577,15 @@ class SimExecutor:
         w, n, c = self._w, run.num_seqs, run.chunk
         ps = 1 if c else 0
         sm = n + run.sampled  # rows that sample: the decodes, and a prompt's last chunk
+        scatter = self.scatter
         if run.num_steps <= _FEW_STEPS:  # numpy's fixed cost is more than a few `_cost` calls
-            return [self._cost(c, ps, n, sm, run.start_sum + n + n * j, n * (run.start_max + 1 + j),
-                               c * (run.chunk_start + c * j) + c * (c + 1) // 2, run.shared)
-                    for j in range(run.num_steps)]
+            means = [self._cost(c, ps, n, sm, run.start_sum + n + n * j, n * (run.start_max + 1 + j),
+                                c * (run.chunk_start + c * j) + c * (c + 1) // 2, run.shared)
+                     for j in range(run.num_steps)]
+            if scatter is None:
+                return means
+            f = scatter.factors(self.num_steps + first_step, run.num_steps, c > 0, self.num_steps)
+            return [m * x for m, x in zip(means, f, strict=True)]
         head = w[0] + w[1] * c + w[2] * ps + w[3] * n + w[4] * sm  # the terms no step changes
         step = _STEPS[: run.num_steps] if run.num_steps <= len(_STEPS) else np.arange(run.num_steps, dtype=np.int64)
         # Integers, exact: dc = start_sum + n + n * step (keys read: every row's context is its
@@ -586,7 +608,10 @@ class SimExecutor:
             knee = pad > KNEE_1
             hinge = w[7] * (pad - KNEE_1) + w[8] * np.maximum(0, pad - KNEE_2) + w[9] * np.maximum(0, pad - KNEE_3)
             cost = np.where(knee, cost + hinge, cost)
-        return np.maximum(cost, self._min_cost).tolist()
+        cost = np.maximum(cost, self._min_cost)
+        if scatter is not None:  # (the same one multiplication per step as `execute`'s)
+            cost *= np.array(scatter.factors(self.num_steps + first_step, run.num_steps, c > 0, self.num_steps))
+        return cost.tolist()
 
     def charge_decode_run(self, costs: Sequence[float], end: float | None = None) -> None:
         """The first steps of a decode run ran (`decode_run_costs`' leading `costs`): charge them

@@ -50,6 +50,10 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="with --speculative-config: the rate drafts are accepted at, each given the ones before "
                         "it were; or per-position rates recorded from a run (accepted tokens per position over "
                         "verification rows, from /metrics); draws seeded by --seed")
+    g.add_argument("--no-step-scatter", action="store_true",
+                   help="price every step at its shape's mean, even with a profile that measured how served steps "
+                        "scatter around it (`calibrate --from-served`; by default each step's time is drawn from "
+                        "that scatter, seeded by --seed)")
     g.add_argument("--router", choices=ROUTERS, default="prefix-affinity",
                    help="how requests are spread (default %(default)s, as `cadence serve --replicas`); "
                         "with P/D, over the prefill replicas")
@@ -245,7 +249,7 @@ def run_sim(args: argparse.Namespace) -> int:
     from cadence.bench.client import BenchResult, write_outputs
     from cadence.sim.simulator import Simulator
 
-    model = load_profile(args.profile, args)
+    model, scatter_line = with_scatter_choice(load_profile(args.profile, args), args)
     engine_cfg = sim_engine_config(args)
     workload, cfg = prepare_workload(args)
     opts = _sim_options(args, cfg)
@@ -261,7 +265,7 @@ def run_sim(args: argparse.Namespace) -> int:
             "burstiness": cfg.burstiness, "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
             "duration": cfg.duration, "seed": args.seed, **cfg.workload_settings,
             "replicas": opts.replicas, "router": opts.router, "profile": _profile_line(model),
-            "notes": [*workload.notes, _sim_note(res, model), *res.notes],
+            "notes": [*workload.notes, _sim_note(res, model), *res.notes, *([scatter_line] if scatter_line else [])],
             "replica_stats": [{"index": r.index, "requests": r.requests, "steps": r.steps, "busy_s": r.busy_s,
                                "preemptions": r.preemptions, "prefix_cache_query_tokens": r.prefix_cache_queries,
                                "prefix_cache_hit_tokens": r.prefix_cache_hits} for r in res.replicas]}
@@ -285,6 +289,17 @@ def run_sim(args: argparse.Namespace) -> int:
         for f in write_outputs(BenchResult(res.records, summary, time.time()), args.out):
             print(f"wrote {f}")
     return 0 if summary["overall"]["completed"] else 1
+
+
+def with_scatter_choice(model: Any, args: argparse.Namespace) -> tuple[Any, str | None]:
+    """The profile as `--no-step-scatter` asks (without its scatter), and the line that says which
+    (None for a profile without one)."""
+    scatter = model.step_scatter
+    if scatter is None:
+        return model, None
+    if getattr(args, "no_step_scatter", False):
+        return replace(model, step_scatter=None), "step scatter: off (--no-step-scatter): every step at its mean"
+    return model, f"{scatter.describe()} ({model.metadata.get('step_scatter_source', 'measured')})"
 
 
 def _request_path_line(model: Any) -> str:
@@ -416,13 +431,15 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-replicas: must be >= 1, got {args.max_replicas}")
     if not (0.0 <= args.max_error_rate <= 1.0):
         raise ValueError(f"--max-error-rate: must be a fraction in [0, 1], got {args.max_error_rate:g}")
-    model = load_profile(args.profile, args)
+    model, scatter_line = with_scatter_choice(load_profile(args.profile, args), args)
     engine_cfg = sim_engine_config(args)
     if link is not None and not engine_cfg.cache.enable_prefix_caching:
         raise ValueError("--disaggregate: a decode replica takes the transferred KV as prefix-cache blocks; "
                          "P/D needs prefix caching on")
     workload, cfg = prepare_workload(args)
     print(f"planning for {len(workload)} requests of {workload.name}; " + "; ".join(workload.notes[-2:]), flush=True)
+    if scatter_line:
+        print(scatter_line, flush=True)
     print(format_header(objectives), flush=True)  # each row is printed once, as it is tried
     result = plan(workload, engine_cfg, model, objectives, grid=grid, router=args.router,
                   max_replicas=args.max_replicas, max_model_len=args.max_model_len, seed=args.seed,
@@ -481,6 +498,8 @@ def _report_fit(model: Any, path: Path) -> int:
           f"{ov['per_seq'] * 1e3:.3f} ms per running request")
     if model.request_path:
         print(_request_path_line(model))
+    if model.step_scatter is not None:
+        print(f"{model.step_scatter.describe()} ({model.metadata.get('step_scatter_source', 'measured')})")
     print(f"wrote {path}")
     return 0
 

@@ -87,13 +87,14 @@ class DecodeRunExecutor(Protocol):
     """An executor that costs whole runs of plain-decode steps (the simulator's `SimExecutor`).
 
     It samples `token_id` for every plain decode and advances `clock` by each step's cost;
-    `decode_run_costs` gives each step's cost of a run, charging nothing, and `charge_decode_run`
+    `decode_run_costs` gives each step's cost of a run, charging nothing (`first_step`: how many
+    steps after those charged so far the run's first comes), and `charge_decode_run`
     says that the leading steps of those costs ran (`end`: the clock reading after them)."""
 
     token_id: int
     clock: Clock | None
 
-    def decode_run_costs(self, run: DecodeRun) -> list[float]: ...
+    def decode_run_costs(self, run: DecodeRun, first_step: int = 0) -> list[float]: ...
 
     def charge_decode_run(self, costs: Sequence[float], end: float | None = None) -> None: ...
 
@@ -203,7 +204,7 @@ class FastForward:
         the same additions onto the clock's reading as costing them all at once)."""
         costs, ends = stretch.costs, stretch.step_ends
         while len(costs) < num_steps:
-            more = self.executor.decode_run_costs(stretch.pending_runs.pop(0))
+            more = self.executor.decode_run_costs(stretch.pending_runs.pop(0), len(costs))
             more_ends = list(accumulate(more, initial=ends[-1]))
             del more_ends[0]
             costs += more

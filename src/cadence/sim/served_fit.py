@@ -18,7 +18,10 @@ those into a profile:
 - the request path (what a request pays outside the steps: HTTP, tokenization, hand-offs) comes
   from the served requests themselves where the runs kept their records (sim/served_path.py: each
   request's time to first token less its queue wait and its prompt step, as measured), else from
-  the idle probe each served run starts with, priced against the refitted model.
+  the idle probe each served run starts with, priced against the refitted model;
+- the step-time scatter (`measure_scatter`): every served step's measured time over the refitted
+  model's prediction, as quantiles by kind of step and the lag-1 correlation from one step to the
+  next, which the simulator draws each step's factor from (executor/step_scatter.py).
 
 `cadence calibrate --from-served DIR --profile BASE --out NEW` does both.
 """
@@ -35,10 +38,12 @@ import numpy as np
 
 from cadence.executor.cost_model import StepCostModel, StepFeatures
 from cadence.executor.step_log import read_step_log
+from cadence.executor.step_scatter import KINDS, MIN_SCATTER_STEPS, StepScatter, normalised
 from cadence.sim.served_path import FirstToken, fit_served_path, run_first_tokens
 from cadence.sim.serving import fit_request_path
 
 SERVED_PER_SWEEP = 4
+SCATTER_QUANTILES = 101  # the scatter's quantile table: every percentile, 0 to 100
 
 
 def sweep_samples(model: StepCostModel) -> list[tuple[StepFeatures, float]]:
@@ -78,6 +83,43 @@ def served_samples(step_logs: list[Path], limit: int, seed: int = 0) -> list[tup
             out += rng.sample(rows, take)
             left -= take
     return out
+
+
+def measure_scatter(model: StepCostModel, step_logs: list[Path]) -> StepScatter | None:
+    """How the steps of served runs (`step_logs`, each one run's steps in order) scatter around
+    `model`'s prediction: measured / predicted, normalised to mean 1 within each run and kind of
+    step (a run's level is the model's business, not the scatter's), as quantiles per kind
+    (`step_scatter.KINDS`: plain decodes, steps with a prompt chunk); and the lag-1
+    autocorrelation of the log ratio within runs, pooled over them. None from fewer than
+    `MIN_SCATTER_STEPS` steps: too few to say what a tail looks like."""
+    pooled: dict[str, list[np.ndarray]] = {k: [] for k in KINDS}
+    lag_num = lag_den = 0.0
+    for path in step_logs:
+        rows = [r for r in read_step_log(path) if r[1] > 0]
+        if len(rows) < 2:
+            continue
+        ratio = np.array([s for _, s in rows]) / model.predict_many([f for f, _ in rows])
+        prompt = np.array([f.prefill_tokens > 0 for f, _ in rows])
+        for kind, mask in zip(KINDS, (~prompt, prompt), strict=True):
+            if mask.any():
+                ratio[mask] /= ratio[mask].mean()
+                pooled[kind].append(ratio[mask])
+        x = np.log(ratio)
+        x -= x.mean()
+        lag_num += float(x[1:] @ x[:-1])
+        lag_den += float(x @ x)
+    every = np.concatenate([r for rs in pooled.values() for r in rs]) if any(pooled.values()) else np.array([])
+    if len(every) < MIN_SCATTER_STEPS:
+        return None
+    probs = np.linspace(0.0, 1.0, SCATTER_QUANTILES)
+    quantiles, steps = {}, {}
+    for kind, rs in pooled.items():
+        r = np.concatenate(rs) if rs else np.array([])
+        steps[kind] = len(r)
+        source = r if len(r) >= MIN_SCATTER_STEPS else every
+        quantiles[kind] = normalised([float(v) for v in np.quantile(source, probs)])
+    phi = min(max(lag_num / lag_den, 0.0), 0.99) if lag_den > 0 else 0.0
+    return StepScatter(quantiles, phi, steps)
 
 
 def scheduled_rows(run: dict[str, Any]) -> float:
@@ -151,9 +193,11 @@ def refit(base: StepCostModel, breakdown_dirs: str | Path | list[str | Path]) ->
         workloads.append(summary.get("workload"))
     sweep = sweep_samples(base)
     served = served_samples(logs, SERVED_PER_SWEEP * len(sweep))
-    meta = {k: v for k, v in base.metadata.items() if k != "validation"}  # a new model needs a new validation
+    # A new model needs a new validation, and its own scatter.
+    meta = {k: v for k, v in base.metadata.items() if k not in ("validation", "step_scatter_source")}
     fitted = StepCostModel.fit(sweep + served, metadata=meta)
     fitted.fit_report["samples"] = base.fit_report["samples"]
+    scatter = measure_scatter(fitted, logs)  # (the fit prices the executor's time, as the logs measure it)
     overhead = engine_overhead(runs)
     tokens: list[FirstToken] = [t for d, r in zip(run_dirs, runs, strict=True) for t in run_first_tokens(d, r, overhead)]
     served_path = fit_served_path(tokens)
@@ -171,5 +215,9 @@ def refit(base: StepCostModel, breakdown_dirs: str | Path | list[str | Path]) ->
         "loads": [r.get("fraction") for r in runs], "workload": ", ".join(str(w) for w in workloads),
         "overhead": overhead}
     fitted.metadata["overhead_source"] = "served traffic: the engine thread outside the executor"
+    if scatter is not None:
+        fitted.metadata["step_scatter_source"] = (
+            f"served traffic: {sum((scatter.steps or {}).values())} steps of {len(logs)} runs, measured / refitted "
+            "model, normalised to mean 1 per run and kind of step")
     fitted.metadata["request_path_source"] = path_source
-    return dataclasses.replace(fitted, overhead=overhead, request_path=request_path)
+    return dataclasses.replace(fitted, overhead=overhead, request_path=request_path, step_scatter=scatter)

@@ -36,6 +36,7 @@ from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
 from cadence.errors import HTTP_STATUS, AdmissionError, ErrorKind
 from cadence.executor.cost_model import SimExecutor, SpecAcceptance, StepCostModel
+from cadence.executor.step_scatter import ScatterDraws
 from cadence.kv.hashing import block_hashers
 from cadence.request import Request, SamplingParams
 from cadence.routing import DIGEST_LIMIT, STATS_PERIOD_S, Router, check_router, fingerprints
@@ -71,6 +72,10 @@ class SimOptions:
 
     `spec_acceptance`: how drafts are accepted when the engine speculates (`SpecAcceptance`; the
     draws are seeded by `seed`); required then.
+
+    `step_scatter`: multiply each step's predicted time by a draw from the profile's measured
+    step-time scatter (`StepCostModel.step_scatter`; the draws are seeded by `seed`, one stream per
+    replica). Off, or a profile without one: every step costs the mean of its shape.
     """
 
     replicas: int = 1
@@ -81,6 +86,7 @@ class SimOptions:
     closed_loop: bool = False
     fast_forward: bool = True
     spec_acceptance: SpecAcceptance | None = None
+    step_scatter: bool = True
 
     def validate(self) -> SimOptions:
         if self.replicas < 1:
@@ -226,8 +232,11 @@ class Simulator:
                 raise ValueError("cost_model: required unless an executor factory is given")
             check_kv_cache_dtype(config, cost_model)
             seeds = iter(range(options.seed, options.seed + options.replicas))
+            scatter = cost_model.step_scatter if options.step_scatter else None
+            replica = iter(range(options.replicas))
             executor_factory = lambda clock: SimExecutor(  # noqa: E731
-                cost_model, clock=clock, spec_acceptance=options.spec_acceptance, seed=next(seeds))
+                cost_model, clock=clock, spec_acceptance=options.spec_acceptance, seed=next(seeds),
+                scatter=None if scatter is None else ScatterDraws(scatter, f"{options.seed}/{next(replica)}"))
         max_len = sim_max_model_len(options.max_model_len, cost_model)
         self.max_model_len = max_len
         self._cost_model = cost_model  # its request path delays each request (`_request_delays`)
