@@ -207,3 +207,20 @@ def test_calibrate_from_served_writes_the_scatter_and_sim_says_so(tmp_path, caps
     for i in range(2):
         _step_log(d / f"steps_1_0.{i}.jsonl", bare, [1.0] * 60, rng)
     assert refit(dataclasses.replace(base, step_scatter=SCATTER), d).step_scatter is None
+
+
+def test_a_pd_fleet_scatters_its_steps_too() -> None:
+    from cadence.sim.disagg import PDSimulator
+    from cadence.sim.pd import PDOptions
+
+    w = assign_arrivals(builtin_workload("chat", 80, seed=1), "poisson", 3.0, seed=1)
+    config = EngineConfig.from_options(num_kv_blocks=2048, prefix_caching_hash_algo="builtin")
+
+    def run(model: StepCostModel, **opts) -> list[dict]:
+        sim = PDSimulator(config, model, SimOptions(**opts), PDOptions(1, 2))
+        return [r.to_dict() for r in sim.run(w).records]
+
+    scattered = run(SCATTERED, seed=3)
+    assert scattered == run(SCATTERED, seed=3) == run(SCATTERED, seed=3, fast_forward=False)
+    assert scattered != run(SCATTERED, seed=4)
+    assert run(SCATTERED, seed=3, step_scatter=False) == run(MODEL, seed=3) != scattered
