@@ -74,6 +74,17 @@ def test_draws_are_seeded_have_mean_one_and_correlate_as_measured() -> None:
         a.factors(0, 1, False, 40_000)
 
 
+def test_independent_draws_follow_the_table() -> None:
+    iid = dataclasses.replace(SCATTER, phi=0.0)
+    f = ScatterDraws(iid, 3).factors(0, 200_000, False, 0)
+    assert statistics.fmean(f) == pytest.approx(1.0, abs=0.005)
+    q = statistics.quantiles(f, n=10)
+    table = SCATTER.quantiles["decodes"]
+    assert q[0] == pytest.approx(table[10], rel=0.02) and q[-1] == pytest.approx(table[90], rel=0.02)
+    x = [v - 1.0 for v in f]
+    assert abs(sum(p * r for p, r in zip(x, x[1:], strict=False)) / sum(v * v for v in x)) < 0.01
+
+
 def test_a_profile_keeps_its_scatter(tmp_path) -> None:
     path = SCATTERED.save(tmp_path / "p.json")
     assert StepCostModel.load(path).step_scatter == SCATTER
