@@ -277,7 +277,7 @@ def test_abort_ends_a_subscribed_request_on_the_replica() -> None:
         [_ async for _ in replica.generate(call)]
         assert await sub.__anext__() == {}  # (it answers at once)
         first = await sub.__anext__()
-        replica.abort("long")
+        await replica.abort("long")
         items = list(first["long"])
         async for batch in sub:
             items.extend(batch.get("long", []))
