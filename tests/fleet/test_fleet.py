@@ -260,6 +260,41 @@ def test_cadence_serves_the_port_itself_without_serves_http_proxy(fleet) -> None
     assert r.status_code == 200 and r.headers["x-cadence-replica"]
 
 
+def test_the_local_rays_unused_head_processes_are_stopped(fleet) -> None:
+    import os
+
+    from ray._private import worker
+
+    from cadence.fleet.launch import UNUSED_HEAD_PROCESSES
+
+    # Ray's node no longer holds them (its shutdown stops what it holds) ...
+    held = set(worker._global_node.all_processes)
+    assert "raylet" in held and not held & set(UNUSED_HEAD_PROCESSES), held
+    # ... and no process of this one's runs their scripts.
+    scripts = ("dashboard/dashboard.py", "_private/log_monitor.py")
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == os.getpid()]
+    running = [c for c in children if any(s in _cmdline(c) for s in scripts)]
+    assert children and not running, [_cmdline(c) for c in running]
+    with httpx.Client(base_url=fleet.url, timeout=60) as c:
+        assert complete(c, "served without them").status_code == 200
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):  # (gone meanwhile)
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").replace("\0", " ")
+    except OSError:
+        return ""
+
+
 def test_the_single_servers_head_limits_guard_the_fleet(fleet) -> None:
     # A head over max_header_bytes (64 KiB) is refused as on a single server: 431 with its error.
     with httpx.Client(base_url=fleet.url, timeout=60) as c:

@@ -14,13 +14,11 @@ import pytest
 
 pytest.importorskip("ray")  # (the fleet's extra: `make serve` / `make test` install it)
 
-from cadence.config import EngineConfig  # noqa: E402
+from fleet_stand_in import StandInHandle, fleet_client  # noqa: E402
+
 from cadence.errors import CadenceError, ErrorKind  # noqa: E402
 from cadence.fleet.client import FleetClient  # noqa: E402
 from cadence.fleet.protocol import Admitted  # noqa: E402
-from cadence.fleet.replica import ReplicaInfo  # noqa: E402
-from cadence.model.loader import default_model_path  # noqa: E402
-from cadence.model.tokenizer import Tokenizer  # noqa: E402
 from cadence.request import SamplingParams  # noqa: E402
 
 
@@ -44,50 +42,33 @@ class _HeldAdmission:
         self._items.clear()
 
 
-class _Handle:
+class _Handle(StandInHandle):
     """The replicas' handle: held admissions, a subscription that stays open, recorded aborts."""
 
     def __init__(self) -> None:
+        super().__init__(generate=self._generate, subscribe=self._subscribe, abort=self._abort)
         self.answer = asyncio.Event()
         self.sent = asyncio.Event()  # a generate call was sent
         self.aborted: list[str] = []
         self.abort_sent = asyncio.Event()
         self.closed = asyncio.Event()  # the subscriptions end
-        handle = self
 
-        class _Generate:
-            @staticmethod
-            def remote(call: Any) -> _HeldAdmission:
-                handle.sent.set()
-                return _HeldAdmission(handle.answer)
+    def _generate(self, call: Any) -> _HeldAdmission:
+        self.sent.set()
+        return _HeldAdmission(self.answer)
 
-        class _Subscribe:
-            @staticmethod
-            async def remote(subscriber: str, target: Any) -> AsyncIterator[dict[str, list[Any]]]:
-                yield {}
-                await handle.closed.wait()
+    async def _subscribe(self, subscriber: str, target: Any) -> AsyncIterator[dict[str, list[Any]]]:
+        yield {}
+        await self.closed.wait()
 
-        class _Abort:
-            @staticmethod
-            async def remote(request_id: str, target: Any) -> None:
-                handle.aborted.append(request_id)
-                handle.abort_sent.set()
-
-        self.generate, self.subscribe, self.abort = _Generate(), _Subscribe(), _Abort()
-
-    def options(self, **_: Any) -> _Handle:
-        return self
-
-
-def _client(handle: _Handle) -> FleetClient:
-    tokenizer = Tokenizer.from_model_path(default_model_path())
-    info = ReplicaInfo("tiny", 1024, 1024, tokenizer.vocab_size, 16, "sha256")
-    return FleetClient(handle, info, tokenizer, EngineConfig.from_options(max_model_len=1024), max_held=8)
+    async def _abort(self, request_id: str, target: Any) -> None:
+        self.aborted.append(request_id)
+        self.abort_sent.set()
 
 
 async def _abort_before_admission() -> tuple[_Handle, BaseException | None, FleetClient]:
     handle = _Handle()
-    client = _client(handle)
+    client = fleet_client(handle)
     submitted = asyncio.ensure_future(client.submit([[1, 2, 3]], SamplingParams(max_tokens=50), request_id="gone"))
     await handle.sent.wait()
     client.abort("gone")  # the client left (what the HTTP layer calls), before the replica answered
@@ -112,7 +93,7 @@ def test_a_request_aborted_on_its_way_is_aborted_on_the_replica_that_admits_it()
 
 async def _second_submit_while_first_in_admission() -> CadenceError:
     handle = _Handle()
-    client = _client(handle)
+    client = fleet_client(handle)
     first = asyncio.ensure_future(client.submit([[1, 2, 3]], SamplingParams(max_tokens=5), request_id="same"))
     await handle.sent.wait()
     try:  # (accepted, it would wait for its own admission, held like the first's)

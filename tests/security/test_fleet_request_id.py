@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from fleet_stand_in import StandInHandle, fleet_client
 
-from cadence.config import EngineConfig, ServerConfig
+from cadence.config import ServerConfig
 from cadence.engine.output_processor import StreamDelta
 from cadence.fleet.client import FleetClient, ReplicaHeaderMiddleware
 from cadence.fleet.protocol import Admitted
-from cadence.fleet.replica import ReplicaInfo
 from cadence.model.loader import default_model_path
 from cadence.model.tokenizer import Tokenizer
 from cadence.server.app import create_app
@@ -40,23 +40,16 @@ class _Stream:
         self.items.clear()
 
 
-class _Handle:
+class _Handle(StandInHandle):
     """The replica deployment's handle: `generate` calls are recorded and answered at once."""
 
     def __init__(self) -> None:
+        super().__init__(generate=self._generate)
         self.calls: list[Any] = []
-        handle = self
 
-        class _Generate:
-            @staticmethod
-            def remote(call: Any) -> _Stream:
-                handle.calls.append(call)
-                return _Stream(call.request_id)
-
-        self.generate = _Generate()
-
-    def options(self, **_: Any) -> _Handle:
-        return self
+    def _generate(self, call: Any) -> _Stream:
+        self.calls.append(call)
+        return _Stream(call.request_id)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +59,7 @@ def tokenizer() -> Tokenizer:
 
 def _ingress(tokenizer: Tokenizer) -> tuple[TestClient, FleetClient, _Handle]:
     handle = _Handle()
-    info = ReplicaInfo("tiny", 1024, 1024, tokenizer.vocab_size, 16, "sha256")
-    client = FleetClient(handle, info, tokenizer, EngineConfig.from_options(max_model_len=1024), max_held=8)
+    client = fleet_client(handle, tokenizer)
     client.subscribe_streams = False  # (the stand-in answers each call with its own stream: Admitted, then deltas)
     app = create_app(client, ServerConfig(host="127.0.0.1", port=0), render_metrics=client.render_metrics)
     app.add_middleware(ReplicaHeaderMiddleware, echo_request_id=True)

@@ -160,6 +160,51 @@ def test_closing_a_stream_early_aborts_it_on_its_replica_and_late_items_are_abor
     assert not state.OPEN_STREAMS
 
 
+def test_a_request_is_aborted_once_however_many_of_its_items_arrive_after_its_reader_left() -> None:
+    # Until the abort reaches its replica, the engine goes on stepping the request: each of those
+    # steps' batches must not send an abort of its own.
+    batches: asyncio.Queue[dict[str, list[Any]]] = asyncio.Queue()
+    aborted: list[tuple[str, str]] = []
+
+    async def open_stream(subscriber: str, replica: str) -> AsyncIterator[dict[str, list[Any]]]:
+        while True:
+            yield await batches.get()
+
+    async def abort(replica: str, request_id: str) -> None:
+        aborted.append((replica, request_id))
+
+    async def delivered() -> None:
+        while not batches.empty():
+            await asyncio.sleep(0)
+        for _ in range(10):  # (the reader hands the last batch out, the abort tasks run)
+            await asyncio.sleep(0)
+
+    async def run() -> None:
+        subs = Subscriptions(open_stream, abort, ray_unavailable)
+        stream = _stream(subs, "r1", "x")
+        left = subs.inbox("early")  # its reader left before its admission came back
+        subs.drop(left)
+        batches.put_nowait({"r1": [_delta("r1", 1)]})
+        assert (await stream.__anext__()).token_ids == [1]
+        await stream.aclose()
+        for token in range(2, 6):
+            batches.put_nowait({"r1": [_delta("r1", token)], "early": [_delta("early", token)]})
+            await delivered()
+        assert sorted(aborted) == [("x", "early"), ("x", "r1")]
+        assert subs._aborted == {("x", "early"), ("x", "r1")}
+        batches.put_nowait({"r1": [_delta("r1", 6), ENDED], "early": [ENDED]})
+        await delivered()
+        assert subs._aborted == set()  # (their ends came: nothing is kept for them)
+        # The same id again later (a client's X-Request-Id reused) is aborted again when its reader leaves.
+        again = _stream(subs, "r1", "x")
+        await again.aclose()
+        batches.put_nowait({"r1": [_delta("r1", 1)]})
+        await delivered()
+
+    asyncio.run(run())
+    assert sorted(aborted) == [("x", "early"), ("x", "r1"), ("x", "r1")]
+
+
 def test_an_outbox_holds_a_bounded_number_of_items_until_its_subscriber_connects() -> None:
     closed = asyncio.Event()
 
@@ -232,7 +277,7 @@ def test_abort_ends_a_subscribed_request_on_the_replica() -> None:
         [_ async for _ in replica.generate(call)]
         assert await sub.__anext__() == {}  # (it answers at once)
         first = await sub.__anext__()
-        replica.abort("long")
+        await replica.abort("long")
         items = list(first["long"])
         async for batch in sub:
             items.extend(batch.get("long", []))

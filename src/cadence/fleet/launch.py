@@ -41,6 +41,15 @@ LOCAL_RAY_ENV = {
 }
 
 
+# Head processes of a local Ray that a fleet never uses, stopped once it is up (ray.init has no
+# option to leave them out): the dashboard's API server (ray.init's include_dashboard=False still
+# starts it, to report usage stats, which are off), and the log monitor (it forwards workers'
+# output to drivers that ask for it; this one does not, log_to_driver=False). Each costs a
+# process (about 100 MiB) and CPU on the engines' cores. Serve's Python API (serve.run,
+# handles) needs neither; `serve status`/`serve deploy` talk to a dashboard, a cluster's own.
+UNUSED_HEAD_PROCESSES = ("dashboard", "log_monitor")
+
+
 @dataclass(frozen=True)
 class RayOptions:
     address: str | None = None  # None: a local Ray in this process
@@ -91,6 +100,24 @@ def start_ray(opts: RayOptions) -> None:
     else:
         ray.init(num_cpus=opts.num_cpus, include_dashboard=False, object_store_memory=opts.object_store_bytes or OBJECT_STORE_BYTES,
                  log_to_driver=False)
+        stop_unused_head_processes()
+
+
+def stop_unused_head_processes() -> None:
+    """Stop the `UNUSED_HEAD_PROCESSES` of the Ray this process started (through Ray's node,
+    which then no longer counts them among its processes: its shutdown stops the rest)."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    for name in UNUSED_HEAD_PROCESSES:
+        stop = getattr(node, f"kill_{name}", None)
+        if stop is None:  # (another Ray version: the process stays, which costs only its CPU)
+            log.info("Ray's %s process stays (this Ray cannot stop it)", name)
+            continue
+        try:
+            stop(check_alive=False)
+        except Exception as e:
+            log.warning("Ray's %s process could not be stopped (%s)", name, e)
 
 
 def pool_app(deployment: str) -> str:

@@ -155,8 +155,10 @@ class CadenceReplica:
             if outbox.idle and self._outboxes.get(subscriber) is outbox:
                 del self._outboxes[subscriber]
 
-    def abort(self, request_id: str, target: Target | None = None) -> None:
-        """Abort a subscribed request (its reader left)."""
+    async def abort(self, request_id: str, target: Target | None = None) -> None:
+        """Abort a subscribed request (its reader left). A coroutine, so that it runs on the loop
+        that owns the request's pump: Serve runs a plain method in a worker thread, and a task is
+        not to be cancelled from another thread."""
         self._abort(request_id)
 
     def _abort(self, request_id: str) -> None:

@@ -11,7 +11,8 @@ finding it full waits up to `CONNECT_WAIT_S` for the subscriber, then aborts its
 
 At the ingress, `Subscriptions` reads each replica's subscription and puts every request's items
 in that request's `Inbox` (the stream its `FleetStream` reads). A subscription that fails in Ray
-fails every request on that replica; closing an inbox early aborts its request on the replica.
+fails every request on that replica; closing an inbox early aborts its request on the replica,
+once: the items the replica sent before the abort reached it are dropped without another.
 """
 
 from __future__ import annotations
@@ -176,6 +177,9 @@ class Subscriptions:
         self._inboxes: dict[str, Inbox] = {}
         self._readers: dict[str, asyncio.Task] = {}  # replica -> the task reading its subscription
         self._aborts: set[asyncio.Task] = set()
+        # Requests aborted on a replica whose end has not come yet, as (replica, request id): the
+        # items still on their way for one are dropped, not answered with another abort each.
+        self._aborted: set[tuple[str, str]] = set()
 
     def inbox(self, request_id: str) -> Inbox:
         """The request's inbox, registered before the request is sent (its first items may come
@@ -233,21 +237,25 @@ class Subscriptions:
         finally:
             state.subscription_closed(replica)
             del self._readers[replica]
+            # Ended idle, the replica holds none of them; failed, it is gone with them.
+            self._aborted = {key for key in self._aborted if key[0] != replica}
         mine = [i for i in self._inboxes.values() if i.replica == replica]
         if error is not None:
             for inbox in mine:
                 self._forget(inbox)
                 inbox.fail(error)
                 if unanswered:  # (a replica alive but too busy to answer would run them for nobody)
-                    self._send_abort(replica, inbox.request_id)
+                    self._start_abort(replica, inbox.request_id)  # (its subscription is over: not kept)
         elif mine:  # it ended (idle) as another request was admitted there: open it again
             self._readers[replica] = asyncio.get_running_loop().create_task(self._read(replica))
 
     def _deliver(self, replica: str, batch: Batch) -> None:
         for request_id, items in batch.items():
             inbox = self._inboxes.get(request_id)
-            if inbox is None:  # its reader left before it was admitted
-                if not isinstance(items[-1], Ended):
+            if inbox is None:  # its reader left (before its admission, or since)
+                if isinstance(items[-1], Ended):
+                    self._aborted.discard((replica, request_id))
+                else:
                     self._send_abort(replica, request_id)
                 continue
             if isinstance(items[-1], Ended):
@@ -255,6 +263,13 @@ class Subscriptions:
             inbox.put(items)
 
     def _send_abort(self, replica: str, request_id: str) -> None:
+        """Abort the request on `replica`, unless it was already (until its end comes back)."""
+        if (replica, request_id) in self._aborted:
+            return
+        self._aborted.add((replica, request_id))
+        self._start_abort(replica, request_id)
+
+    def _start_abort(self, replica: str, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self._aborting(replica, request_id))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
