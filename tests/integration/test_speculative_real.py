@@ -1,7 +1,8 @@
 """Speculative decoding keeps outputs: on the real default model (bfloat16 kernels) and on the tiny
-random one (whose attention runs in torch: greedy tokens only), a request's greedy tokens with
-n-gram speculation are those without, alone, batched with requests that do not speculate, and
-under preemption; on the default model a seeded sampling request's tokens are too; on the tiny
+random one (whose attention runs in torch: greedy tokens only, alone and under preemption, as
+batching moves them on it without speculation too), a request's greedy tokens with n-gram
+speculation are those without, alone, batched with requests that do not speculate, and under
+preemption; on the default model a seeded sampling request's tokens are too; on the tiny
 model unseeded sampling keeps its token frequencies. Each scenario also checks that drafts were
 accepted, so the verification path really ran.
 
@@ -103,15 +104,18 @@ def test_alone_the_same_tokens_with_drafts_accepted(model: dict, reference) -> N
 
 
 def test_batched_with_requests_that_do_not_speculate(model: dict, reference) -> None:
-    """Speculating greedy requests beside opted-out ones and seeded sampling ones (which speculate too)."""
+    """Speculating greedy requests beside opted-out ones and seeded sampling ones (which speculate too);
+    on the tiny model, that such a batch verifies drafts."""
     spec = Counted(max_num_seqs=64, num_kv_blocks=2048, speculative_config=NGRAM, **model)
     n = len(PROMPTS)
     params = [GREEDY] * n + [OPTED_OUT] * n + [_seeded(i) for i in range(n)]
     got = spec.tokens(PROMPTS * 3, params)
-    _assert_same(got[:n], reference["greedy"], "speculating, in a batch")
-    _assert_same(got[n : 2 * n], reference["greedy"], "opted out, in a batch")
     if not model:  # the tiny model runs attention in torch (its head size is not the kernels'), whose
-        # sampled tokens move with the batch's shape without speculation too: compared on the default model
+        # tokens move with the batch's shape: without speculation, the same prompts batched three
+        # times change a greedy request's tokens against it alone (its top two logits 0.002 apart).
+        # Compared on the default model, where batching changes no bit.
+        _assert_same(got[:n], reference["greedy"], "speculating, in a batch")
+        _assert_same(got[n : 2 * n], reference["greedy"], "opted out, in a batch")
         _assert_same(got[2 * n :], reference["seeded"], "seeded sampling, in a batch")
     assert spec.accepted > 0
 
@@ -174,8 +178,10 @@ def test_seeded_sampled_requests_speculate_and_keep_their_tokens() -> None:
 def test_sampling_keeps_the_token_distribution_on_the_tiny_model() -> None:
     """Unseeded sampling, many times over: the frequencies of each output position's tokens with
     speculation match those without (within 5 standard errors of their difference). At temperature
-    0.1 the tiny model's distribution has a few likely tokens, which it tends to repeat: drafts."""
-    assert_same_distribution(NGRAM)
+    0.1 the tiny model's distribution has a few likely tokens, which it tends to repeat: drafts. Not
+    adaptive: 64 requests at a time, where adaptive k finds few drafts worth their time, and this
+    test needs many rows verified."""
+    assert_same_distribution({**NGRAM, "adaptive": False})
 
 
 def assert_same_distribution(speculative_config: dict) -> None:

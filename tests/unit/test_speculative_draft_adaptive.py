@@ -71,17 +71,17 @@ def test_a_request_whose_drafts_pay_is_drafted_for_every_step_and_verifies_them(
 
 def test_drafting_is_priced_so_that_drafts_are_turned_down_as_the_batch_grows() -> None:
     """The same requests and acceptance: without the drafting time, drafts pay alone and in a batch of
-    eight; with a draft of a third of the layers drafting four tokens, they still pay alone, not in
+    four; with a draft of a third of the layers drafting four tokens, they still pay alone, not in
     the batch."""
     drafting = DraftModelCost(ratio=1 / 3, num_tokens=4)
 
     def chosen(n: int, draft: DraftModelCost | None) -> int:
         base = StepFeatures(decode_seqs=n, sampled=n, decode_context=100 * n, decode_padded=100 * n)
-        cands = [Candidate(f"c{i}", 99, 4, 0.8) for i in range(n)]
+        cands = [Candidate(f"c{i}", 99, 4, 0.95) for i in range(n)]
         return len(choose_ks(base, cands, fake_cost, 512, drafting=draft))
 
-    assert chosen(1, None) == 1 and chosen(8, None) == 8
-    assert chosen(1, drafting) == 1 and chosen(8, drafting) < 8
+    assert chosen(1, None) == 1 and chosen(4, None) == 4
+    assert chosen(1, drafting) == 1 and chosen(4, drafting) < 4
 
 
 def test_the_engine_prices_drafting_at_the_draft_models_share_of_the_layers(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from cadence.config import EngineConfig
 from cadence.engine.core import EngineCore
 from cadence.executor.cost_model import SimExecutor, SpecAcceptance, StepCostModel
 from cadence.request import Request, SamplingParams
+from cadence.sched.adaptive import DraftModelCost
 from cadence.sim.profile import shipped_profile
 from cadence.sim.simulator import SimOptions, Simulator
 from cadence.workload import Workload, WorkloadRequest
@@ -105,7 +106,46 @@ def test_a_draft_model_speculates_in_the_simulator_at_the_given_rate() -> None:
     drafts are verified at the rate given; output does not change, the steps fall."""
     assert _tokens(DRAFT_MODEL, "0.8") == _tokens(None, "0")
     plain, _ = _sim(2, None, None, fast_forward=False)
-    got, drafts = _sim(2, DRAFT_MODEL, "1")
+    got, drafts = _sim(2, DRAFT_MODEL, "1", spec_draft_ratio=0.1)
     assert sum(d for _, d in drafts) > 0
     assert [r.output_tokens for r in got.records] == [48, 48]
     assert got.steps < plain.steps * 0.5
+
+
+def test_the_draft_models_time_is_charged_per_step_as_the_scheduler_prices_it() -> None:
+    """With a draft model, each step costs the served model's step plus `DraftModelCost.total` of the
+    requests drafted for after it (the function adaptive k weighs drafting with), at their rows'
+    contexts; the scheduler's adaptive k gets the same ratio."""
+    class Recording(SimExecutor):
+        def execute(self, scheduler_output):  # type: ignore[no-untyped-def]
+            got = super().execute(scheduler_output)
+            charged.append((scheduler_output, self.last_step_cost))
+            return got
+
+    charged: list = []
+    drafting = DraftModelCost(0.25, 4)
+    config = EngineConfig.from_options(num_kv_blocks=512, speculative_config={**DRAFT_MODEL, "adaptive": True})
+    ex = Recording(CHEAP, spec_acceptance=SpecAcceptance.parse("0.5"), seed=1, draft_cost=drafting)
+    core = EngineCore(config, ex, max_model_len=4096, eos_token_ids=frozenset())
+    core.scheduler.speculation.draft_cost_ratio = drafting.ratio
+    for i in range(3):
+        core.add_request(Request(f"r{i}", list(range(10 + i)), SamplingParams(max_tokens=20, temperature=0.0,
+                                                                           ignore_eos=True)))
+    while core.has_unfinished_requests():
+        core.step()
+    drafted = 0
+    for out, cost in charged:
+        contexts = [r.start_pos + 1 for r in out.scheduled if r.request_id in out.draft_requests]
+        drafted += len(contexts)
+        want = CHEAP.cost(out) + drafting.total(CHEAP.predict, len(contexts), sum(contexts), max(contexts, default=0))
+        assert cost == pytest.approx(want, rel=1e-12)
+    assert drafted > 0 and drafting.total(CHEAP.predict, 1, 11, 11) > 0
+    # The simulator requires the ratio with a draft model, and gives it to adaptive k.
+    with pytest.raises(ValueError, match="spec_draft_ratio"):
+        _sim(2, DRAFT_MODEL, "1")
+    sim = Simulator(EngineConfig.from_options(num_kv_blocks=512, speculative_config=DRAFT_MODEL), CHEAP,
+                    SimOptions(spec_acceptance=SpecAcceptance.parse("1"), spec_draft_ratio=0.25))
+    assert all(r.core.scheduler.speculation.draft_cost_ratio == 0.25 for r in sim.replicas)
+    slow, _ = _sim(2, DRAFT_MODEL, "1", spec_draft_ratio=0.5)
+    fast, _ = _sim(2, DRAFT_MODEL, "1", spec_draft_ratio=0.05)
+    assert slow.steps == fast.steps and slow.virtual_s > fast.virtual_s  # fixed k: the same steps, dearer

@@ -29,6 +29,7 @@ from cadence.boundary import ModelOutput, SchedulerOutput
 from cadence.clock import VirtualClock
 from cadence.executor.step_scatter import ScatterDraws, StepScatter
 from cadence.host_load import cpu_model
+from cadence.sched.adaptive import DraftModelCost
 from cadence.sched.features import (
     BASES,
     KNEE_1,
@@ -458,19 +459,23 @@ class SimExecutor:
     of 1 + k tokens whose every position goes through the LM head; its drafts are accepted by
     `spec_acceptance` (`SpecAcceptance`), drawn from a generator seeded with `seed`, whatever they
     are, and the token after the accepted ones is the one of its output index. For a draft model
-    (`draft_requests`), the drafts proposed are the outputs that follow; the draft model's own
-    time is not modelled.
+    (`draft_requests`), the drafts proposed are the outputs that follow, and with `draft_cost` the
+    step is charged the draft model's time as the scheduler prices it (`DraftModelCost.total`: k
+    decode passes over the requests drafted for, each its share of layers of a served decode step).
 
-    With `scatter`, each step's cost is its predicted mean times the draw of its index and kind
-    (`ScatterDraws`: the step-time scatter measured on served traffic); without, the mean."""
+    With `scatter`, each step's cost (the draft model's time included) is its predicted mean times
+    the draw of its index and kind (`ScatterDraws`: the step-time scatter measured on served
+    traffic); without, the mean."""
 
     def __init__(self, cost_model: StepCostModel, *, clock: VirtualClock | None = None,
                  token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None,
                  spec_acceptance: SpecAcceptance | None = None, seed: int = 0,
-                 scatter: ScatterDraws | None = None) -> None:
+                 scatter: ScatterDraws | None = None,
+                 draft_cost: DraftModelCost | None = None) -> None:
         self.cost_model = cost_model
         self.scatter = scatter
         self.spec_acceptance = spec_acceptance
+        self.draft_cost = draft_cost
         self._rng = random.Random(seed)
         self.clock = clock
         self.token_id = token_id
@@ -501,6 +506,8 @@ class SimExecutor:
         # Shared keys need a second pass over the tables: only for a model that prices them.
         sh = shared_decode_keys(rows, self._block_size()) if self.prices_shared_context and ds > 1 else 0
         cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, sm, dc, ds * dmax, pa, sh)
+        if self.draft_cost is not None and scheduler_output.draft_requests:
+            cost += self._drafting(scheduler_output)
         if self.scatter is not None:  # (without: the mean, untouched)
             cost *= self.scatter.factor(self.num_steps, pt > 0)
         self._charge(cost)
@@ -533,6 +540,14 @@ class SimExecutor:
                 after = r.num_output_tokens + m + 1
                 drafts[r.request_id] = tuple(base + (after + j) % SPEC_CYCLE for j in range(want.k))
         return ModelOutput(sampled_token_ids=sampled, verified_token_ids=verified, draft_token_ids=drafts)
+
+    def _drafting(self, out: SchedulerOutput) -> float:
+        """The draft model's time after the step: the requests it drafts for, at the contexts the
+        scheduler weighed them at (their row's first position + 1)."""
+        assert self.draft_cost is not None
+        wanted = out.draft_requests
+        contexts = [r.start_pos + 1 for r in out.scheduled if r.request_id in wanted]
+        return self.draft_cost.total(self.cost_model.predict, len(contexts), sum(contexts), max(contexts, default=0))
 
     def _block_size(self) -> int:
         if self.block_size is None:

@@ -54,6 +54,10 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="price every step at its shape's mean, even with a profile that measured how served steps "
                         "scatter around it (`calibrate --from-served`; by default each step's time is drawn from "
                         "that scatter, seeded by --seed)")
+    g.add_argument("--spec-draft-ratio", type=_ratio, default=None, metavar="RATIO",
+                   help="with a draft model (\"method\": \"draft_model\"): its layers over the served model's, "
+                        "as a number or a fraction (4/30); each step is charged the draft model's k decode passes "
+                        "at that share of a served decode step, as `cadence serve` prices them")
     g.add_argument("--router", choices=ROUTERS, default="prefix-affinity",
                    help="how requests are spread (default %(default)s, as `cadence serve --replicas`); "
                         "with P/D, over the prefill replicas")
@@ -223,7 +227,20 @@ def _sim_options(args: argparse.Namespace, cfg: Any):
     rate = getattr(args, "spec_acceptance_rate", None)
     return SimOptions(replicas=args.replicas, router=args.router, max_model_len=args.max_model_len,
                       seed=args.seed, concurrency=cfg.concurrency, closed_loop=closed,
-                      spec_acceptance=None if rate is None else SpecAcceptance.parse(rate))
+                      spec_acceptance=None if rate is None else SpecAcceptance.parse(rate),
+                      spec_draft_ratio=getattr(args, "spec_draft_ratio", None))
+
+
+def _ratio(text: str) -> float:
+    """--spec-draft-ratio: "0.133" or "4/30"."""
+    num, sep, den = text.partition("/")
+    try:
+        value = float(num) / float(den) if sep else float(num)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"expected a number or a fraction such as 4/30, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
 
 
 # -- sim ------------------------------------------------------------------------------------------
@@ -445,6 +462,7 @@ def run_plan(args: argparse.Namespace) -> int:
                   max_replicas=args.max_replicas, max_model_len=args.max_model_len, seed=args.seed,
                   max_error_rate=args.max_error_rate, disaggregate=link,
                   spec_acceptance=_sim_options(args, cfg).spec_acceptance,
+                  spec_draft_ratio=args.spec_draft_ratio,
                   progress=lambda t: print(format_trial(t, objectives), flush=True))
     print(format_plan(result, with_table=False))
     return 0 if result.best is not None or result.pd_best is not None else 1

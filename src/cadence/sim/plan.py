@@ -139,10 +139,10 @@ def unloaded_ttft(workload: Workload, config: EngineConfig, model: StepCostModel
 def evaluate(workload: Workload, config: EngineConfig, model: StepCostModel, replicas: int,
              objectives: list[Objective], *, router: str, max_model_len: int | None, seed: int,
              max_error_rate: float, options: dict[str, Any], pd: PDOptions | None = None,
-             spec_acceptance: SpecAcceptance | None = None) -> Trial:
+             spec_acceptance: SpecAcceptance | None = None, spec_draft_ratio: float | None = None) -> Trial:
     """One simulation judged against the objectives: `replicas` colocated, or the P/D fleet `pd`."""
     sim_options = SimOptions(replicas=replicas, router=router, max_model_len=max_model_len, seed=seed,
-                             spec_acceptance=spec_acceptance)
+                             spec_acceptance=spec_acceptance, spec_draft_ratio=spec_draft_ratio)
     if pd is None:
         sim = Simulator(config, model, sim_options)
     else:
@@ -237,10 +237,10 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
          grid: dict[str, list[Any]] | None = None, router: str = "least-loaded", max_replicas: int = 64,
          max_model_len: int | None = None, seed: int = 0, max_error_rate: float = 0.0,
          progress: Any = None, disaggregate: PDOptions | None = None,
-         spec_acceptance: SpecAcceptance | None = None) -> PlanResult:
+         spec_acceptance: SpecAcceptance | None = None, spec_draft_ratio: float | None = None) -> PlanResult:
     """Search the grid of engine options x replica counts; with `disaggregate` (its link's bandwidth
-    and latency; its counts are searched), P/D splits too. `spec_acceptance`: how a speculating
-    engine's drafts are accepted (see `SimOptions`). See the module docstring."""
+    and latency; its counts are searched), P/D splits too. `spec_acceptance`, `spec_draft_ratio`: how
+    a speculating engine's drafts are accepted and a draft model's time priced (see `SimOptions`). See the module docstring."""
     if not objectives:
         raise ValueError("--slo: give at least one objective, e.g. --slo ttft_p95=1.0")
     result = PlanResult(list(objectives), validation=Validation.from_profile(model.metadata))
@@ -259,7 +259,8 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
 
         def run(n: int, cfg: EngineConfig = cfg, opts: dict = opts) -> Trial:
             t = evaluate(workload, cfg, model, n, objectives, router=router, max_model_len=max_model_len,
-                         seed=seed, max_error_rate=max_error_rate, options=opts, spec_acceptance=spec_acceptance)
+                         seed=seed, max_error_rate=max_error_rate, options=opts, spec_acceptance=spec_acceptance,
+                         spec_draft_ratio=spec_draft_ratio)
             if progress is not None:
                 progress(t)
             return t
@@ -273,7 +274,7 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
     elif result.validation is not None:
         _search_safe(result, workload, config, model, router=router, max_replicas=max_replicas,
                      max_model_len=max_model_len, seed=seed, max_error_rate=max_error_rate, progress=progress,
-                     spec_acceptance=spec_acceptance)
+                     spec_acceptance=spec_acceptance, spec_draft_ratio=spec_draft_ratio)
     if disaggregate is not None:
         result.disaggregated = True
         opts = result.best.options if result.best is not None else {}
@@ -289,7 +290,8 @@ def plan(workload: Workload, config: EngineConfig, model: StepCostModel, objecti
 
 def _search_safe(result: PlanResult, workload: Workload, config: EngineConfig, model: StepCostModel, *,
                  router: str, max_replicas: int, max_model_len: int | None, seed: int, max_error_rate: float,
-                 progress: Any, spec_acceptance: SpecAcceptance | None = None) -> None:
+                 progress: Any, spec_acceptance: SpecAcceptance | None = None,
+                 spec_draft_ratio: float | None = None) -> None:
     """The cheapest configuration's count under objectives tightened by the profile's validation.
     It is at least the raw count: a count that misses an objective misses a tighter one too."""
     assert result.best is not None and result.validation is not None
@@ -306,7 +308,7 @@ def _search_safe(result: PlanResult, workload: Workload, config: EngineConfig, m
     def run(n: int) -> Trial:
         t = replace(evaluate(workload, cfg, model, n, result.safe_objectives, router=router,
                              max_model_len=max_model_len, seed=seed, max_error_rate=max_error_rate, options=opts,
-                             spec_acceptance=spec_acceptance),
+                             spec_acceptance=spec_acceptance, spec_draft_ratio=spec_draft_ratio),
                     margin=True)
         if progress is not None:
             progress(t)

@@ -40,6 +40,7 @@ from cadence.executor.step_scatter import ScatterDraws
 from cadence.kv.hashing import block_hashers
 from cadence.request import Request, SamplingParams
 from cadence.routing import DIGEST_LIMIT, STATS_PERIOD_S, Router, check_router, fingerprints
+from cadence.sched.adaptive import DraftModelCost
 from cadence.sched.records import request_metrics
 from cadence.sim.fast_forward import DecodeStretch, FastForward
 from cadence.sim.synth import PromptSynth
@@ -76,6 +77,10 @@ class SimOptions:
     `step_scatter`: multiply each step's predicted time by a draw from the profile's measured
     step-time scatter (`StepCostModel.step_scatter`; the draws are seeded by `seed`, one stream per
     replica). Off, or a profile without one: every step costs the mean of its shape.
+
+    `spec_draft_ratio`: with a draft model (`"method": "draft_model"`), its layers over the served
+    model's; required then. Each step is charged the draft model's time for the requests drafted
+    for, and adaptive k weighs it, as `cadence serve` prices it (`DraftModelCost`).
     """
 
     replicas: int = 1
@@ -87,6 +92,7 @@ class SimOptions:
     fast_forward: bool = True
     spec_acceptance: SpecAcceptance | None = None
     step_scatter: bool = True
+    spec_draft_ratio: float | None = None
 
     def validate(self) -> SimOptions:
         if self.replicas < 1:
@@ -96,6 +102,10 @@ class SimOptions:
             raise ValueError("concurrency: must be >= 1")
         if self.closed_loop and not self.concurrency:
             raise ValueError("concurrency: a closed loop needs a number of users")
+        r = self.spec_draft_ratio
+        if r is not None and not (math.isfinite(r) and r > 0):
+            raise ValueError(f"spec_draft_ratio (--spec-draft-ratio): must be > 0 (the draft model's layers over the "
+                             f"served model's), got {r}")
         return self
 
 
@@ -212,6 +222,22 @@ def check_kv_cache_dtype(config: EngineConfig, cost_model: StepCostModel) -> Non
                          f"{calibrated} KV cache; calibrate one with --kv-cache-dtype int8")
 
 
+def _draft_model_cost(config: EngineConfig, options: SimOptions, *, custom_executor: bool) -> DraftModelCost | None:
+    """How a draft model's time is priced (`SimOptions.spec_draft_ratio`), or None without one."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        if options.spec_draft_ratio is not None:
+            raise ValueError("spec_draft_ratio (--spec-draft-ratio): only with a draft model "
+                             "(--speculative-config with \"method\": \"draft_model\")")
+        return None
+    if options.spec_draft_ratio is None:
+        if custom_executor:
+            return None
+        raise ValueError("spec_draft_ratio (--spec-draft-ratio): required with a draft model: its layers over the "
+                         "served model's (4/30 for `make_draft`'s default of the default model), which prices its time")
+    return DraftModelCost(options.spec_draft_ratio, spec.num_speculative_tokens)
+
+
 class Simulator:
     """Runs a workload through N engine cores. One `run` per instance."""
 
@@ -227,6 +253,7 @@ class Simulator:
         if not speculates and options.spec_acceptance is not None:
             raise ValueError("spec_acceptance_rate (--spec-acceptance-rate): only with speculative_config "
                              "(--speculative-config); without it the engine drafts nothing")
+        drafting = _draft_model_cost(config, options, custom_executor=executor_factory is not None)
         if executor_factory is None:
             if cost_model is None:
                 raise ValueError("cost_model: required unless an executor factory is given")
@@ -236,6 +263,7 @@ class Simulator:
             replica = iter(range(options.replicas))
             executor_factory = lambda clock: SimExecutor(  # noqa: E731
                 cost_model, clock=clock, spec_acceptance=options.spec_acceptance, seed=next(seeds),
+                draft_cost=drafting,
                 scatter=None if scatter is None else ScatterDraws(scatter, f"{options.seed}/{next(replica)}"))
         max_len = sim_max_model_len(options.max_model_len, cost_model)
         self.max_model_len = max_len
@@ -254,6 +282,8 @@ class Simulator:
             if cost_model is not None:  # adaptive speculation prices drafts with the same model
                 core.scheduler.step_cost = cost_model.predict
                 core.scheduler.step_cost_prices_shared = cost_model.prices_shared_context
+            if drafting is not None and core.scheduler.speculation is not None:
+                core.scheduler.speculation.draft_cost_ratio = drafting.ratio  # adaptive k weighs drafting
             self.replicas.append(SimReplica(i, core, clock, ex))
         self._params: dict[int, SamplingParams] = {}
         self._live: dict[str, tuple[RequestRecord, SimReplica]] = {}
