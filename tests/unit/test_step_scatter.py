@@ -15,7 +15,7 @@ import pytest
 from cadence.bench import report
 from cadence.config import EngineConfig
 from cadence.executor.cost_model import StepCostModel, StepFeatures
-from cadence.executor.step_scatter import ScatterDraws, StepScatter, interpolated_mean, normalised
+from cadence.executor.step_scatter import KINDS, ScatterDraws, StepScatter, interpolated_mean, normalised
 from cadence.sim.profile import default_profile_path
 from cadence.sim.served_fit import measure_scatter, refit
 from cadence.sim.simulator import SimOptions, Simulator
@@ -235,3 +235,14 @@ def test_a_pd_fleet_scatters_its_steps_too() -> None:
     assert scattered == run(SCATTERED, seed=3) == run(SCATTERED, seed=3, fast_forward=False)
     assert scattered != run(SCATTERED, seed=4)
     assert run(SCATTERED, seed=3, step_scatter=False) == run(MODEL, seed=3) != scattered
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("phi", "x", "step_scatter.phi: expected a number"),
+    ("phi", True, "step_scatter.phi: expected a number"),
+    ("steps", {"decodes": "many"}, "step_scatter.steps: expected whole numbers"),
+])
+def test_a_malformed_scatter_names_its_field(field: str, value: object, message: str) -> None:
+    good = {"phi": 0.5, "quantiles": {k: [0.5, 1.0, 1.5] for k in KINDS}}
+    with pytest.raises(ValueError, match=message):
+        StepScatter.from_dict({**good, field: value})

@@ -96,8 +96,12 @@ class StepScatter:
     def from_dict(cls, d: Any) -> StepScatter:
         if not isinstance(d, dict) or not isinstance(d.get("quantiles"), dict):
             raise ValueError("step_scatter: expected an object with 'quantiles' by kind of step")
-        steps = d.get("steps")
-        return cls(dict(d["quantiles"]), float(d.get("phi", 0.0)),
+        steps, phi = d.get("steps"), d.get("phi", 0.0)
+        if isinstance(phi, bool) or not isinstance(phi, (int, float)):
+            raise ValueError(f"step_scatter.phi: expected a number in [0, 1), got {phi!r}")
+        if isinstance(steps, dict) and not all(isinstance(v, int) and not isinstance(v, bool) for v in steps.values()):
+            raise ValueError(f"step_scatter.steps: expected whole numbers of steps by kind, got {steps!r}")
+        return cls(dict(d["quantiles"]), float(phi),
                    {k: int(v) for k, v in steps.items()} if isinstance(steps, dict) else None)
 
 
