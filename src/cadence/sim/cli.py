@@ -316,7 +316,12 @@ def with_scatter_choice(model: Any, args: argparse.Namespace) -> tuple[Any, str 
         return model, None
     if getattr(args, "no_step_scatter", False):
         return replace(model, step_scatter=None), "step scatter: off (--no-step-scatter): every step at its mean"
-    return model, f"{scatter.describe()} ({model.metadata.get('step_scatter_source', 'measured')})"
+    return model, _scatter_line(model)
+
+
+def _scatter_line(model: Any) -> str:
+    """The profile's step-time scatter and where it was measured."""
+    return f"{model.step_scatter.describe()} ({model.metadata.get('step_scatter_source', 'measured')})"
 
 
 def _request_path_line(model: Any) -> str:
@@ -517,7 +522,7 @@ def _report_fit(model: Any, path: Path) -> int:
     if model.request_path:
         print(_request_path_line(model))
     if model.step_scatter is not None:
-        print(f"{model.step_scatter.describe()} ({model.metadata.get('step_scatter_source', 'measured')})")
+        print(_scatter_line(model))
     print(f"wrote {path}")
     return 0
 

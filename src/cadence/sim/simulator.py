@@ -258,13 +258,16 @@ class Simulator:
             if cost_model is None:
                 raise ValueError("cost_model: required unless an executor factory is given")
             check_kv_cache_dtype(config, cost_model)
-            seeds = iter(range(options.seed, options.seed + options.replicas))
+            indices = iter(range(options.replicas))  # each replica's executor: its own seed and draws
             scatter = cost_model.step_scatter if options.step_scatter else None
-            replica = iter(range(options.replicas))
-            executor_factory = lambda clock: SimExecutor(  # noqa: E731
-                cost_model, clock=clock, spec_acceptance=options.spec_acceptance, seed=next(seeds),
-                draft_cost=drafting,
-                scatter=None if scatter is None else ScatterDraws(scatter, f"{options.seed}/{next(replica)}"))
+
+            def sim_executor(clock: Any) -> SimExecutor:
+                i = next(indices)
+                return SimExecutor(cost_model, clock=clock, spec_acceptance=options.spec_acceptance,
+                                   seed=options.seed + i, draft_cost=drafting,
+                                   scatter=None if scatter is None else ScatterDraws(scatter, f"{options.seed}/{i}"))
+
+            executor_factory = sim_executor
         max_len = sim_max_model_len(options.max_model_len, cost_model)
         self.max_model_len = max_len
         self._cost_model = cost_model  # its request path delays each request (`_request_delays`)
