@@ -25,7 +25,13 @@ twice the clients, both replicas under load), started as the runs' fleets are (o
 replica); saved as fleet_overhead.json under --out (`--sim-only` reuses it). The simulated fleets
 then run with that overhead; `single` keeps the profile's own (a plain `cadence serve`'s).
 
-`--sim-only` simulates again against the real runs already under --out (with another --profile).
+`--sim-only` simulates again against the real runs already under --out (with another --profile;
+`--no-step-scatter` prices every step at its mean).
+
+`--repeat N`: each server runs N times on each seed (the repeats in their own order after the
+first round), and the table adds each repeat against the first run, and how many TTFT/ITL cells
+the real runs agree on within 15% beside how many the simulator does: on a shared machine the
+real runs' own spread is the floor under any sim/real figure.
 
 `overhead`: one replica behind the fleet's ingress (`--replicas 1 --replica-threads 2`) against
 plain `cadence serve` (2 threads), the built-in chat workload at 8 concurrent streams, alternating,
@@ -168,8 +174,9 @@ def server_overhead(name: str, fits: dict[str, dict] | None) -> dict[str, float]
 
 def sim_cmd(name: str, args: argparse.Namespace, load: list[str], out: Path, profile: str) -> list[str]:
     fleet = (["--replicas", "1"] if name == "single" else ["--replicas", "2", "--router", name])
+    scatter = ["--no-step-scatter"] if getattr(args, "no_step_scatter", False) else []
     return [*CADENCE, "sim", *load, *fleet, *engine_flags(args, name == "single"), "--num-threads", "1",
-            "--profile", profile, "--out", str(out)]
+            "--profile", profile, "--out", str(out), *scatter]
 
 
 def with_request_path(args: argparse.Namespace, real: Path, out: Path,
@@ -186,6 +193,24 @@ def with_request_path(args: argparse.Namespace, real: Path, out: Path,
     probed = dataclasses.replace(model, request_path=fit_request_path(probe, model))
     probed.save(out / "profile.json")
     return probed
+
+
+def real_dir(out: Path, name: str, seed: int, rep: int = 0) -> Path:
+    """Where run `rep` of server `name` on `seed` keeps its client records (the first: no suffix)."""
+    return out / (f"{name}_s{seed}" if rep == 0 else f"{name}_s{seed}_r{rep}")
+
+
+def repeat_run(name: str, seed: int, rep: int, args: argparse.Namespace, out: Path) -> dict:
+    """Run `rep` (1, 2, ...) of the same server, workload and seed, against the first: the real runs'
+    own spread, the floor under any sim/real comparison on this machine."""
+    wl = out / f"workload_s{seed}.jsonl"
+    load = ["--requests-file", str(wl), "--arrival", "poisson", "--rate", str(args.rate), "--seed", str(seed),
+            *(x for s in args.slo for x in ("--slo", s))]
+    real = real_dir(out, name, seed, rep)
+    if not args.sim_only:
+        serve_and_bench(name, seed, args, load, real, out, log_suffix=f"_r{rep}")
+    return {"router": name, "seed": seed, "rep": rep, "real": _summary(real)["overall"],
+            "first": _summary(real_dir(out, name, seed))["overall"]}
 
 
 def one_run(name: str, seed: int, args: argparse.Namespace, out: Path, fits: dict[str, dict] | None = None) -> dict:
@@ -207,9 +232,10 @@ def one_run(name: str, seed: int, args: argparse.Namespace, out: Path, fits: dic
             "overhead_ms": {k: 1000 * v for k, v in probed.overhead.items()}}
 
 
-def serve_and_bench(name: str, seed: int, args: argparse.Namespace, load: list[str], real: Path, out: Path) -> None:
+def serve_and_bench(name: str, seed: int, args: argparse.Namespace, load: list[str], real: Path, out: Path,
+                    log_suffix: str = "") -> None:
     with served([*serve_cmd(name, args), "--port", str(args.port)], f"http://127.0.0.1:{args.port}/health",
-                out / f"{name}_s{seed}.log", cwd=ROOT, timeout=300):
+                out / f"{name}_s{seed}{log_suffix}.log", cwd=ROOT, timeout=300):
         # At idle first: what a request pays outside the engines' steps on this server.
         probe = probe_request_path(f"http://127.0.0.1:{args.port}", seed=seed)
         real.mkdir(parents=True, exist_ok=True)
@@ -282,20 +308,72 @@ def routers_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+LATENCY_CELLS = [(m, q) for m in ("ttft", "itl") for q in ("p50", "p90")]
+
+
+def _ratios(a: dict, b: dict) -> list[float]:
+    """b / a for each TTFT and ITL p50/p90 cell both have."""
+    return [b[m][q] / a[m][q] for m, q in LATENCY_CELLS if a[m][q] and b[m][q] is not None]
+
+
+def _within(cells: list[float], tol: float = 0.15) -> int:
+    return sum(1 for c in cells if abs(c - 1) <= tol)
+
+
+def repeats_table(repeats: list[dict]) -> str:
+    lines = ["| server | seed | run | TTFT p50 / p95 (ms) | ITL p50 / p90 (ms) | this run / first, TTFT p50, p90 | "
+             "ITL p50, p90 |", "|---|---:|---:|---|---|---|---|"]
+    for r in repeats:
+        real, first = r["real"], r["first"]
+
+        def ratio(m: str, q: str, real: dict = real, first: dict = first) -> str:
+            a, b = first[m][q], real[m][q]
+            return f"{b / a:.2f}" if a and b is not None else "n/a"
+
+        lines.append(f"| {r['router']} | {r['seed']} | {r['rep'] + 1} | {_ms(real['ttft']['p50'])} / "
+                     f"{_ms(real['ttft']['p95'])} | {_ms(real['itl']['p50'])} / {_ms(real['itl']['p90'])} | "
+                     f"{ratio('ttft', 'p50')}, {ratio('ttft', 'p90')} | {ratio('itl', 'p50')}, {ratio('itl', 'p90')} |")
+    return "\n".join(lines)
+
+
+def repeats_summary(rows: list[dict], repeats: list[dict]) -> str:
+    """The real runs against themselves beside the simulator against them, over the same servers and
+    seeds: a simulator can be judged only as closely as the machine repeats itself."""
+    real_cells = [c for r in repeats for c in _ratios(r["first"], r["real"])]
+    keys = {(r["router"], r["seed"]) for r in repeats}
+    sim_first = [c for r in rows if (r["router"], r["seed"]) in keys for c in _ratios(r["real"], r["sim"])]
+    sim_repeat = [c for r in rows for x in repeats if (x["router"], x["seed"]) == (r["router"], r["seed"])
+                  for c in _ratios(x["real"], r["sim"])]
+    return "\n".join([
+        f"real against itself: {_within(real_cells)} of {len(real_cells)} cells within 15% "
+        f"(repeat / first median {statistics.median(real_cells):.2f}, range {min(real_cells):.2f}-"
+        f"{max(real_cells):.2f})",
+        f"simulator against the first runs of the same servers: {_within(sim_first)} of {len(sim_first)}; "
+        f"against the repeats: {_within(sim_repeat)} of {len(sim_repeat)}"]) if real_cells else "no repeats"
+
+
 def routers(args: argparse.Namespace, out: Path) -> None:
     names = args.servers.split(",")
     fits = fleet_overheads(args, out) if args.fleet_overhead else None
-    rows = []
+    rows: list[dict] = []
+    repeats: list[dict] = []
     for k, seed in enumerate(int(s) for s in args.seeds.split(",")):
         order = names[k % len(names):] + names[: k % len(names)]  # each server takes each turn in time
         for name in order:
             rows.append(one_run(name, seed, args, out, fits))
             print(routers_table(rows[-1:]), flush=True)
+        for rep in range(1, args.repeat):
+            for name in order[rep % len(order):] + order[: rep % len(order)]:
+                repeats.append(repeat_run(name, seed, rep, args, out))
+                print(repeats_table(repeats[-1:]), flush=True)
     text = (f"{args.families} families x {args.per_family} requests ({args.prefix_tokens} shared + "
             f"{args.suffix_tokens} own prompt tokens, {args.output_tokens} output), Poisson {args.rate} req/s, "
             f"{args.kv_blocks} KV blocks a replica, profile {args.profile}, load average "
             f"{os.getloadavg()[0]:.2f} at the end{_fits_text(fits)}\n\n{routers_table(rows)}\n\n"
             f"{routers_summary(rows)}")
+    if repeats:
+        text += f"\n\n{repeats_table(repeats)}\n\n{repeats_summary(rows, repeats)}"
+        (out / "repeats.json").write_text(json.dumps(repeats, indent=1))
     (out / "rows.json").write_text(json.dumps(rows, indent=1))
     (out / "table.md").write_text(text + "\n")
     print(text)
@@ -499,6 +577,11 @@ def main() -> int:
                    help="--fleet-overhead: running requests a replica, comma-separated")
     p.add_argument("--overhead-rounds", type=int, default=2,
                    help="--fleet-overhead: requests each closed-loop client streams at each batch size")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="routers: run each real server this many times on each seed (the repeats are judged "
+                        "against the first run, the simulator against both: the machine's own spread)")
+    p.add_argument("--no-step-scatter", action="store_true",
+                   help="routers: simulate every step at its mean time, without the profile's step-time scatter")
     p.add_argument("--tiny", action="store_true",
                    help="serve the tiny random-weight model (a check that the script runs, not a measurement)")
     p.add_argument("--profile", default=str(ROOT / "src/cadence/sim/profiles/default.json"))

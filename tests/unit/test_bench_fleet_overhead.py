@@ -95,3 +95,19 @@ def test_an_overhead_batch_beyond_max_num_seqs_is_refused_before_any_server_star
                               port=18999)
     with pytest.raises(ValueError, match=r"--overhead-batches: .*--max-num-seqs \(16\)"):
         bf.fleet_overheads(args, tmp_path)
+
+
+def test_repeats_summary_counts_cells_within_15_percent():
+    bf = load_benchmark("bench_fleet")
+
+    def lat(t50: float, t90: float, i50: float, i90: float) -> dict:
+        return {"ttft": {"p50": t50, "p90": t90, "p95": t90}, "itl": {"p50": i50, "p90": i90}}
+
+    first, again, sim = lat(1.0, 2.0, 0.1, 0.2), lat(1.1, 3.0, 0.1, 0.2), lat(0.8, 2.0, 0.1, 0.1)
+    rows = [{"router": "single", "seed": 0, "real": first, "sim": sim}]
+    reps = [{"router": "single", "seed": 0, "rep": 1, "first": first, "real": again}]
+    text = bf.repeats_summary(rows, reps)
+    assert "real against itself: 3 of 4 cells" in text  # TTFT p90 1.5x apart
+    assert "against the first runs of the same servers: 2 of 4" in text  # TTFT p50 0.8, ITL p90 0.5
+    assert "against the repeats: 1 of 4" in text  # 0.73, 0.67, 1.0, 0.5
+    assert "| single | 0 | 2 | 1100 / 3000 |" in bf.repeats_table(reps)
