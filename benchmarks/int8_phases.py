@@ -4,7 +4,8 @@
         [--arms bf16,act8,kv8,both] [--threads N] [--json FILE]
 
 Builds one runner per arm over the default model (its Q4_1 layers as served; `act8` with
-`--activation-dtype int8`, `kv8` with `--kv-cache-dtype int8`, `both` with the two) in one process
+`--activation-dtype int8`, `kv8` with `--kv-cache-dtype int8`, `both` with the two; `act8-1` with
+every layer's activations in one int8 term, `act8-out` with only the output layer's in two) in one process
 and, round after round in a turning order, times for each arm:
 
 - the step: `ModelRunner.execute` of `--rows` single-token decodes at `--context` tokens (as the
@@ -43,7 +44,11 @@ from cadence.model.loader import default_model_path, load_checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import BLOCK, CadenceStreams  # noqa: E402
 
-ARMS = {"bf16": ("auto", "auto"), "act8": ("int8", "auto"), "kv8": ("auto", "int8"), "both": ("int8", "int8")}
+# name -> (activation dtype, KV cache dtype, kinds in two int8 terms: None for the default)
+ARMS: dict[str, tuple[str, str, frozenset[str] | None]] = {
+    "bf16": ("auto", "auto", None), "act8": ("int8", "auto", None), "kv8": ("auto", "int8", None),
+    "both": ("int8", "int8", None), "act8-1": ("int8", "auto", frozenset()),
+    "act8-out": ("int8", "auto", frozenset({"output"}))}
 PHASES = ("norm", "qkv", "rope", "kv store", "attention", "o", "gate_up", "silu", "down")
 
 
@@ -125,14 +130,13 @@ class LayerTimer:
                 out[name] += ns
 
     def _store(self, layer_cache: torch.Tensor) -> None:
-        """This step's K and V rows into their slots (`store_kv_rows` in the C)."""
-        kv = self.qkv.view(self.t, -1, self.d)[:, self.h:]  # [T, 2 KVH, D]
-        for s in range(2 * self.kvh):
-            plane = layer_cache[s // self.kvh, s % self.kvh].view(-1, layer_cache.shape[-1])
-            if self.kv8:
-                self.k.quantize_kv8(kv[:, s], self.slots, plane)
-            else:
-                plane.index_copy_(0, self.slots, kv[:, s])
+        """This step's K and V rows into their slots (`store_kv_rows` in the C) as the layer-by-layer
+        path writes them: one torch copy, or the 8-bit cache's `store_kv8`."""
+        kv = self.qkv.view(self.t, -1, self.d)[:, self.h:].unflatten(1, (2, self.kvh))  # [T, 2, KVH, D]
+        if self.kv8:
+            self.k.store_kv8(kv, self.slots, layer_cache)
+        else:
+            layer_cache.flatten(2, 3).index_copy_(2, self.slots, kv.permute(1, 2, 0, 3))
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -186,9 +190,10 @@ def main() -> None:
     per_stream = -(-(args.context + (args.rounds + 2) * args.steps + 16) // BLOCK)
     runners = {}
     for name in arms:
-        act, kv = ARMS[name]
+        act, kv, two = ARMS[name]
         r = ModelRunner(ckpt.arch, ckpt.weights, dtype=torch.bfloat16, q4_1=ckpt.q4_1, q8_0=ckpt.q8_0,
-                        q4_0=ckpt.q4_0, activation_dtype=act, kv_cache_dtype=kv)
+                        q4_0=ckpt.q4_0, activation_dtype=act, kv_cache_dtype=kv,
+                        **({} if two is None else {"int8_two_terms": two}))
         r.initialize_kv_cache(num_blocks=per_stream * max(rows_list) + 1, block_size=BLOCK)
         runners[name] = r
     print(f"{torch.get_num_threads()} threads, context {args.context}, {args.rounds} rounds x {args.steps} steps; "
