@@ -424,8 +424,7 @@ static void quantize_block_i8x2(const __m512 a, const __m512 c, float amax, int8
     *sq = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
 }
 
-/* The buffers of m rows of k (one allocation, r->mem); quantize_block_i8 fills them. */
-static int alloc_rows_i8(int64_t m, int64_t k, int two, i8_rows *r) {
+static int quantize_rows_i8(const uint16_t *x, int64_t m, int64_t k, int two, i8_rows *r) {
     const int64_t kb = k / QK;
     r->mem = malloc((size_t)(m * k) * (two ? 2 : 1) + 3 * (size_t)(m * kb) * 4);
     if (!r->mem) return -1;
@@ -434,28 +433,25 @@ static int alloc_rows_i8(int64_t m, int64_t k, int two, i8_rows *r) {
     r->sx = (float *)(r->qx + m * k * (two ? 2 : 1));
     r->ss = r->sx + m * kb;
     r->sq = (int32_t *)(r->ss + m * kb);
-    return 0;
-}
-
-/* Block i (row i / kb, block i % kb: rows are contiguous) of x into r: a function of its 32 values
- * alone, whichever thread runs it. */
-static inline void quantize_block_i8(const uint16_t *x, int64_t i, i8_rows *r) {
-    const uint16_t *p = x + i * QK;
-    const __m512 a = load_bf16(p, 0xFFFF), c = load_bf16(p + 16, 0xFFFF);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-    if (r->qr) {
-        quantize_block_i8x2(a, c, amax, r->qx + i * QK, r->qr + i * QK, r->sx + i, r->sq + i);
+    for (int64_t i = 0; i < m * kb; i++) {
+        const uint16_t *p = x + i * QK; /* row i / kb, block i % kb: rows are contiguous */
+        const __m512 a = load_bf16(p, 0xFFFF), c = load_bf16(p + 16, 0xFFFF);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        if (two) {
+            quantize_block_i8x2(a, c, amax, r->qx + i * QK, r->qr + i * QK, r->sx + i, r->sq + i);
+            r->ss[i] = r->sx[i] * (float)r->sq[i];
+            continue;
+        }
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* round to nearest even */
+        const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
+        _mm_storeu_si128((__m128i *)(r->qx + i * QK), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(r->qx + i * QK + 16), _mm512_cvtsepi32_epi8(qc));
+        r->sx[i] = amax / 127.0f;
+        r->sq[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
         r->ss[i] = r->sx[i] * (float)r->sq[i];
-        return;
     }
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* round to nearest even */
-    const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
-    _mm_storeu_si128((__m128i *)(r->qx + i * QK), _mm512_cvtsepi32_epi8(qa));
-    _mm_storeu_si128((__m128i *)(r->qx + i * QK + 16), _mm512_cvtsepi32_epi8(qc));
-    r->sx[i] = amax / 127.0f;
-    r->sq[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
-    r->ss[i] = r->sx[i] * (float)r->sq[i];
+    return 0;
 }
 
 /* The integer sums of one block of 32 k: s[m][j] += sum over k of w[j] * qx[m] for rows 0..mt and
@@ -549,77 +545,55 @@ static inline __attribute__((always_inline)) I8_TARGET void q8_i8_tile(
     store_tile(acc, bias, y, yf, n, col0, mt, nv, v0);
 }
 
-/* Rows m0 .. m0+mt of one k-block (b) against all four 16-column vectors of a 64-column block, its
- * weights `w` ready for `vpdpbusd` (Q4_1 nibbles widened, or Q8_0 as stored), the float sums in
- * acc[m0 ..] (memory: they stay in L1 from one k-block to the next). The same operations per row and
- * column as q4_i8_tile and q8_i8_tile, in the same order: the same bits. */
-static inline __attribute__((always_inline)) I8_TARGET void i8_rows_step(
-    const int q8, const i8_rows *r, int64_t k, int64_t b, const __m512i *w, const uint8_t *blk, __m512 (*acc)[4],
-    int64_t m0, int mt) {
+/* Q4_1, rows m0 .. m0+mt of k-block b against the four 16-column vectors of a 64-column block, its
+ * nibbles already widened into `w`; the float sums in acc[m0 ..] (in L1 from one k-block to the
+ * next). The same operations per row and column as q4_i8_tile, in the same order: the same bits. */
+static inline __attribute__((always_inline)) I8_TARGET void q4_i8_rows(
+    const i8_rows *r, int64_t k, int64_t b, const __m512i *w, const uint8_t *blk, __m512 (*acc)[4], int64_t m0,
+    int mt) {
     const int64_t kb = k / QK;
-    const uint16_t *d = (const uint16_t *)(blk + (q8 ? QK * NB : QK / 2 * NB)), *mn = d + NB;
-    __m512i s[6][4];
-    for (int m = 0; m < mt; m++) /* Q8_0 in one term: the sums start at -128 sum(qx) (the weights' + 128) */
-        for (int j = 0; j < 4; j++)
-            s[m][j] = _mm512_set1_epi32(q8 && !r->qr ? -128 * r->sq[(m0 + m) * kb + b] : 0);
+    const uint16_t *d = (const uint16_t *)(blk + QK / 2 * NB), *mn = d + NB;
+    __m512i s[6][4]; /* i8_sums' shape; rows 0 .. mt used */
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < 4; j++) s[m][j] = _mm512_setzero_si512();
     i8_sums(s, w, r->qx + m0 * k + b * QK, k, mt, 4);
-    if (r->qr) {
-        i8_second_term(s, w, r->qr + m0 * k + b * QK, k, mt, 4);
-        if (q8)
-            for (int m = 0; m < mt; m++)
-                for (int j = 0; j < 4; j++)
-                    s[m][j] = _mm512_sub_epi32(s[m][j], _mm512_set1_epi32(128 * r->sq[(m0 + m) * kb + b]));
-    }
+    if (r->qr) i8_second_term(s, w, r->qr + m0 * k + b * QK, k, mt, 4);
     for (int j = 0; j < 4; j++) {
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 16 * j)));
-        const __m512 mv = q8 ? dv : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * j)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * j)));
         for (int m = 0; m < mt; m++) {
             const int64_t i = (m0 + m) * kb + b;
             const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(r->sx[i]));
-            __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][j]), scale, acc[m0 + m][j]);
-            if (!q8) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(r->ss[i]), a);
-            acc[m0 + m][j] = a;
+            const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][j]), scale, acc[m0 + m][j]);
+            acc[m0 + m][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(r->ss[i]), a);
         }
     }
 }
 
-/* A batch of fewer than Q4_WIDE_ROWS rows against one block of 64 columns, k-block by k-block for
- * all rows at once: a Q4_1 block's nibbles are widened once for every row (3-row tiles each widened
- * them again: a third of a small batch's work), and tiles of up to 6 rows x 64 columns keep their
- * integer sums in registers (24 accumulators, 4 weights, 1 broadcast) and their float sums in `acc`. */
-static inline __attribute__((always_inline)) I8_TARGET void i8_block_few(
-    const int q8, const i8_rows *r, int64_t m, int64_t k, const uint8_t *qb, const float *bias, uint16_t *y, float *yf,
-    int64_t n, int64_t col0) {
-    const int64_t kb = k / QK, block_bytes = q8 ? Q8_BYTES : Q4_BYTES;
+/* Q4_1 at 4 to Q4_WIDE_ROWS - 1 rows: one block of 64 columns, k-block by k-block for all rows at
+ * once, so that its nibbles are widened once for the batch (3-row tiles over the whole of k widened
+ * them once a tile: three times at 8 rows), then 3-row tiles over the 64 columns. Q8_0 has nothing
+ * to widen and keeps its tiles (the float sums' trips through L1 would only cost there). */
+static I8_TARGET void q4_i8_block_few(const i8_rows *r, int64_t m, int64_t k, const uint8_t *qb, const float *bias,
+                                      uint16_t *y, float *yf, int64_t n, int64_t col0) {
+    const int64_t kb = k / QK;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[Q4_WIDE_ROWS][4];
-    __m512i wq[32];
+    __m512i w[32];
     for (int64_t i = 0; i < m; i++)
         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
-        const uint8_t *blk = qb + b * block_bytes;
-        const __m512i *w = (const __m512i *)blk;
-        if (!q8) {
-            for (int j = 0; j < 4; j++)
-                for (int h = 0; h < 4; h++) {
-                    const __m512i raw = _mm512_loadu_si512(blk + j * 256 + 64 * h);
-                    wq[j * 8 + h] = _mm512_and_si512(raw, low4);
-                    wq[j * 8 + h + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-                }
-            w = wq;
-        }
+        const uint8_t *blk = qb + b * Q4_BYTES;
+        for (int j = 0; j < 4; j++)
+            for (int h = 0; h < 4; h++) {
+                const __m512i raw = _mm512_loadu_si512(blk + j * 256 + 64 * h);
+                w[j * 8 + h] = _mm512_and_si512(raw, low4);
+                w[j * 8 + h + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            }
         int64_t m0 = 0;
-#define FEW_STEP(mt) i8_rows_step(q8, r, k, b, w, blk, acc, m0, mt)
-        for (; m0 + 6 <= m; m0 += 6) FEW_STEP(6);
-        switch (m - m0) { /* constant tile heights, so each tile's loops unroll into registers */
-            case 5: FEW_STEP(5); break;
-            case 4: FEW_STEP(4); break;
-            case 3: FEW_STEP(3); break;
-            case 2: FEW_STEP(2); break;
-            case 1: FEW_STEP(1); break;
-            default: break;
-        }
-#undef FEW_STEP
+        for (; m0 + 3 <= m; m0 += 3) q4_i8_rows(r, k, b, w, blk, acc, m0, 3);
+        if (m - m0 == 2) q4_i8_rows(r, k, b, w, blk, acc, m0, 2);
+        if (m - m0 == 1) q4_i8_rows(r, k, b, w, blk, acc, m0, 1);
     }
     for (int64_t m0 = 0; m0 < m; m0 += MT) {
         const int mt = m - m0 < MT ? (int)(m - m0) : MT;
@@ -627,15 +601,13 @@ static inline __attribute__((always_inline)) I8_TARGET void i8_block_few(
     }
 }
 
-/* One block of 64 columns for every row: i8_block_few below Q4_WIDE_ROWS rows, else 6-row tiles
- * over 32 columns (their float sums in registers too). */
+/* One block of 64 columns for every row: Q4_1 at 4 to Q4_WIDE_ROWS - 1 rows in q4_i8_block_few;
+ * else 3-row tiles over 64 columns for small batches, 6-row tiles over 32 columns from
+ * Q4_WIDE_ROWS rows on. */
 static I8_TARGET void i8_block(int q8, const i8_rows *r, int64_t m, int64_t k, const uint8_t *qb,
                                const float *bias, uint16_t *y, float *yf, int64_t n, int64_t col0) {
-    if (m < Q4_WIDE_ROWS) { /* q8 a constant in each copy */
-        if (q8)
-            i8_block_few(1, r, m, k, qb, bias, y, yf, n, col0);
-        else
-            i8_block_few(0, r, m, k, qb, bias, y, yf, n, col0);
+    if (!q8 && m > 3 && m < Q4_WIDE_ROWS) { /* up to 3 rows are one tile: widened once already */
+        q4_i8_block_few(r, m, k, qb, bias, y, yf, n, col0);
         return;
     }
     int64_t kb = k / QK, m0 = 0;
@@ -648,10 +620,11 @@ static I8_TARGET void i8_block(int q8, const i8_rows *r, int64_t m, int64_t k, c
         else                                                                                         \
             q4_i8_tile(I8_AT(row), r->ss + (row) * kb, I8_OUT(row), mt, nv, v0);                     \
     } while (0)
-    for (; m0 + 6 <= m; m0 += 6) {
-        I8_TILE(m0, 6, 2, 0);
-        I8_TILE(m0, 6, 2, 2);
-    }
+    if (m >= Q4_WIDE_ROWS)
+        for (; m0 + 6 <= m; m0 += 6) {
+            I8_TILE(m0, 6, 2, 0);
+            I8_TILE(m0, 6, 2, 2);
+        }
     for (; m0 + 3 <= m; m0 += 3) I8_TILE(m0, 3, 4, 0);
     if (m - m0 == 2) I8_TILE(m0, 2, 4, 0);
     if (m - m0 == 1) I8_TILE(m0, 1, 4, 0);
@@ -664,16 +637,9 @@ static int linear_i8(int q8, int two, const uint16_t *x, const uint8_t *packed, 
                      float *yf, int64_t m, int64_t n, int64_t k, int threads) {
     const int64_t blocks = (n + NB - 1) / NB, block_bytes = (k / QK) * (q8 ? Q8_BYTES : Q4_BYTES);
     i8_rows r;
-    if (alloc_rows_i8(m, k, two, &r)) return -1;
-    /* One parallel region: the rows are quantized by both threads (split statically, then the
-     * loop's barrier), not by one while the other waits for the matmul to start. */
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m * (k / QK); i++) quantize_block_i8(x, i, &r);
-#pragma omp for schedule(guided)
-        for (int64_t b = 0; b < blocks; b++) i8_block(q8, &r, m, k, packed + b * block_bytes, bias, y, yf, n, b * NB);
-    }
+    if (quantize_rows_i8(x, m, k, two, &r)) return -1;
+#pragma omp parallel for schedule(guided) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) i8_block(q8, &r, m, k, packed + b * block_bytes, bias, y, yf, n, b * NB);
     free(r.mem);
     return 0;
 }
@@ -981,30 +947,6 @@ static inline void score_chunk(const uint16_t *const *qv, int64_t nv, const __m5
     }
 }
 
-/* acc[0 .. 16 nc) = acc * corr + the chunk's kn values (dims c0 ..) weighted by pw: per dim, the even
- * keys into one sum and the odd ones into another, in increasing order, added at the end. The nc
- * dims' 2 nc sums are independent chains (a dim at a time, two chains waited on the fma's latency);
- * each dim's operations and their order are the same either way. */
-static inline __attribute__((always_inline)) void weigh_values(float *acc, float corr, const float *pw, int64_t kn,
-                                                               const float (*vf)[MAX_DIM], int64_t c0, const int nc) {
-    __m512 a[4], b[4];
-    for (int i = 0; i < nc; i++) {
-        a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), _mm512_set1_ps(corr));
-        b[i] = _mm512_setzero_ps();
-    }
-    int64_t t = 0;
-    for (; t + 1 < kn; t += 2) {
-        const __m512 p0 = _mm512_set1_ps(pw[t]), p1 = _mm512_set1_ps(pw[t + 1]);
-        for (int i = 0; i < nc; i++) {
-            a[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vf[t] + c0 + 16 * i), a[i]);
-            b[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vf[t + 1] + c0 + 16 * i), b[i]);
-        }
-    }
-    if (t < kn)
-        for (int i = 0; i < nc; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(pw[t]), _mm512_loadu_ps(vf[t] + c0 + 16 * i), a[i]);
-    for (int i = 0; i < nc; i++) _mm512_storeu_ps(acc + 16 * i, _mm512_add_ps(a[i], b[i]));
-}
-
 /* One query vector's online-softmax step over a chunk: `visible` of its kn keys (the rest masked). */
 static inline void attend_chunk(float *acc, float *m, __m512 *lv, const float *sc, int64_t visible, int64_t kn,
                                 const float (*vf)[MAX_DIM], int64_t d, float scale) {
@@ -1020,9 +962,17 @@ static inline void attend_chunk(float *acc, float *m, __m512 *lv, const float *s
     *m = new_m;
     float pw[KC];
     _mm512_storeu_ps(pw, pv);
-    int64_t c = 0;
-    for (; c + 64 <= d; c += 64) weigh_values(acc + c, corr, pw, kn, vf, c, 4);
-    if (c < d) weigh_values(acc + c, corr, pw, kn, vf, c, 2); /* d is a multiple of 32 */
+    for (int64_t c = 0; c < d; c += 16) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), _mm512_set1_ps(corr));
+        __m512 b = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 1 < kn; t += 2) {
+            a = _mm512_fmadd_ps(_mm512_set1_ps(pw[t]), _mm512_loadu_ps(vf[t] + c), a);
+            b = _mm512_fmadd_ps(_mm512_set1_ps(pw[t + 1]), _mm512_loadu_ps(vf[t + 1] + c), b);
+        }
+        if (t < kn) a = _mm512_fmadd_ps(_mm512_set1_ps(pw[t]), _mm512_loadu_ps(vf[t] + c), a);
+        _mm512_storeu_ps(acc + c, _mm512_add_ps(a, b));
+    }
 }
 
 /* Query tokens first .. first+qn-1 (positions start+first ..) of one request, the G query heads of
