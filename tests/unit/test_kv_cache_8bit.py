@@ -160,6 +160,26 @@ def test_the_kernels_quantise_to_the_same_bits_as_torch() -> None:
         assert torch.equal(out[slots], quantize_kv(x)), d
 
 
+@needs_kernels
+def test_a_step_on_the_kernels_stores_the_bytes_torch_stores() -> None:
+    """paged_attention writes a step's K/V (rows strided in the fused qkv output, slots scattered
+    over blocks) through the kernels' `store_kv8`: the cache's bytes are torch's quantize_kv + copy."""
+    kernels = ck.cpu_kernels()
+    assert kernels is not None
+    kvh, g, d, bs = 3, 3, 64, 16
+    gen = torch.Generator().manual_seed(11)
+    spans = [SeqSpan(0, 21, [7, 2]), SeqSpan(40, 1, [4, 0, 9]), SeqSpan(5, 1, [5])]
+    qkv = torch.randn(23, kvh * g + 2 * kvh, d, generator=gen).to(torch.bfloat16)
+    q, kv_new = qkv[:, : kvh * g], qkv[:, kvh * g :].unflatten(1, (2, kvh))
+    caches = []
+    for backend in (kernels, None):
+        cache = PagedKVCache.allocate(num_layers=1, num_blocks=10, block_size=bs, num_kv_heads=kvh, head_dim=d,
+                                      dtype=torch.bfloat16, device=CPU, kv_cache_dtype="int8")
+        paged_attention(q, kv_new, cache.layer(0), AttentionMetadata.build(spans, bs, CPU, kvh, backend))
+        caches.append(cache.kv)
+    assert caches[0].abs().sum() > 0 and torch.equal(caches[0], caches[1])
+
+
 # -- attention over the 8-bit cache -----------------------------------------------------------------
 
 

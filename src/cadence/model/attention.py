@@ -287,6 +287,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new K/V is written to
     prefills: tuple[PrefillChunk | KernelPrefillChunk, ...]  # the multi-token chunks, in row order
     decodes: tuple[DecodeBatch, ...] | tuple[PagedDecode, ...]  # the single-token rows, in row order
+    # cadence's CPU kernels where attention runs on them: they also write K/V into the 8-bit cache.
+    kernels: CpuKernels | None = None
 
     @classmethod
     def build(
@@ -322,6 +324,7 @@ class AttentionMetadata:
             slot_mapping=to_device(slot_mapping, device),
             prefills=tuple(prefills),
             decodes=backend.decodes(decode_seqs, row, tables[first_decode:]),
+            kernels=backend.kernels if isinstance(backend, KernelAttention) else None,
         )
 
 
@@ -402,8 +405,15 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta
     (one layer, or the 8-bit layout's int8 [.., D + 4]: K/V quantised on the way in, and attended
     to as stored). Returns [T, H, D].
     """
-    stored = quantize_kv(kv) if cache.dtype == torch.int8 else kv  # [T, 2, KVH, D (+ 4)]
-    cache.flatten(2, 3).index_copy_(2, meta.slot_mapping, stored.permute(1, 2, 0, 3))
+    if cache.dtype == torch.int8 and meta.kernels is not None:
+        # One C call quantises every row into its slot (the bits `quantize_kv` gives): torch's
+        # quantisation and copy take about ten ops a layer. The kernels read the cache in place,
+        # a first chunk's own K/V too.
+        meta.kernels.store_kv8(kv, meta.slot_mapping, cache)
+        stored = kv
+    else:
+        stored = quantize_kv(kv) if cache.dtype == torch.int8 else kv  # [T, 2, KVH, D (+ 4)]
+        cache.flatten(2, 3).index_copy_(2, meta.slot_mapping, stored.permute(1, 2, 0, 3))
     if stored is not kv and any(isinstance(p, PrefillChunk) and p.ctx_blocks is None for p in meta.prefills):
         kv = dequantize_kv(stored, kv.dtype)  # a first chunk reads its own K/V as a later step would
     parts = [p.attend(q, kv, cache) for p in meta.prefills]

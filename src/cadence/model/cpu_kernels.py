@@ -353,6 +353,19 @@ class CpuKernels:
         assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (n,)
         self._quantize_kv8(x.data_ptr(), x.stride(0), n, d, slots.data_ptr(), out.data_ptr())
 
+    def store_kv8(self, kv: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
+        """A step's K/V rows kv [T, 2, KVH, D] bfloat16 (rows may be strided: a view into the fused
+        qkv output) into their slots [T] (int64, unchecked) of one layer of the 8-bit cache
+        [2, KVH, num_blocks, block_size, D + 4]: `quantize_kv8` per K/V head, without a torch op."""
+        t, two, kvh, d = kv.shape
+        assert two == 2 and kv.dtype == torch.bfloat16 and kv.stride(3) == 1 and kv.stride(2) == d and d % 16 == 0
+        assert kv.stride(1) == kvh * d and cache.shape[:2] == (2, kvh) and _kv8_layer(cache, d) and cache.is_contiguous()
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (t,)
+        plane = cache.shape[2] * cache.shape[3] * (d + KV8_SCALE_BYTES)  # bytes of one K or V head
+        for s in range(2 * kvh):  # K heads, then V heads: as kv's and the cache's order
+            self._quantize_kv8(kv.data_ptr() + 2 * s * d, kv.stride(0), t, d, slots.data_ptr(),
+                               cache.data_ptr() + s * plane)
+
     def sample(self, logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor | None = None,
                top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row of logits [S, V] float32 from softmax(logits / temps) at the uniforms

@@ -545,10 +545,71 @@ static inline __attribute__((always_inline)) I8_TARGET void q8_i8_tile(
     store_tile(acc, bias, y, yf, n, col0, mt, nv, v0);
 }
 
-/* One block of 64 columns for every row, tiled as q4_block: 3-row tiles over 64 columns for small
- * batches, 6-row tiles over 32 columns from Q4_WIDE_ROWS rows on. */
+/* Q4_1, rows m0 .. m0+mt of k-block b against the four 16-column vectors of a 64-column block, its
+ * nibbles already widened into `w`; the float sums in acc[m0 ..] (in L1 from one k-block to the
+ * next). The same operations per row and column as q4_i8_tile, in the same order: the same bits. */
+static inline __attribute__((always_inline)) I8_TARGET void q4_i8_rows(
+    const i8_rows *r, int64_t k, int64_t b, const __m512i *w, const uint8_t *blk, __m512 (*acc)[4], int64_t m0,
+    int mt) {
+    const int64_t kb = k / QK;
+    const uint16_t *d = (const uint16_t *)(blk + QK / 2 * NB), *mn = d + NB;
+    __m512i s[6][4]; /* i8_sums' shape; rows 0 .. mt used */
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < 4; j++) s[m][j] = _mm512_setzero_si512();
+    i8_sums(s, w, r->qx + m0 * k + b * QK, k, mt, 4);
+    if (r->qr) i8_second_term(s, w, r->qr + m0 * k + b * QK, k, mt, 4);
+    for (int j = 0; j < 4; j++) {
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 16 * j)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * j)));
+        for (int m = 0; m < mt; m++) {
+            const int64_t i = (m0 + m) * kb + b;
+            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(r->sx[i]));
+            const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][j]), scale, acc[m0 + m][j]);
+            acc[m0 + m][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(r->ss[i]), a);
+        }
+    }
+}
+
+/* Q4_1 at 4 to Q4_WIDE_ROWS - 1 rows: one block of 64 columns, k-block by k-block for all rows at
+ * once, so that its nibbles are widened once for the batch (3-row tiles over the whole of k widened
+ * them once a tile: three times at 8 rows), then 3-row tiles over the 64 columns. Q8_0 has nothing
+ * to widen and keeps its tiles (the float sums' trips through L1 would only cost there). */
+static I8_TARGET void q4_i8_block_few(const i8_rows *r, int64_t m, int64_t k, const uint8_t *qb, const float *bias,
+                                      uint16_t *y, float *yf, int64_t n, int64_t col0) {
+    const int64_t kb = k / QK;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[Q4_WIDE_ROWS][4];
+    __m512i w[32];
+    for (int64_t i = 0; i < m; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *blk = qb + b * Q4_BYTES;
+        for (int j = 0; j < 4; j++)
+            for (int h = 0; h < 4; h++) {
+                const __m512i raw = _mm512_loadu_si512(blk + j * 256 + 64 * h);
+                w[j * 8 + h] = _mm512_and_si512(raw, low4);
+                w[j * 8 + h + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            }
+        int64_t m0 = 0;
+        for (; m0 + 3 <= m; m0 += 3) q4_i8_rows(r, k, b, w, blk, acc, m0, 3);
+        if (m - m0 == 2) q4_i8_rows(r, k, b, w, blk, acc, m0, 2);
+        if (m - m0 == 1) q4_i8_rows(r, k, b, w, blk, acc, m0, 1);
+    }
+    for (int64_t m0 = 0; m0 < m; m0 += MT) {
+        const int mt = m - m0 < MT ? (int)(m - m0) : MT;
+        store_tile(acc + m0, bias, y ? y + m0 * n : NULL, yf ? yf + m0 * n : NULL, n, col0, mt, 4, 0);
+    }
+}
+
+/* One block of 64 columns for every row: Q4_1 at 4 to Q4_WIDE_ROWS - 1 rows in q4_i8_block_few;
+ * else 3-row tiles over 64 columns for small batches, 6-row tiles over 32 columns from
+ * Q4_WIDE_ROWS rows on. */
 static I8_TARGET void i8_block(int q8, const i8_rows *r, int64_t m, int64_t k, const uint8_t *qb,
                                const float *bias, uint16_t *y, float *yf, int64_t n, int64_t col0) {
+    if (!q8 && m > 3 && m < Q4_WIDE_ROWS) { /* up to 3 rows are one tile: widened once already */
+        q4_i8_block_few(r, m, k, qb, bias, y, yf, n, col0);
+        return;
+    }
     int64_t kb = k / QK, m0 = 0;
 #define I8_AT(row) r->qx + (row) * k, r->qr ? r->qr + (row) * k : NULL, k, r->sx + (row) * kb
 #define I8_OUT(row) qb, bias, y ? y + (row) * n : NULL, yf ? yf + (row) * n : NULL, n, col0
