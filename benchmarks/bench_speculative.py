@@ -3,6 +3,7 @@ off, fixed k and adaptive k, on an input-grounded workload and on the chat mix.
 
     .venv/bin/python benchmarks/bench_speculative.py [--rounds 3] [--num-requests 16] [--k 4]
     .venv/bin/python benchmarks/bench_speculative.py --method draft_model --draft DIR   # drafts from a draft model
+    .venv/bin/python benchmarks/bench_speculative.py --loaded-cell 64:8   # also chat at 64 streams, k 8
     .venv/bin/python benchmarks/bench_speculative.py --tiny --rounds 1 --num-requests 2   # a check that it runs
 
 Each cell is a fresh `cadence serve` (the default model, `--num-threads 2`) and one `cadence bench`
@@ -15,7 +16,10 @@ without, so every mode generates the same tokens). The cells:
   from Python's standard library (`inspect.getsource` of the functions in `GROUNDED_SOURCES`, the
   text the interpreter running this script ships) and asks for it back with a docstring added, so
   the answer quotes its input: where n-gram drafts pay;
-- `chat@1`, `chat@8`, `chat@32`: `cadence bench`'s built-in chat mix at 1, 8 and 32 streams.
+- `chat@1`, `chat@8`, `chat@32`: `cadence bench`'s built-in chat mix at 1, 8 and 32 streams;
+- with `--loaded-cell 64:8`, also `chat@64 k8`: the chat mix at 64 streams with k = 8, where fixed k
+  loses throughput to speculation off in model time (benchmarks/spec_replay.py) and adaptive k
+  does not.
 
 Each is run with speculation off, with drafts at fixed k (`"adaptive": false`) and with
 adaptive k (the default); the drafts are n-gram lookups (`--method ngram`, the default) or a draft
@@ -124,10 +128,12 @@ def warm_up(port: int) -> None:
     httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=300).raise_for_status()
 
 
-def one_cell(workload: str, streams: int, mode: str, rnd: int, args: argparse.Namespace, out: Path) -> Cell:
-    name = f"{workload}{streams}_{mode}_r{rnd}"
+def one_cell(workload: str, streams: int, mode: str, rnd: int, args: argparse.Namespace, out: Path,
+             k: int | None = None) -> Cell:
+    k = args.k if k is None else k
+    name = f"{workload}{streams}{'' if k == args.k else f'k{k}'}_{mode}_r{rnd}"
     serve = [*CADENCE, "serve", "--host", "127.0.0.1", "--port", str(args.port), "--num-threads",
-             str(args.num_threads), *(["--tiny"] if args.tiny else []), *spec_config(mode, args.k, args.method, args.draft),
+             str(args.num_threads), *(["--tiny"] if args.tiny else []), *spec_config(mode, k, args.method, args.draft),
              *shlex.split(args.serve_args)]
     source = ["--requests-file", str(out / "grounded.jsonl")] if workload == "grounded" else ["--workload", "chat"]
     num = args.num_requests if streams == 1 else max(args.num_requests, 2 * streams)
@@ -154,6 +160,14 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _loaded_cell(text: str) -> tuple[int, int]:
+    streams, _, k = text.partition(":")
+    try:
+        return int(streams), int(k)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STREAMS:K such as 64:8, got {text!r}") from None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="rounds; the order of the modes rotates (default %(default)s)")
@@ -168,6 +182,9 @@ def main() -> int:
                    help="output tokens of each grounded request (default %(default)s)")
     p.add_argument("--max-output-tokens", type=int, default=None, help="clamp every workload's output lengths")
     p.add_argument("--streams", default="1,8,32", help="chat mix concurrencies (default %(default)s; \"\" for none)")
+    p.add_argument("--loaded-cell", type=_loaded_cell, action="append", default=[], metavar="STREAMS:K",
+                   help="also run the chat mix at STREAMS streams with K drafts, e.g. 64:8 (where fixed k loses "
+                   "in the replay, benchmarks/spec_replay.py); repeatable")
     p.add_argument("--num-threads", type=int, default=2, help="the server's torch threads (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="round r uses seed + r (default %(default)s)")
     p.add_argument("--tiny", action="store_true", help="serve the tiny random model (a check that the script runs)")
@@ -181,7 +198,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     grounded_requests(out / "grounded.jsonl", args.num_requests, args.grounded_output_tokens)
-    cells = [("grounded", 1)] + [("chat", int(s)) for s in args.streams.split(",") if s]
+    cells = [("grounded", 1, args.k)] + [("chat", int(s), args.k) for s in args.streams.split(",") if s]
+    cells += [("chat", s, k) for s, k in args.loaded_cell]
     header = ["| cell | round | mode | output tok/s | TPOT ms | x tok/s | x TPOT | acceptance | mean k | errors |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     lines = list(header)
@@ -189,14 +207,15 @@ def main() -> int:
     ratios: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for rnd in range(args.rounds):
         order = MODES[rnd % 3:] + MODES[: rnd % 3]
-        for workload, streams in cells:
-            got = {mode: one_cell(workload, streams, mode, rnd, args, out) for mode in order}
+        for workload, streams, k in cells:
+            got = {mode: one_cell(workload, streams, mode, rnd, args, out, k) for mode in order}
+            cell = f"{workload}@{streams}" + ("" if k == args.k else f" k{k}")
             off = got["off"]
             for mode in MODES:
                 c = got[mode]
                 rt, rp = c.tok_s / off.tok_s if off.tok_s else float("nan"), c.tpot_ms / off.tpot_ms
-                ratios.setdefault((f"{workload}@{streams}", mode), []).append((rt, rp))
-                row = (f"| {workload}@{streams} | {rnd} | {mode} | {c.tok_s:.1f} | {c.tpot_ms:.1f} | {rt:.3f} | "
+                ratios.setdefault((cell, mode), []).append((rt, rp))
+                row = (f"| {cell} | {rnd} | {mode} | {c.tok_s:.1f} | {c.tpot_ms:.1f} | {rt:.3f} | "
                        f"{rp:.3f} | {_fmt(c.acceptance, '.1%')} | {_fmt(c.mean_k, '.2f')} | {c.errors} |")
                 lines.append(row)
                 print(row, flush=True)

@@ -282,3 +282,30 @@ def test_priced_by_the_shipped_profile_k_stays_up_where_drafts_are_accepted_and_
         # Then a row of one draft now and then, as the estimate fades back above what a draft costs.
         assert sum(ks[10:]) < 0.3 * len(ks[10:]), ks
         assert sum(fixed_ks) > 3 * len(fixed_ks), fixed_ks  # (a continuation can be shorter than 4)
+
+
+def _one_stream_k(rate: float) -> int:
+    """k for one request at position 299 decoding alone, priced by the shipped two-thread profile
+    (where each draft of a lone request adds about 0.17 of a one-row step)."""
+    from cadence.executor.cost_model import StepCostModel, default_profile_path
+
+    profile = StepCostModel.load(str(default_profile_path(2)))
+    base = StepFeatures(decode_seqs=1, sampled=1, decode_context=300, decode_padded=300)
+    return choose_ks(base, [Candidate("a", 299, 4, rate)], profile.predict, 64).get("a", 0)
+
+
+def test_at_one_stream_k_stays_at_its_cap_at_65_percent_and_is_0_at_low_acceptance(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The margin decides whether a row is verified at all; its drafts after the first are judged at
+    break-even: at 65% acceptance the fourth draft's 0.18 expected tokens pay for its 0.17 of a
+    step, so k is 4 (3 with every draft held to the margin); at 20%, where a lone draft pays for
+    its time but not 1.5 times it, and below, no drafts."""
+    import cadence.sched.adaptive as adaptive
+
+    assert _one_stream_k(0.65) == 4
+    assert [_one_stream_k(a) for a in (0.05, 0.1, 0.2)] == [0, 0, 0]
+    assert _one_stream_k(0.3) == 1
+    monkeypatch.setattr(adaptive, "FURTHER_DRAFT_MARGIN", adaptive.DRAFT_COST_MARGIN)
+    assert _one_stream_k(0.65) == 3
+    monkeypatch.setattr(adaptive, "DRAFT_COST_MARGIN", 1.0)
+    assert _one_stream_k(0.2) == 1  # priced at its time alone, the lone draft pays

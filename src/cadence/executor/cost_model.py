@@ -16,7 +16,7 @@ import math
 import os
 import platform
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 from operator import add
@@ -465,14 +465,20 @@ class SimExecutor:
 
     With `scatter`, each step's cost (the draft model's time included) is its predicted mean times
     the draw of its index and kind (`ScatterDraws`: the step-time scatter measured on served
-    traffic); without, the mean."""
+    traffic); without, the mean.
+
+    With `answer`, each step's tokens are what `answer` returns for it (benchmarks/spec_replay.py
+    answers from a real model's recorded greedy outputs, verifying drafts against them) instead of
+    the scripted ones; the step is priced as any other."""
 
     def __init__(self, cost_model: StepCostModel, *, clock: VirtualClock | None = None,
                  token_id: int = DEFAULT_SIM_TOKEN, kv_bytes_per_token: int | None = None,
                  spec_acceptance: SpecAcceptance | None = None, seed: int = 0,
                  scatter: ScatterDraws | None = None,
-                 draft_cost: DraftModelCost | None = None) -> None:
+                 draft_cost: DraftModelCost | None = None,
+                 answer: Callable[[SchedulerOutput], ModelOutput] | None = None) -> None:
         self.cost_model = cost_model
+        self.answer = answer
         self.scatter = scatter
         self.spec_acceptance = spec_acceptance
         self.draft_cost = draft_cost
@@ -511,6 +517,8 @@ class SimExecutor:
         if self.scatter is not None:  # (without: the mean, untouched)
             cost *= self.scatter.factor(self.num_steps, pt > 0)
         self._charge(cost)
+        if self.answer is not None:
+            return self.answer(scheduler_output)
         if self.spec_acceptance is None:
             if sm != len(sampled):
                 raise ValueError("a verification row reached a SimExecutor without spec_acceptance")

@@ -2,9 +2,10 @@
 
 A verification row of 1 + k tokens yields, when each draft is accepted with probability a given
 the drafts before it were, (1 - a^(k+1)) / (1 - a) tokens on average instead of one; it costs
-what the step-cost model says the step costs with those k tokens more. Drafts are worth verifying
-only while the tokens they add per second of step time they add beat, by a margin, the tokens per
-second the step's decodes make without them (`choose_ks`): at low load (a memory-bound step, where k more tokens add little time) and high acceptance
+what the step-cost model says the step costs with those k tokens more. A request speculates only
+where its row's extra tokens beat, by a margin, what the time the row adds would make at the rate
+the step's decodes make tokens without drafts; each draft after the first is worth verifying while
+it about pays for its time at that rate (`choose_ks`): at low load (a memory-bound step, where k more tokens add little time) and high acceptance
 k rises to its cap; in a large batch (compute-bound: k more tokens cost as much as k more
 requests' decodes) or with drafts that are rarely accepted, k is 0.
 
@@ -19,6 +20,7 @@ the engine builds it from the calibrated profile, else `analytic_step_cost`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,13 +35,19 @@ DECAY = 0.95  # per verification row: older rows' weight in the estimate
 # so that a request whose estimate fell (a bad stretch, or text that starts repeating only later)
 # is tried again: from the lowest estimate, after one to two hundred such steps.
 IDLE_DECAY = 0.98
-# Drafts are kept only where their expected extra tokens are this many times what their time would
-# make at the step's own rate. The cost model predicts whole steps within about 5%, but what drafts
-# add is a small difference of two predictions: verification steps measured against decode steps of
-# the same batch added 0.9 to 1.6 times the predicted extra time. Replaying the chat mix's recorded
-# outputs through the scheduler, this margin gave up at most 3% of the predicted gain where drafts
-# pay, and kept every cell at or above speculation off with drafts priced 1.5 times as dear.
+# A request speculates only where its row's expected extra tokens are this many times what the
+# row's time would make at the step's own rate. The cost model predicts whole steps within about 5%,
+# but what drafts add is a small difference of two predictions: verification steps measured against
+# decode steps of the same batch added 0.9 to 1.6 times the predicted extra time.
 DRAFT_COST_MARGIN = 1.5
+# Once a request speculates, each further draft is judged at this multiple of its time: break-even.
+# The margin guards the decision to add a verification row at all (at low acceptance or in a large
+# batch the row's whole gain is thin); a row's later drafts, cheap beside the row at low load, were
+# dropped by it at ~65% acceptance where they about pay. Replaying recorded outputs
+# (benchmarks/spec_replay.py, docs/speculative.md) the two rules are level in model time (within
+# 1%), and served steps carry costs the model does not see that a longer row saves (fixed k's
+# measured gain on the grounded single stream was above the modelled one).
+FURTHER_DRAFT_MARGIN = 1.0
 
 
 def analytic_step_cost(f: StepFeatures) -> float:
@@ -128,7 +136,9 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
     the cost of a step of just them (a prompt chunk in the step is work that time would do anyway;
     counting it in would make any drafts look cheap beside it). Drafts are worth their expected
     extra tokens less the time they add at that rate. Candidates are taken best acceptance first;
-    each gets the k of the largest net gain. The first row of drafts may put the step on a dearer
+    each gets the k of the largest net gain at break-even (`FURTHER_DRAFT_MARGIN`), and its row
+    counts for the gain of its best k with its time priced `DRAFT_COST_MARGIN` times over: a row
+    that gains nothing so priced is not verified. The first row of drafts may put the step on a dearer
     path (a CPU step with a chunk runs differently) and lose on its own while later rows gain: it is
     kept tentatively, and the set kept in the end is the leading run of candidates with the largest
     total gain. Once the step has a chunk, a candidate that gains nothing ends the search (those
@@ -157,16 +167,19 @@ def choose_ks(base: StepFeatures, candidates: Sequence[Candidate], cost: StepCos
             break
         draft_time = 0.0 if drafting is None else drafting.time(cost, drafted, drafted_ctx, drafted_top, c.start + 1)
         pick = None
+        net = -math.inf  # the row's gain at its best k, its time priced with the margin
         for k in range(1, min(c.max_k, budget) + 1):
             f = _with_drafts(pt, ps, ds, sm, dc, dmax, pa, sh, c, k, block_size)
             ct = cost(f)
-            net = expected_tokens(k, c.rate) - 1 - DRAFT_COST_MARGIN * per_second * (ct - t + draft_time)
-            if pick is not None and net <= pick[1]:
+            extra, added = expected_tokens(k, c.rate) - 1, per_second * (ct - t + draft_time)
+            net = max(net, extra - DRAFT_COST_MARGIN * added)
+            marginal = extra - FURTHER_DRAFT_MARGIN * added
+            if pick is not None and marginal <= pick[1]:
                 break  # past the best k: the gain falls from here on
-            pick = (k, net, ct, f)
+            pick = (k, marginal, ct, f)
         if pick is None:
             continue
-        k, net, ct, f = pick
+        k, _, ct, f = pick
         if net <= 0 and pt > 0:
             break
         chosen.append((c.request_id, k))
