@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -240,16 +241,29 @@ def stop_fleet() -> None:
         ray.shutdown()
 
 
+def _stop_starting(signum: int, frame: Any) -> None:
+    """SIGTERM before the port opens: unwind the start, which stops what has started of Serve and Ray."""
+    log.info("SIGTERM while the fleet starts: stopping it")
+    raise SystemExit(128 + signum)
+
+
 def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any, ray_opts: RayOptions) -> int:
     """Serve until SIGTERM (drained, as a single server drains) or SIGINT; return the exit code."""
     check_port_free(server_config.host, server_config.port)
+    signal.signal(signal.SIGTERM, _stop_starting)
     try:
         start_ray(ray_opts)
+        # (again: the driver's Ray installs its own, which aborts the process and leaves Ray's
+        # processes behind; uvicorn's takes over once the port opens)
+        signal.signal(signal.SIGTERM, _stop_starting)
         ingress = deploy_pools(engine_config, server_config, fleet)
         server = _ingress_server(ingress, server_config)
     except BaseException:
         stop_fleet()
         raise
+    # From here uvicorn's handler drains; once it returns, a further SIGTERM must not cut Serve's
+    # and Ray's shutdown short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     log.info("fleet of %d replicas (%s routing) on http://%s:%d", fleet.num_replicas, fleet.router,
              server_config.host, server_config.port)
     try:
