@@ -302,3 +302,12 @@ def test_the_single_servers_head_limits_guard_the_fleet(fleet) -> None:
         assert r.status_code == 431, r.text
         assert r.json()["error"]["code"] == "request_headers_too_large"
         assert c.get("/v1/models").status_code == 200  # (and the server serves on)
+
+
+def test_a_real_clusters_address_passes_the_ray_address_check(fleet) -> None:
+    import ray
+
+    from cadence.fleet.launch import check_reachable
+
+    # The check that refuses what is not Ray (tests/unit/test_fleet_cli.py) lets Ray's GCS through.
+    check_reachable(ray.get_runtime_context().gcs_address)

@@ -72,3 +72,51 @@ def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(30)
+
+
+def _session_processes(sid: int) -> list[str]:
+    """The command lines of the live processes of session `sid` (what a server started and left)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace").replace("\0", " ")
+        except OSError:  # (gone meanwhile)
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(f"{pid} {cmdline[:120]}")
+    return found
+
+
+def test_sigterm_while_the_fleet_starts_stops_ray_and_leaves_no_process() -> None:
+    # Ray's own handler took SIGTERM once Ray was up (the process aborted, its Ray's agents stayed).
+    cmd = [sys.executable, "-m", "cadence.cli", "serve", "--tiny", "--replicas", "1", "--replica-threads", "1",
+           "--port", str(free_port()), "--device", "cpu", "--dtype", "float32"]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:  # (Ray is up, the replicas are being deployed)
+            lines.append(line)
+            if "Started Serve" in line:
+                break
+        assert proc.poll() is None, "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(90)
+        rest = proc.stderr.read()
+        assert code == 128 + signal.SIGTERM, (code, rest[-2000:])
+        assert "SIGTERM received" not in rest, rest[-2000:]
+        end = time.monotonic() + 20  # (Ray's processes end once their head has gone)
+        while _session_processes(proc.pid) and time.monotonic() < end:
+            time.sleep(0.5)
+        assert not _session_processes(proc.pid), _session_processes(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        for line in _session_processes(proc.pid):  # (leave nothing behind, whatever the outcome)
+            os.kill(int(line.split()[0]), signal.SIGKILL)

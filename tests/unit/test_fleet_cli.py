@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -27,6 +28,32 @@ def test_an_unreachable_ray_address_is_a_clear_error_at_once() -> None:
     assert proc.returncode == 2 and "--ray-address: nothing answers at 127.0.0.1:1" in proc.stderr, proc.stderr
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.0 400 Bad Request\r\n\r\n"], ids=["silent", "http1"])
+def test_a_ray_address_that_answers_but_not_as_ray_is_a_clear_error_at_once(answer: bytes | None) -> None:
+    # Something else listening there (a web server, a port that accepts and says nothing): Ray's
+    # connect would retry for minutes, deaf to signals, each try 40 s.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+        def answer_once() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                if answer is not None:
+                    conn.recv(1024)
+                    conn.sendall(answer)
+                time.sleep(3)
+
+        server = threading.Thread(target=answer_once, daemon=True)
+        server.start()
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=f"--ray-address: {address} answers, but not as a Ray cluster"):
+            check_reachable(address, timeout=2.0)
+        assert time.monotonic() - t0 < 5
+        server.join()
 
 
 def test_a_port_in_use_is_a_clear_error_before_ray_starts(capsys) -> None:

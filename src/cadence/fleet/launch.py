@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -57,17 +58,48 @@ class RayOptions:
     object_store_bytes: int | None = None  # a local Ray's object store (None: OBJECT_STORE_BYTES)
 
 
+# An HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS)
+# answers with a SETTINGS frame of its own (RFC 9113, 3.4).
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+HTTP2_SETTINGS_TYPE = 4
+
+
 def check_reachable(address: str, timeout: float = 5.0) -> None:
-    """A clear error at once when nothing answers at a cluster's address (Ray itself retries for
-    minutes, deaf to signals, and then starts a local instance)."""
+    """A clear error at once when nothing answers at a cluster's address, or something that is not
+    Ray's GCS does (Ray itself retries for minutes, deaf to signals, each try 40 s there)."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"--ray-address: expected HOST:PORT (e.g. the head's 10.0.0.1:6379), got {address!r}")
     try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
+        conn = socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout)
     except OSError as e:
         raise ValueError(f"--ray-address: nothing answers at {address} ({e.strerror or e}); start the cluster "
                          f"with `ray start --head` there, or leave the flag out for a local Ray") from None
+    with conn:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return  # (a TLS cluster's GCS does not answer a plain preface)
+        answer = _first_bytes(conn, HTTP2_PREFACE, 9)
+    if len(answer) < 9 or answer[3] != HTTP2_SETTINGS_TYPE:
+        heard = "nothing" if not answer else repr(answer[:24])
+        raise ValueError(f"--ray-address: {address} answers, but not as a Ray cluster ({heard} within "
+                         f"{timeout:g} s to gRPC's greeting); give the head's GCS port (`ray start --head` "
+                         f"prints it, 6379 by default)")
+
+
+def _first_bytes(conn: socket.socket, greeting: bytes, count: int) -> bytes:
+    """Up to `count` bytes the peer sends after `greeting` (fewer when it closes or stays silent
+    for the socket's timeout)."""
+    got = b""
+    try:
+        conn.sendall(greeting)
+        while len(got) < count:
+            chunk = conn.recv(count - len(got))
+            if not chunk:
+                break
+            got += chunk
+    except OSError:  # (a timeout, a reset)
+        pass
+    return got
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -209,16 +241,29 @@ def stop_fleet() -> None:
         ray.shutdown()
 
 
+def _stop_starting(signum: int, frame: Any) -> None:
+    """SIGTERM before the port opens: unwind the start, which stops what has started of Serve and Ray."""
+    log.info("SIGTERM while the fleet starts: stopping it")
+    raise SystemExit(128 + signum)
+
+
 def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any, ray_opts: RayOptions) -> int:
     """Serve until SIGTERM (drained, as a single server drains) or SIGINT; return the exit code."""
     check_port_free(server_config.host, server_config.port)
+    signal.signal(signal.SIGTERM, _stop_starting)
     try:
         start_ray(ray_opts)
+        # (again: the driver's Ray installs its own, which aborts the process and leaves Ray's
+        # processes behind; uvicorn's takes over once the port opens)
+        signal.signal(signal.SIGTERM, _stop_starting)
         ingress = deploy_pools(engine_config, server_config, fleet)
         server = _ingress_server(ingress, server_config)
     except BaseException:
         stop_fleet()
         raise
+    # From here uvicorn's handler drains; once it returns, a further SIGTERM must not cut Serve's
+    # and Ray's shutdown short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     log.info("fleet of %d replicas (%s routing) on http://%s:%d", fleet.num_replicas, fleet.router,
              server_config.host, server_config.port)
     try:
