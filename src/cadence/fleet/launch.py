@@ -264,7 +264,8 @@ def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: A
     # From here uvicorn's handler drains; once it returns, a further SIGTERM must not cut Serve's
     # and Ray's shutdown short.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    log.info("fleet of %d replicas (%s routing) on http://%s:%d", fleet.num_replicas, fleet.router,
+    log.info("fleet of %d replica%s (%s routing) on http://%s:%d", fleet.num_replicas,
+             "" if fleet.num_replicas == 1 else "s", fleet.router,
              server_config.host, server_config.port)
     try:
         server.run()  # (in the main thread: uvicorn takes SIGTERM and SIGINT, DrainingServer drains)
