@@ -29,6 +29,15 @@ tokens/s, the mean TPOT, the acceptance rate and the mean k per verification row
 server's /metrics, counted over the timed run), and the ratios of tokens/s and TPOT to the cell
 with speculation off, per round and their median over the rounds.
 
+With `--interleave`, the single-stream cells run the three modes side by side instead: three
+servers (off, fixed k, adaptive k) stay up together, and each request is sent to each of them in
+turn, the order rotating per request, so a slow moment of a shared machine falls on every mode
+alike; a cell's figure per mode is its requests' output tokens over their time (each request
+timed from its send to its last token), and every request's text must be the same from the three
+servers (greedy output does not change with speculation; the script exits 1 where it does). Idle
+servers use no CPU. The servers live for the whole run, so a grounded prompt repeated in a later
+round hits each server's prefix cache alike.
+
 Server and client share the machine: run it on a quiet one.
 """
 
@@ -41,12 +50,16 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from cadence.bench.launch import served
+from cadence.bench.prompts import PromptBuilder, ServerTokenizer
+from cadence.workload import builtin_workload, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 CADENCE = [sys.executable, "-m", "cadence.cli"]
@@ -132,21 +145,20 @@ def one_cell(workload: str, streams: int, mode: str, rnd: int, args: argparse.Na
              k: int | None = None) -> Cell:
     k = args.k if k is None else k
     name = f"{workload}{streams}{'' if k == args.k else f'k{k}'}_{mode}_r{rnd}"
-    serve = [*CADENCE, "serve", "--host", "127.0.0.1", "--port", str(args.port), "--num-threads",
-             str(args.num_threads), *(["--tiny"] if args.tiny else []), *spec_config(mode, k, args.method, args.draft),
-             *shlex.split(args.serve_args)]
+    port = args.port + 3 if args.interleave else args.port  # the interleaved servers hold the first three
+    serve = serve_command(mode, k, port, args)
     source = ["--requests-file", str(out / "grounded.jsonl")] if workload == "grounded" else ["--workload", "chat"]
     num = args.num_requests if streams == 1 else max(args.num_requests, 2 * streams)
-    bench = [*CADENCE, "bench", "--base-url", f"http://127.0.0.1:{args.port}", "--endpoint", "chat", *source,
+    bench = [*CADENCE, "bench", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "chat", *source,
              "--concurrency", str(streams), "--num-requests", str(num), "--temperature", "0", "--no-exact-output",
              "--seed", str(args.seed + rnd), "--no-progress", "--label", name, "--out", str(out / name)]
     if args.max_output_tokens:
         bench += ["--max-output-tokens", str(args.max_output_tokens)]
-    with served(serve, f"http://127.0.0.1:{args.port}/health", out / f"{name}.log", cwd=ROOT, timeout=600):
-        warm_up(args.port)
-        before = spec_counters(args.port)
+    with served(serve, f"http://127.0.0.1:{port}/health", out / f"{name}.log", cwd=ROOT, timeout=600):
+        warm_up(port)
+        before = spec_counters(port)
         subprocess.run(bench, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        after = spec_counters(args.port)
+        after = spec_counters(port)
     rows, drafted, accepted = (after[c] - before[c] for c in SPEC_COUNTERS)
     summary = json.loads((out / name / "summary.json").read_text())["overall"]
     tpot = summary["tpot"]["mean"]
@@ -154,6 +166,89 @@ def one_cell(workload: str, streams: int, mode: str, rnd: int, args: argparse.Na
                 tpot_ms=float(tpot) * 1000 if tpot is not None else float("nan"),
                 acceptance=accepted / drafted if drafted else None, mean_k=drafted / rows if rows else None,
                 errors=int(summary["errors"]))
+
+
+def serve_command(mode: str, k: int, port: int, args: argparse.Namespace) -> list[str]:
+    return [*CADENCE, "serve", "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.num_threads),
+            *(["--tiny"] if args.tiny else []), *spec_config(mode, k, args.method, args.draft),
+            *shlex.split(args.serve_args)]
+
+
+def request_bodies(workload: str, rnd: int, args: argparse.Namespace, out: Path, port: int) -> list[dict]:
+    """The single-stream cell's requests as chat bodies, as `cadence bench --endpoint chat` sends
+    them (the chat mix's prompts sized by the server's tokenizer, as its `--tokenizer auto` does)."""
+    if workload == "grounded":
+        reqs = read_jsonl(out / "grounded.jsonl").requests
+        texts: list[str | None] = [None] * len(reqs)
+    else:
+        w = builtin_workload("chat", args.num_requests, args.seed + rnd)
+        tok = ServerTokenizer(f"http://127.0.0.1:{port}")
+        try:
+            texts = PromptBuilder(tok, args.seed + rnd).build_all(w)
+        finally:
+            tok.close()
+        reqs = w.requests
+    bodies = []
+    for req, text in zip(reqs, texts, strict=True):
+        msgs = req.messages if req.messages is not None else (("user", text or ""),)
+        max_tokens = min(req.output_tokens, args.max_output_tokens or req.output_tokens)
+        bodies.append({"messages": [{"role": r, "content": c} for r, c in msgs], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+    return bodies
+
+
+@dataclass
+class Timed:
+    text: str
+    tokens: int
+    seconds: float  # send to last token
+    ttft: float
+
+
+def timed_request(port: int, body: dict) -> Timed:
+    """One streamed chat request: its text, output tokens (the usage chunk), time and TTFT."""
+    parts: list[str] = []
+    tokens, ttft = 0, None
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            for choice in obj.get("choices") or ():
+                delta = (choice.get("delta") or {}).get("content")
+                if delta:
+                    ttft = time.perf_counter() - t0 if ttft is None else ttft
+                    parts.append(delta)
+            if obj.get("usage"):
+                tokens = int(obj["usage"]["completion_tokens"])
+    seconds = time.perf_counter() - t0
+    return Timed("".join(parts), tokens, seconds, seconds if ttft is None else ttft)
+
+
+def interleaved_cell(workload: str, rnd: int, args: argparse.Namespace, out: Path, ports: dict[str, int]
+                     ) -> tuple[dict[str, Cell], int]:
+    """One single-stream cell with the three modes side by side (`--interleave`): each request to
+    each mode's server in turn. Returns the cells and how many requests' texts differed from off."""
+    bodies = request_bodies(workload, rnd, args, out, ports["off"])
+    before = {m: spec_counters(p) for m, p in ports.items()}
+    got: dict[str, list[Timed]] = {m: [] for m in MODES}
+    for i, body in enumerate(bodies):
+        j = (i + rnd) % 3
+        for mode in MODES[j:] + MODES[:j]:
+            got[mode].append(timed_request(ports[mode], body))
+    after = {m: spec_counters(p) for m, p in ports.items()}
+    differ = sum(any(got[m][i].text != got["off"][i].text for m in MODES) for i in range(len(bodies)))
+    cells = {}
+    for mode, runs in got.items():
+        rows, drafted, accepted = (after[mode][c] - before[mode][c] for c in SPEC_COUNTERS)
+        tpots = [(r.seconds - r.ttft) / (r.tokens - 1) for r in runs if r.tokens > 1]
+        cells[mode] = Cell(tok_s=sum(r.tokens for r in runs) / sum(r.seconds for r in runs),
+                           tpot_ms=1000 * statistics.fmean(tpots) if tpots else float("nan"),
+                           acceptance=accepted / drafted if drafted else None, mean_k=drafted / rows if rows else None,
+                           errors=0)
+    return cells, differ
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -190,7 +285,10 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true", help="serve the tiny random model (a check that the script runs)")
     p.add_argument("--serve-args", default="", help="extra `cadence serve` flags for every cell, e.g. "
                    "\"--cost-profile PATH\" (the step-cost profile adaptive k prices drafts with)")
-    p.add_argument("--port", type=int, default=8031)
+    p.add_argument("--interleave", action="store_true", help="single-stream cells: the three modes' servers up "
+                   "together, each request sent to each in turn (module docstring)")
+    p.add_argument("--port", type=int, default=8031, help="the server's port; with --interleave the three use "
+                   "this one and the next two (default %(default)s)")
     p.add_argument("--out", default=str(ROOT / "results/speculative"))
     args = p.parse_args()
     if args.method == "draft_model" and not args.draft:
@@ -205,30 +303,50 @@ def main() -> int:
     lines = list(header)
     print("\n".join(header), flush=True)
     ratios: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for rnd in range(args.rounds):
-        order = MODES[rnd % 3:] + MODES[: rnd % 3]
-        for workload, streams, k in cells:
-            got = {mode: one_cell(workload, streams, mode, rnd, args, out, k) for mode in order}
-            cell = f"{workload}@{streams}" + ("" if k == args.k else f" k{k}")
-            off = got["off"]
-            for mode in MODES:
-                c = got[mode]
-                rt, rp = c.tok_s / off.tok_s if off.tok_s else float("nan"), c.tpot_ms / off.tpot_ms
-                ratios.setdefault((cell, mode), []).append((rt, rp))
-                row = (f"| {cell} | {rnd} | {mode} | {c.tok_s:.1f} | {c.tpot_ms:.1f} | {rt:.3f} | "
-                       f"{rp:.3f} | {_fmt(c.acceptance, '.1%')} | {_fmt(c.mean_k, '.2f')} | {c.errors} |")
-                lines.append(row)
-                print(row, flush=True)
+    differed = 0
+    with ExitStack() as stack:
+        ports = dict(zip(MODES, range(args.port, args.port + 3), strict=True)) if args.interleave else {}
+        for mode, port in ports.items():
+            stack.enter_context(served(serve_command(mode, args.k, port, args), f"http://127.0.0.1:{port}/health",
+                                       out / f"interleaved_{mode}.log", cwd=ROOT, timeout=600))
+            warm_up(port)
+        for rnd in range(args.rounds):
+            for workload, streams, k in cells:
+                if ports and streams == 1 and k == args.k:
+                    got, differ = interleaved_cell(workload, rnd, args, out, ports)
+                    differed += differ
+                else:
+                    order = MODES[rnd % 3:] + MODES[: rnd % 3]
+                    got = {mode: one_cell(workload, streams, mode, rnd, args, out, k) for mode in order}
+                lines += _round_rows(got, f"{workload}@{streams}" + ("" if k == args.k else f" k{k}"), rnd, ratios)
     lines += ["", "| cell | mode | median x tok/s | median x TPOT | per round x tok/s |", "|---|---|---|---|---|"]
     for (cell, mode), rs in ratios.items():
         if mode == "off":
             continue
         lines.append(f"| {cell} | {mode} | {statistics.median(r for r, _ in rs):.3f} | "
                      f"{statistics.median(p for _, p in rs):.3f} | {', '.join(f'{r:.3f}' for r, _ in rs)} |")
+    if differed:
+        lines.append(f"\n{differed} request(s) answered differently with speculation: greedy output changed")
     text = "\n".join(lines)
     (out / "table.md").write_text(text + "\n")
     print(text)
-    return 0
+    return 1 if differed else 0
+
+
+def _round_rows(got: dict[str, Cell], cell: str, rnd: int, ratios: dict[tuple[str, str], list[tuple[float, float]]]
+                ) -> list[str]:
+    """A cell's rows for one round, printed as they come; its ratios to off go into `ratios`."""
+    lines = []
+    off = got["off"]
+    for mode in MODES:
+        c = got[mode]
+        rt, rp = c.tok_s / off.tok_s if off.tok_s else float("nan"), c.tpot_ms / off.tpot_ms
+        ratios.setdefault((cell, mode), []).append((rt, rp))
+        row = (f"| {cell} | {rnd} | {mode} | {c.tok_s:.1f} | {c.tpot_ms:.1f} | {rt:.3f} | "
+               f"{rp:.3f} | {_fmt(c.acceptance, '.1%')} | {_fmt(c.mean_k, '.2f')} | {c.errors} |")
+        lines.append(row)
+        print(row, flush=True)
+    return lines
 
 
 if __name__ == "__main__":

@@ -45,3 +45,35 @@ def test_serve_args_reach_every_cells_server(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         bench.main()
     assert started and started[0][-2:] == ["--cost-profile", "/tmp/p.json"]
+
+
+def test_interleaved_cell_sends_each_request_to_every_mode_in_rotating_order_and_counts_changed_texts(
+        tmp_path, monkeypatch):
+    bench = _load()
+    ports = {"off": 1, "fixed": 2, "adaptive": 3}
+    sent = []
+
+    def timed(port, body):
+        sent.append((port, body["i"]))
+        text = "changed" if (port, body["i"]) == (3, 1) else f"answer {body['i']}"
+        return bench.Timed(text, tokens=10, seconds={1: 2.0, 2: 1.0, 3: 0.5}[port], ttft=0.1)
+
+    counters = {p: dict.fromkeys(bench.SPEC_COUNTERS, 0.0) for p in ports.values()}
+
+    def spec_counters(port):
+        out = dict(counters[port])
+        for name, step in zip(bench.SPEC_COUNTERS, (2.0, 8.0, 6.0), strict=True):
+            counters[port][name] += step if port != 1 else 0.0
+        return out
+
+    monkeypatch.setattr(bench, "request_bodies", lambda *a: [{"i": 0}, {"i": 1}])
+    monkeypatch.setattr(bench, "timed_request", timed)
+    monkeypatch.setattr(bench, "spec_counters", spec_counters)
+    cells, differ = bench.interleaved_cell("grounded", 1, None, tmp_path, ports)
+    # Round 1: request 0 starts at the second mode, request 1 at the third.
+    assert sent == [(2, 0), (3, 0), (1, 0), (3, 1), (1, 1), (2, 1)]
+    assert differ == 1  # request 1's text from the adaptive server is not off's
+    assert cells["off"].tok_s == 20 / 4.0 and cells["adaptive"].tok_s == 20 / 1.0
+    assert cells["fixed"].acceptance == 6.0 / 8.0 and cells["fixed"].mean_k == 4.0
+    assert cells["off"].acceptance is None
+    assert abs(cells["off"].tpot_ms - 1000 * 1.9 / 9) < 1e-9

@@ -108,6 +108,34 @@ def test_acceptance_falls_from_its_prior_with_rejections_and_rises_with_acceptan
     assert bad.rate < 0.3 < prior < good.rate
 
 
+def _test_rows(est: Acceptance, threshold: float, steps: int, accept: bool = False) -> list[int]:
+    """The steps at which a request verifies a row of one draft, verifying one whenever its
+    estimate is above `threshold` (what the draft costs), its drafts never (or always) accepted."""
+    tested = []
+    for step in range(steps):
+        if est.rate > threshold:
+            est.record(1, int(accept))
+            tested.append(step)
+        else:
+            est.idle()
+    return tested
+
+
+def test_drafts_never_accepted_are_tested_ever_more_rarely_and_an_acceptance_ends_the_backoff() -> None:
+    est = Acceptance()
+    tested = _test_rows(est, 0.3, 3000)
+    gaps = [b - a for a, b in zip(tested, tested[1:], strict=False)]
+    idle_gaps = [g for g in gaps if g > 1]  # the first rows run back to back, the prior still high
+    assert len(idle_gaps) >= 4, gaps
+    # Each row that accepted nothing doubles the wait before the next (to the cap).
+    assert all(b >= 1.8 * a for a, b in zip(idle_gaps[:3], idle_gaps[1:4], strict=False)), idle_gaps
+    assert len(tested) < 15, tested  # without the backoff: a test row every dozen steps
+    # A row that accepts ends the run: the waits start short again.
+    est.record(1, 1)
+    after = _test_rows(est, 0.3, 3000)
+    assert after and after[0] < idle_gaps[-1] / 8, (after, idle_gaps)
+
+
 def test_k_falls_to_zero_as_running_requests_rise_and_tokens_stay_the_same() -> None:
     mean_k = {}
     for n in (1, 3, 32):

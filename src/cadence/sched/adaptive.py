@@ -35,6 +35,12 @@ DECAY = 0.95  # per verification row: older rows' weight in the estimate
 # so that a request whose estimate fell (a bad stretch, or text that starts repeating only later)
 # is tried again: from the lowest estimate, after one to two hundred such steps.
 IDLE_DECAY = 0.98
+# A test row adds about one rejected draft to the evidence, which the prior's pull outweighs again
+# within tens of idle steps: drafts that are never right (a draft model that is no use on the text)
+# would be tested, and a draft model's passes paid for, every few dozen steps. So each row in a run
+# of rows that accepted nothing doubles how long the evidence takes to fade (up to 2^this times),
+# and a row that accepts a draft ends the run.
+IDLE_BACKOFF_DOUBLINGS = 6
 # A request speculates only where its row's expected extra tokens are this many times what the
 # row's time would make at the step's own rate. The cost model predicts whole steps within about 5%,
 # but what drafts add is a small difference of two predictions: verification steps measured against
@@ -73,6 +79,7 @@ class Acceptance:
 
     accepted: float = 0.0
     judged: float = 0.0
+    misses: int = 0  # verification rows since the last one that accepted a draft
 
     @property
     def rate(self) -> float:
@@ -81,11 +88,13 @@ class Acceptance:
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.accepted = self.accepted * DECAY + num_accepted
         self.judged = self.judged * DECAY + num_accepted + (num_accepted < num_drafts)
+        self.misses = 0 if num_accepted else self.misses + 1
 
     def idle(self) -> None:
         """A step where the request had drafts and verified none of them."""
-        self.accepted *= IDLE_DECAY
-        self.judged *= IDLE_DECAY
+        fade = IDLE_DECAY ** (0.5 ** min(max(self.misses - 1, 0), IDLE_BACKOFF_DOUBLINGS))
+        self.accepted *= fade
+        self.judged *= fade
 
 
 @dataclass(frozen=True, slots=True)
