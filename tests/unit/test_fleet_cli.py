@@ -131,3 +131,68 @@ def test_a_local_ray_starts_with_its_background_work_cut(monkeypatch) -> None:
     # A cluster joined by address keeps the environment its own `ray start` had.
     env = _env_at_ray_init(monkeypatch, "10.0.0.1:6379")
     assert "RAY_enable_metrics_collection" not in env
+
+
+def test_a_sigterm_after_the_fleet_is_up_but_before_uvicorn_listens_stops_it_cleanly(monkeypatch) -> None:
+    # Between the ingress being built and uvicorn taking SIGTERM, the signal was ignored: the fleet
+    # went on serving. Now the server stops as soon as it has started, and the fleet is stopped.
+    import signal
+
+    import uvicorn
+
+    from cadence.fleet import launch
+
+    async def app(scope, receive, send):  # (never called: nothing connects)
+        raise AssertionError("no request expected")
+
+    class Server(uvicorn.Server):
+        interrupted = False
+
+        def run(self, sockets=None):
+            signal.raise_signal(signal.SIGTERM)  # the SIGTERM lands before uvicorn installs its handlers
+            super().run(sockets)
+
+    server = Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_level="warning"))
+    stopped = []
+    monkeypatch.setattr(launch, "check_port_free", lambda host, port: None)
+    monkeypatch.setattr(launch, "start_ray", lambda opts: None)
+    monkeypatch.setattr(launch, "deploy_pools", lambda *a: object())
+    monkeypatch.setattr(launch, "_ingress_server", lambda ingress, config: server)
+    monkeypatch.setattr(launch, "_close_ingress", lambda ingress: None)
+    monkeypatch.setattr(launch, "stop_fleet", lambda: stopped.append(True))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        t0 = time.monotonic()
+        from types import SimpleNamespace
+
+        from cadence.config import EngineConfig, ServerConfig
+
+        fleet = SimpleNamespace(num_replicas=2, router="least-loaded")
+        assert launch.run_fleet(EngineConfig(), ServerConfig(), fleet, None) == 0
+        assert server.started and server.should_exit and stopped == [True]
+        assert time.monotonic() - t0 < 10
+        signal.raise_signal(signal.SIGTERM)  # after uvicorn returned: flags the stopped server, nothing more
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_ray_address_auto_finds_the_cluster_ray_would_and_says_so_in_cadences_words(monkeypatch) -> None:
+    from ray._private import services
+
+    from cadence.fleet.launch import resolve_auto_address
+
+    # Nothing to find: cadence's flag named, not Ray's `--address`.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: [])
+    with pytest.raises(ValueError, match=r"--ray-address auto: no running Ray cluster found") as e:
+        resolve_auto_address()
+    assert "`--address`" not in str(e.value)
+    # RAY_ADDRESS names one: auto is that address, checked like any other (a dead one refused at once).
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert resolve_auto_address().endswith(":1")  # (Ray gives a local host as the node's own address)
+    proc = subprocess.run([sys.executable, "-m", "cadence.cli", "serve", "--tiny", "--replicas", "2",
+                           "--ray-address", "auto"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"})
+    assert proc.returncode == 2 and "--ray-address: nothing answers at " in proc.stderr, proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from cadence.config import EngineConfig, ServerConfig
@@ -86,6 +87,19 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
                          f"prints it, 6379 by default)")
 
 
+def resolve_auto_address() -> str:
+    """`--ray-address auto`: the cluster Ray finds on this machine (`RAY_ADDRESS`, else the latest
+    `ray start --head` here), or a clear error in cadence's words (Ray's names its own `--address`)."""
+    from ray._private import services
+
+    try:
+        return services.canonicalize_bootstrap_address_or_die("auto")
+    except ConnectionError:
+        raise ValueError("--ray-address auto: no running Ray cluster found on this machine (RAY_ADDRESS is unset "
+                         "and no `ray start --head` runs here); start one with `ray start --head`, give the "
+                         "head's HOST:PORT, or leave the flag out for a local Ray") from None
+
+
 def _first_bytes(conn: socket.socket, greeting: bytes, count: int) -> bytes:
     """Up to `count` bytes the peer sends after `greeting` (fewer when it closes or stays silent
     for the socket's timeout)."""
@@ -126,9 +140,9 @@ def start_ray(opts: RayOptions) -> None:
         for key, value in LOCAL_RAY_ENV.items():
             os.environ.setdefault(key, value)
     if opts.address:
-        if opts.address != "auto":
-            check_reachable(opts.address)
-        ray.init(address=opts.address, include_dashboard=False, log_to_driver=False)
+        address = resolve_auto_address() if opts.address == "auto" else opts.address
+        check_reachable(address)
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(num_cpus=opts.num_cpus, include_dashboard=False, object_store_memory=opts.object_store_bytes or OBJECT_STORE_BYTES,
                  log_to_driver=False)
@@ -247,6 +261,11 @@ def _stop_starting(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _stop_serving(server: Any, signum: int, frame: Any) -> None:
+    """SIGTERM outside uvicorn's own handling: the ingress server stops once started (`run_fleet`)."""
+    server.should_exit = True
+
+
 def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: Any, ray_opts: RayOptions) -> int:
     """Serve until SIGTERM (drained, as a single server drains) or SIGINT; return the exit code."""
     check_port_free(server_config.host, server_config.port)
@@ -261,9 +280,10 @@ def run_fleet(engine_config: EngineConfig, server_config: ServerConfig, fleet: A
     except BaseException:
         stop_fleet()
         raise
-    # From here uvicorn's handler drains; once it returns, a further SIGTERM must not cut Serve's
-    # and Ray's shutdown short.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Until uvicorn takes SIGTERM (it drains from then on), one stops the server as soon as it has
+    # started: nothing is in flight yet. uvicorn gives this handler back when it returns, and a
+    # further SIGTERM then only flags a stopped server, so it cannot cut Serve's and Ray's shutdown short.
+    signal.signal(signal.SIGTERM, partial(_stop_serving, server))
     log.info("fleet of %d replica%s (%s routing) on http://%s:%d", fleet.num_replicas,
              "" if fleet.num_replicas == 1 else "s", fleet.router,
              server_config.host, server_config.port)
