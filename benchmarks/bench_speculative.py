@@ -35,8 +35,9 @@ turn, the order rotating per request, so a slow moment of a shared machine falls
 alike; a cell's figure per mode is its requests' output tokens over their time (each request
 timed from its send to its last token), and every request's text must be the same from the three
 servers (greedy output does not change with speculation; the script exits 1 where it does). Idle
-servers use no CPU. The servers live for the whole run, so a grounded prompt repeated in a later
-round hits each server's prefix cache alike.
+servers use no CPU. The servers live for the whole run, so each round after the first opens the
+grounded prompts with its number ("Round 2. ..."): no round finds its prompts in the prefix cache,
+as no fresh server would.
 
 Server and client share the machine: run it on a quiet one.
 """
@@ -191,6 +192,8 @@ def request_bodies(workload: str, rnd: int, args: argparse.Namespace, out: Path,
     bodies = []
     for req, text in zip(reqs, texts, strict=True):
         msgs = req.messages if req.messages is not None else (("user", text or ""),)
+        if workload == "grounded" and rnd:  # its own prompts each round: none in the prefix cache yet
+            msgs = ((msgs[0][0], f"Round {rnd}. {msgs[0][1]}"), *msgs[1:])
         max_tokens = min(req.output_tokens, args.max_output_tokens or req.output_tokens)
         bodies.append({"messages": [{"role": r, "content": c} for r, c in msgs], "max_tokens": max_tokens,
                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
