@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pytest
 import torch
 from fakes import make_engine, make_request, run_until_done, tokens_of
 from test_speculative_adaptive import fake_cost
@@ -84,13 +85,20 @@ def test_drafting_is_priced_so_that_drafts_are_turned_down_as_the_batch_grows() 
     assert chosen(1, drafting) == 1 and chosen(4, drafting) < 4
 
 
-def test_the_engine_prices_drafting_at_the_draft_models_share_of_the_layers(tmp_path: Path) -> None:
+def test_the_engine_prices_drafting_at_the_draft_models_share_of_the_weight_bytes(tmp_path: Path) -> None:
+    # A decode pass of a few rows is bound by reading its weights: the draft's decoder layers and its
+    # whole output layer, beside the served model's (in float32 here: 4 bytes a weight in both).
     tokenizer = Tokenizer.from_model_path(None)
     arch = tiny_arch(tokenizer.vocab_size)
     draft = write_draft(arch, random_weights(arch, seed=0), 1, tmp_path / "draft", tokenizer, torch.float32)
     llm = LLM(tiny=True, dtype="float32", speculative_config={**ADAPTIVE_DRAFT, "model": str(draft)})
     speculation = llm.engine.core.scheduler.speculation
-    assert speculation is not None and speculation.draft_cost_ratio == 1 / arch.num_layers
+    e, f, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    layer = (arch.num_heads + 2 * arch.num_kv_heads) * d * e + e * arch.num_heads * d + 2 * f * e + e * f
+    head = arch.vocab_size * e
+    assert speculation is not None
+    assert speculation.draft_cost_ratio == pytest.approx((layer + head) / (arch.num_layers * layer + head), rel=1e-12)
+    assert speculation.draft_cost_ratio > 1 / arch.num_layers  # the output layer counts too
 
 
 # ---------------------------------------------------------------- the draft cache in the KV budget

@@ -157,6 +157,15 @@ class Linear:
         """The weight `fused_kind` names."""
         return self.i8 if self.i8 is not None else self.q4_1 if self.q4_1 is not None else self.packed
 
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of weights one call reads, in the form its path computes from (a decode step of
+        a few rows takes about the time its weights take to read)."""
+        w = self.kernel_weight if self.kernel is not None else self.weight
+        if w is None or w.is_mkldnn:  # (oneDNN's packed weight: the matrix's own size)
+            return self.shape[0] * self.shape[1] * (self.packed.element_size() if self.packed is not None else 4)
+        return w.numel() * w.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x)
 
@@ -395,6 +404,13 @@ class LlamaModel:
         paths = Counter(lin.path for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         log.info("linear layers: %s; output layer: %s", ", ".join(f"{k} x {v}" for k, v in paths.items()),
                  self.lm_head.path)
+
+    @property
+    def decode_weight_bytes(self) -> int:
+        """The weight bytes a decode step reads: every decoder layer's matrices and the output
+        layer (the embedding's rows are looked up, not read whole)."""
+        layers = sum(lin.weight_bytes for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return layers + self.lm_head.weight_bytes
 
     def forward(
         self,

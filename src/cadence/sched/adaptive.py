@@ -114,7 +114,7 @@ class Candidate:
 @dataclass(frozen=True, slots=True)
 class DraftModelCost:
     """What drafting costs with a draft model: after each step it runs `num_tokens` decode passes
-    over the requests it drafts for, each pass `ratio` (its layers over the served model's) of
+    over the requests it drafts for, each pass `ratio` (`cadence serve`: its weight bytes over the served model's) of
     what a served decode step of those requests costs."""
 
     ratio: float

@@ -55,8 +55,9 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                         "scatter around it (`calibrate --from-served`; by default each step's time is drawn from "
                         "that scatter, seeded by --seed)")
     g.add_argument("--spec-draft-ratio", type=_ratio, default=None, metavar="RATIO",
-                   help="with a draft model (\"method\": \"draft_model\"): its layers over the served model's, "
-                        "as a number or a fraction (4/30); each step is charged the draft model's k decode passes "
+                   help="with a draft model (\"method\": \"draft_model\"): what its decode pass costs beside a served "
+                        "decode step, as a number or a fraction (`cadence serve` takes their weight bytes: 0.69 for "
+                        "make_draft's default draft of the default model); each step is charged the draft model's k decode passes "
                         "at that share of a served decode step, as `cadence serve` prices them")
     g.add_argument("--router", choices=ROUTERS, default="prefix-affinity",
                    help="how requests are spread (default %(default)s, as `cadence serve --replicas`); "

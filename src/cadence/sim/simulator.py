@@ -78,8 +78,8 @@ class SimOptions:
     step-time scatter (`StepCostModel.step_scatter`; the draws are seeded by `seed`, one stream per
     replica). Off, or a profile without one: every step costs the mean of its shape.
 
-    `spec_draft_ratio`: with a draft model (`"method": "draft_model"`), its layers over the served
-    model's; required then. Each step is charged the draft model's time for the requests drafted
+    `spec_draft_ratio`: with a draft model (`"method": "draft_model"`), what its decode pass costs
+    beside a served decode step (`cadence serve` takes their weight bytes); required then. Each step is charged the draft model's time for the requests drafted
     for, and adaptive k weighs it, as `cadence serve` prices it (`DraftModelCost`).
     """
 
@@ -104,8 +104,8 @@ class SimOptions:
             raise ValueError("concurrency: a closed loop needs a number of users")
         r = self.spec_draft_ratio
         if r is not None and not (math.isfinite(r) and r > 0):
-            raise ValueError(f"spec_draft_ratio (--spec-draft-ratio): must be > 0 (the draft model's layers over the "
-                             f"served model's), got {r}")
+            raise ValueError(f"spec_draft_ratio (--spec-draft-ratio): must be > 0 (a draft model's decode pass over "
+                             f"a served decode step), got {r}")
         return self
 
 
@@ -233,8 +233,9 @@ def _draft_model_cost(config: EngineConfig, options: SimOptions, *, custom_execu
     if options.spec_draft_ratio is None:
         if custom_executor:
             return None
-        raise ValueError("spec_draft_ratio (--spec-draft-ratio): required with a draft model: its layers over the "
-                         "served model's (4/30 for `make_draft`'s default of the default model), which prices its time")
+        raise ValueError("spec_draft_ratio (--spec-draft-ratio): required with a draft model: its decode pass over "
+                         "a served decode step (0.69 for `make_draft`'s default draft of the default model, by weight "
+                         "bytes), which prices its time")
     return DraftModelCost(options.spec_draft_ratio, spec.num_speculative_tokens)
 
 
