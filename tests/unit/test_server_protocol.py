@@ -108,6 +108,15 @@ def test_deep_nesting_and_bad_json_are_invalid_json():
     assert message.startswith("invalid JSON body")
 
 
+def test_a_lone_surrogate_escape_is_refused_saying_what_is_wrong():
+    # (the parser's own words: "unexpected end of hex escape", "lone leading surrogate" for a trailing one)
+    for body in (b'{"prompt": "\\ud800 hi"}', b'{"prompt": "x\\udfff"}', b'{"prompt": "\\ud800\\u0041"}'):
+        message, param = refused(CompletionRequest, body)
+        assert message.startswith("invalid JSON body") and param is None, message
+        assert "surrogate pair and must be followed by its other half" in message, message
+    assert CompletionRequest.model_validate_json(b'{"prompt": "\\ud83d\\ude00"}').prompts() == ["\U0001f600"]
+
+
 def test_missing_fields():
     _, param = refused(CompletionRequest, {"max_tokens": 3})
     assert param == "prompt"

@@ -170,6 +170,12 @@ def _pick(errors: list[dict[str, Any]]) -> tuple[dict[str, Any], str | None, int
     return first, (f"must be {forms}" if forms else None), others
 
 
+# The JSON parser refuses a \uD800-\uDFFF escape without its pair as "unexpected end of hex escape" or
+# "lone leading surrogate" (for a trailing one too): say what is wrong with the text.
+SURROGATE_HINT = (" (a \\ud800-\\udfff escape is half of a UTF-16 surrogate pair and must be followed by its "
+                  "other half: alone it is not text)")
+
+
 def describe_validation(errors: list[dict[str, Any]] | Any) -> tuple[str, str | None]:
     """(message, param) for a list of pydantic errors: the first error names the parameter."""
     errors = list(errors)
@@ -180,7 +186,10 @@ def describe_validation(errors: list[dict[str, Any]] | Any) -> tuple[str, str | 
     path = [str(p) for p in loc if isinstance(p, int) or not _TYPE_TAG.search(str(p))]
     msg = instead or str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
-        return f"invalid JSON body: {first.get('ctx', {}).get('error', msg)}", None
+        detail = str(first.get("ctx", {}).get("error", msg))
+        if "hex escape" in detail or "surrogate" in detail:  # the parser's words for it mislead
+            detail += SURROGATE_HINT
+        return f"invalid JSON body: {detail}", None
     param = ".".join(path) or param_of(msg)
     more = f" (and {others} more error{'s' if others > 1 else ''})" if others else ""
     where = f"{param}: " if param and not msg.startswith(f"{param}:") else ""
