@@ -35,9 +35,11 @@ class AcceptedDrafts(DraftingExecutor):
     wrong_every = 10**9  # every draft is the model's own token
 
 
-def _run(executor: DraftingExecutor, spec: dict | None, max_tokens: int = 120):
+def _run(executor: DraftingExecutor, spec: dict | None, max_tokens: int = 120, draft_cost_ratio: float = 0.0):
     engine, ex, _ = make_engine(executor=executor, speculative_config=spec, num_kv_blocks=256)
     engine.scheduler.step_cost = fake_cost
+    if engine.scheduler.speculation is not None:
+        engine.scheduler.speculation.draft_cost_ratio = draft_cost_ratio
     req = make_request(rid="r", prompt=[5, 6, 7, 8, 9], params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                                 ignore_eos=True))
     engine.add_request(req)
@@ -60,6 +62,18 @@ def test_a_request_adaptive_k_turns_down_is_not_drafted_for() -> None:
     assert drafted < steps / 3 and wasted < steps / 6, (drafted, wasted, steps)
     _, fixed_drafted, _, fixed_steps = _run(RejectedDrafts(), DRAFT)
     assert fixed_drafted >= fixed_steps - 2
+
+
+def test_a_draft_model_that_can_never_pay_is_never_run_not_even_after_the_prompt() -> None:
+    # Drafting priced at 5 decode steps a pass: no acceptance repays it, so adaptive k never
+    # drafts: not after the step that ends the prompt either (that request had not been weighed).
+    plain, *_ = _run(AcceptedDrafts(), None, max_tokens=40)
+    tokens, drafted, _, steps = _run(AcceptedDrafts(), ADAPTIVE_DRAFT, max_tokens=40, draft_cost_ratio=5.0)
+    assert tokens == plain and steps == len(plain)
+    assert drafted == 0
+    # Priced as a tenth of a step, the same drafts pay: drafted for from the step after the prompt's.
+    _, drafted, _, steps = _run(AcceptedDrafts(), ADAPTIVE_DRAFT, max_tokens=40, draft_cost_ratio=0.1)
+    assert drafted >= steps - 2
 
 
 def test_a_request_whose_drafts_pay_is_drafted_for_every_step_and_verifies_them() -> None:

@@ -29,14 +29,14 @@ class DraftProposals:
         self._drafts: dict[str, tuple[int, tuple[int, ...]]] = {}  # (context length, drafts)
 
     def requests(self, rows: Iterable[ScheduledRequest], requests: Mapping[str, Request],
-                 declined: Collection[str] = ()) -> dict[str, DraftRequest]:
+                 only: Collection[str] | None = None) -> dict[str, DraftRequest]:
         """Who wants drafts after this step: each row that samples, of a request that may
-        speculate at its next step and has room for one draft after the token sampled now, but
-        those in `declined` (adaptive k turned them down this step). A request left out is sent
-        the context it missed the next time it is drafted for."""
+        speculate at its next step and has room for one draft after the token sampled now; of
+        those, with `only`, the ones it names (adaptive k would verify their drafts). A request
+        left out is sent the context it missed the next time it is drafted for."""
         out: dict[str, DraftRequest] = {}
         for sr in rows:
-            if not sr.sample or sr.request_id in declined:
+            if not sr.sample or (only is not None and sr.request_id not in only):
                 continue
             req = requests.get(sr.request_id)
             if req is None:

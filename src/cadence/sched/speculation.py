@@ -45,9 +45,10 @@ class Speculation:
         # The draft model's layers over the served model's (set by the engine that loads it): adaptive
         # k prices drafting at that share of a decode step; 0 leaves drafting unpriced.
         self.draft_cost_ratio = 0.0
-        # Adaptive k with a draft model: the requests this step's plan turned down, not drafted for
-        # after it (they are weighed again, without drafts, in the next step's plan).
-        self._declined: set[str] = set()
+        # Adaptive k with a draft model: the requests this step's plan would verify drafts for, now
+        # or (without drafts now) next step; only they are drafted for after it. A request the plan
+        # did not weigh (its row ends its prompt) is weighed in its next step and drafted for after that.
+        self._wanted: set[str] = set()
 
     def forget(self, request_id: str) -> None:
         """The request ended: drop what was kept for it."""
@@ -62,12 +63,12 @@ class Speculation:
             self.draft_proposals.drop(request_id)
 
     def draft_requests(self, rows: Iterable[ScheduledRequest], requests: Mapping[str, Request]) -> dict[str, DraftRequest]:
-        """With a draft model: the requests of this step that want drafts after it (sched/draft_proposals.py),
-        less those adaptive k turned down in this step's plan."""
-        declined, self._declined = self._declined, set()
+        """With a draft model: the requests of this step that want drafts after it (sched/draft_proposals.py);
+        with adaptive k, only those this step's plan would verify drafts for."""
+        wanted, self._wanted = self._wanted, set()
         if self.draft_proposals is None:
             return {}
-        return self.draft_proposals.requests(rows, requests, declined)
+        return self.draft_proposals.requests(rows, requests, wanted if self.adaptive else None)
 
     def store_drafts(self, model_output: ModelOutput, requests: Mapping[str, Request]) -> None:
         """Keep the drafts the executor's draft model proposed after this step, for running requests."""
@@ -124,6 +125,7 @@ class Speculation:
             if self.draft_proposals is not None and self.draft_cost_ratio > 0 else None
         if cands:
             ks = choose_ks(self._features(rows, shared), cands, step_cost, plan.budget, block_size, drafting)
+            self._wanted.update(ks)
             for rid, k in ks.items():
                 req, drafts = proposals[rid]
                 if k > plan.budget or not self._allocate(req, k, num_running):
@@ -134,6 +136,7 @@ class Speculation:
         if undrafted:
             # Would they verify drafts in a step like this one? Then they are drafted for after it.
             wanted = choose_ks(self._features(rows, shared), undrafted, step_cost, plan.budget, block_size, drafting)
+            self._wanted.update(wanted)
             self._turn_down(undrafted, wanted)
 
     @staticmethod
@@ -142,15 +145,12 @@ class Speculation:
         return StepFeatures(pt, ps, ds, sm, dc, ds * dmax, pa, sum(shared.values()))
 
     def _turn_down(self, cands: list[Candidate], chosen: Mapping[str, int]) -> None:
-        """The candidates adaptive k did not choose: their estimates idle towards the prior, and a
-        draft model does not draft for them after this step."""
+        """The candidates adaptive k did not choose: their estimates idle towards the prior."""
         for c in cands:
             if c.request_id not in chosen:
                 est = self._acceptance.get(c.request_id)
                 if est is not None:
                     est.idle()
-                if self.draft_proposals is not None:
-                    self._declined.add(c.request_id)
 
     def _max_drafts(self, req: Request, budget: int) -> int:
         """The most drafts `req` may verify this step with `budget` tokens for them: 0 when its
