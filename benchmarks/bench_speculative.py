@@ -152,7 +152,7 @@ def one_cell(workload: str, streams: int, mode: str, rnd: int, args: argparse.Na
     num = args.num_requests if streams == 1 else max(args.num_requests, 2 * streams)
     bench = [*CADENCE, "bench", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "chat", *source,
              "--concurrency", str(streams), "--num-requests", str(num), "--temperature", "0", "--no-exact-output",
-             "--seed", str(args.seed + rnd), "--no-progress", "--label", name, "--out", str(out / name)]
+             "--seed", str(round_seed(args, rnd)), "--no-progress", "--label", name, "--out", str(out / name)]
     if args.max_output_tokens:
         bench += ["--max-output-tokens", str(args.max_output_tokens)]
     with served(serve, f"http://127.0.0.1:{port}/health", out / f"{name}.log", cwd=ROOT, timeout=600):
@@ -169,6 +169,10 @@ def one_cell(workload: str, streams: int, mode: str, rnd: int, args: argparse.Na
                 errors=int(summary["errors"]))
 
 
+def round_seed(args: argparse.Namespace, rnd: int) -> int:
+    return args.seed if args.same_seed else args.seed + rnd
+
+
 def serve_command(mode: str, k: int, port: int, args: argparse.Namespace) -> list[str]:
     return [*CADENCE, "serve", "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.num_threads),
             *(["--tiny"] if args.tiny else []), *spec_config(mode, k, args.method, args.draft),
@@ -182,10 +186,10 @@ def request_bodies(workload: str, rnd: int, args: argparse.Namespace, out: Path,
         reqs = read_jsonl(out / "grounded.jsonl").requests
         texts: list[str | None] = [None] * len(reqs)
     else:
-        w = builtin_workload("chat", args.num_requests, args.seed + rnd)
+        w = builtin_workload("chat", args.num_requests, round_seed(args, rnd))
         tok = ServerTokenizer(f"http://127.0.0.1:{port}")
         try:
-            texts = PromptBuilder(tok, args.seed + rnd).build_all(w)
+            texts = PromptBuilder(tok, round_seed(args, rnd)).build_all(w)
         finally:
             tok.close()
         reqs = w.requests
@@ -285,6 +289,8 @@ def main() -> int:
                    "in the replay, benchmarks/spec_replay.py); repeatable")
     p.add_argument("--num-threads", type=int, default=2, help="the server's torch threads (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="round r uses seed + r (default %(default)s)")
+    p.add_argument("--same-seed", action="store_true", help="every round uses --seed: the same requests again")
+    p.add_argument("--no-grounded", action="store_true", help="leave out the grounded@1 cell")
     p.add_argument("--tiny", action="store_true", help="serve the tiny random model (a check that the script runs)")
     p.add_argument("--serve-args", default="", help="extra `cadence serve` flags for every cell, e.g. "
                    "\"--cost-profile PATH\" (the step-cost profile adaptive k prices drafts with)")
@@ -299,7 +305,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     grounded_requests(out / "grounded.jsonl", args.num_requests, args.grounded_output_tokens)
-    cells = [("grounded", 1, args.k)] + [("chat", int(s), args.k) for s in args.streams.split(",") if s]
+    cells = [] if args.no_grounded else [("grounded", 1, args.k)]
+    cells += [("chat", int(s), args.k) for s in args.streams.split(",") if s]
     cells += [("chat", s, k) for s, k in args.loaded_cell]
     header = ["| cell | round | mode | output tok/s | TPOT ms | x tok/s | x TPOT | acceptance | mean k | errors |",
               "|---|---|---|---|---|---|---|---|---|---|"]
