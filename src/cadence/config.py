@@ -181,7 +181,7 @@ class SpeculativeConfig:
     of the request's last n tokens in its own prompt and output, for the longest n in
     [prompt_lookup_min, prompt_lookup_max] that occurs; each decode step verifies up to
     `num_speculative_tokens` of them. As in vLLM, a missing bound takes the other's value, and
-    both missing are 5.
+    both missing are 5. With draft_model they stay None (no lookup), and giving them is an error.
 
     draft_model: the drafts are what a small model of the same vocabulary (`model`, a GGUF file
     or Hugging Face directory) predicts greedily after the request's context; the model runner
@@ -216,6 +216,15 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens: required")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        for key, bound in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if bound is None:
+                continue
+            # Checked before a bound given alone is copied to the other, so the error names the key given.
+            _require(value.get("method", "ngram") != "draft_model", f"speculative_config.{key}", "only with method ngram")
+            _require(_type_ok(bound, "int"), f"speculative_config.{key}", f"must be an integer, got {bound!r}")
+            _require(bound >= 1, f"speculative_config.{key}", "must be >= 1")
+        if value.get("method", "ngram") == "draft_model":
+            return cls(**value)  # no n-gram lookup: its bounds stay None
         if lo is None and hi is None:
             lo = hi = 5
         lo = hi if lo is None else lo
@@ -235,6 +244,10 @@ class SpeculativeConfig:
                      "required with method draft_model: a GGUF file or Hugging Face directory of the draft model")
         else:
             _require(self.model is None, "speculative_config.model", "only with method draft_model")
+        if self.method == "draft_model":
+            _require(self.prompt_lookup_min is None, "speculative_config.prompt_lookup_min", "only with method ngram")
+            _require(self.prompt_lookup_max is None, "speculative_config.prompt_lookup_max", "only with method ngram")
+            return
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         _require(lo is not None and lo >= 1, "speculative_config.prompt_lookup_min", "must be >= 1")
         _require(hi is not None and lo is not None and hi >= lo, "speculative_config.prompt_lookup_max",

@@ -106,6 +106,15 @@ def test_config_takes_vllm_json_and_fills_lookup_bounds_like_vllm() -> None:
     assert cfg.replace(max_num_seqs=3).speculative_config == cfg.speculative_config
 
 
+def test_draft_model_config_has_no_lookup_bounds_and_survives_a_round_trip() -> None:
+    cfg = EngineConfig.from_options(speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 3})
+    spec = cfg.speculative_config
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (None, None)
+    assert cfg.replace(max_num_seqs=3).speculative_config == spec
+    flags = option_flags("speculative_config", spec)
+    assert EngineConfig.from_options(speculative_config=flags[1]).speculative_config == spec
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens: required"),
@@ -114,6 +123,14 @@ def test_config_takes_vllm_json_and_fills_lookup_bounds_like_vllm() -> None:
     ({"num_speculative_tokens": "4"}, "speculative_config.num_speculative_tokens"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+    # A bound given alone also stands for the other: the error names the key that was given.
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "speculative_config.prompt_lookup_max: must be >= 1"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": "3"}, "speculative_config.prompt_lookup_max: must be an integer"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 2.5}, "speculative_config.prompt_lookup_min: must be an integer"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     "speculative_config.prompt_lookup_max: only with method ngram"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
+     "speculative_config.prompt_lookup_min: only with method ngram"),
     ({"num_speculative_tokens": 2, "draft": 1}, "unknown key(s) ['draft']"),
     ("{not json", "speculative_config: not JSON"),
     ([1, 2], "must be a JSON object"),

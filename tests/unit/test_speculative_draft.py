@@ -272,8 +272,11 @@ def test_a_draft_whose_tokenizer_maps_other_ids_is_refused(tmp_path: Path) -> No
     a, b = list(vocab)[300], list(vocab)[301]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (draft / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
-    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft model's tokenizer maps tokens to other ids"):
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft model's tokenizer maps tokens to other ids") as e:
         LLM(tiny=True, num_kv_blocks=16, speculative_config={**DRAFT, "model": str(draft)})
+    # Each example names one token with both of its ids, so the reader can tell which side is which.
+    for token in (a, b):
+        assert f"{token!r}: draft {vocab[token]}, target {vocab[a if token == b else b]}" in str(e.value), str(e.value)
 
 
 def test_make_draft_writes_a_loadable_truncated_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

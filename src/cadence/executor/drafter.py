@@ -250,7 +250,8 @@ def load_drafter(path: str, target_vocab_size: int, target_vocab: dict[str, int]
         except (LoadError, OSError, ValueError):
             draft_vocab = None  # a checkpoint without a tokenizer: the sizes matched, which is all there is to check
         if draft_vocab is not None and draft_vocab != target_vocab:
-            differ = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()))[:3]
+            tokens = sorted(t for t in draft_vocab.keys() | target_vocab.keys() if draft_vocab.get(t) != target_vocab.get(t))
+            differ = "; ".join(f"{t!r}: draft {draft_vocab.get(t)}, target {target_vocab.get(t)}" for t in tokens[:3])
             raise ValueError(f"speculative_config.model: the draft model's tokenizer maps tokens to other ids than the "
                              f"target's (for example {differ}); a draft model must share its tokenizer")
     return Drafter(ckpt.arch, ckpt.weights, block_size=block_size, dtype=dtype, device=device, q4_1=ckpt.q4_1)

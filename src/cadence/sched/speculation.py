@@ -31,12 +31,12 @@ _RUNNING = RequestStatus.RUNNING
 
 class Speculation:
     def __init__(self, config: SpeculativeConfig, kv: KVCacheManager, max_model_len: int) -> None:
-        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        assert config.method == "draft_model" or None not in (config.prompt_lookup_min, config.prompt_lookup_max)
         self.config = config
         self.adaptive = config.adaptive
         self.kv = kv
         self.max_model_len = max_model_len
-        self._lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
+        self._lookup = (config.prompt_lookup_min or 0, config.prompt_lookup_max or 0)  # ngram only
         self._packed: dict[str, PackedTokens] = {}  # speculating requests' contexts, for the n-gram lookup
         self._acceptance: dict[str, Acceptance] = {}  # speculating requests' measured acceptance
         # method draft_model: the drafts the executor's draft model proposes, kept per request.
