@@ -26,10 +26,15 @@ Serve-flag variants of this tree, in one run:
 Each variant is `cadence serve` of this tree with `--serve-args` and its own flags; the first is the
 reference. Every round runs every cell (`CELLS`) once per variant, each on a fresh server, the
 variants in an order that turns from cell to cell and round to round. Before each cell's run the
-driver times torch's bfloat16 2048^3 matmul (`bench_runner.matmul_gflops`) with no server up; the
+driver times torch's bfloat16 2048^3 matmul (`bench_runner.matmul_gflops`) with no server busy; the
 table gives each figure's "mm" as that GFLOP/s over the best of the whole run, so a figure taken
 while the machine was busy shows it. It prints, per cell, each variant's figure per round and its
 ratio to the reference in the same round (and the median), and writes results.json under --out.
+With `--warm` every variant's server is started once and kept up (ports --port, --port + 1, ...),
+warmed with two requests, and the runs alternate between them in the same turned order: the
+servers see the same moments of the machine, run by run, without a start-up between them. Round r
+sends the requests of seed --seed + r to every variant, so no round finds an earlier round's
+prompts in the servers' prefix caches.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,14 +75,27 @@ def run_bench(server: Server, port: int, conc: int, workload: list[str], d: Path
               args: argparse.Namespace, serve_extra: tuple[str, ...] = ()) -> dict:
     """`server` started fresh (plus `serve_extra` flags), driven by `cadence bench` with `workload`'s
     flags at `conc` concurrent requests; its summary's "overall" (results under `d`)."""
+    with serving(server, port, d.parent, serve_extra):
+        return bench_once(port, conc, workload, d, label, args)
+
+
+def serving(server: Server, port: int, logs: Path, serve_extra: tuple[str, ...] = ()) -> AbstractContextManager:
+    """`server` up on `port` (plus `serve_extra` flags) while the context lasts, its log under `logs`."""
     cmd = [*server.cmd, *serve_extra, "--port", str(port)]
-    with served(cmd, f"http://127.0.0.1:{port}{server.health}", d.parent / f"{server.name}-serve.log",
-                env=server.env, cwd=ROOT, append=True):
-        bench = [sys.executable, "-m", "cadence.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
-                 "--endpoint", "chat", *workload, "--concurrency", str(conc), "--seed", str(args.seed),
-                 "--no-progress", "--label", label, "--out", str(d), *shlex.split(args.bench_args)]
-        subprocess.run(bench, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return json.loads((d / "summary.json").read_text())["overall"]
+    return served(cmd, f"http://127.0.0.1:{port}{server.health}", logs / f"{server.name}-serve.log",
+                  env=server.env, cwd=ROOT, append=True)
+
+
+def bench_once(port: int, conc: int, workload: list[str], d: Path, label: str, args: argparse.Namespace,
+               seed: int | None = None) -> dict:
+    """`cadence bench` with `workload`'s flags at `conc` concurrent requests against the server on
+    `port` (seeded `seed`, else --seed); its summary's "overall" (results under `d`)."""
+    seed = args.seed if seed is None else seed
+    bench = [sys.executable, "-m", "cadence.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
+             "--endpoint", "chat", *workload, "--concurrency", str(conc), "--seed", str(seed),
+             "--no-progress", "--label", label, "--out", str(d), *shlex.split(args.bench_args)]
+    subprocess.run(bench, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads((d / "summary.json").read_text())["overall"]
 
 
 # -- serve-flag variants of this tree (--variants) ---------------------------------------------------
@@ -199,28 +218,42 @@ def run_variants(args: argparse.Namespace, out: Path) -> None:
     base = [sys.executable, "-m", "cadence.cli", "serve", *shlex.split(args.serve_args)]
     under_test = [Server(name, [*base, *flags], env) for name, flags in variants]
     names = [s.name for s in under_test]
+    if args.warm:
+        special = [c for c in cells if CELLS[c].serve_extra or CELLS[c].record_steps]
+        if special:
+            raise SystemExit(f"--warm: {', '.join(special)} need(s) servers of their own flags; leave them out")
     gflops = matmul_probe()
     figures: dict = {c: {n: [] for n in names} for c in cells}
     raw_mm: dict = {c: {n: [] for n in names} for c in cells}
     summaries: dict = {c: {n: [] for n in names} for c in cells}
+    ports = {server.name: args.port + i for i, server in enumerate(under_test)}
     turn = 0
-    for r in range(args.rounds):
-        for cell in cells:
-            c = CELLS[cell]
-            n = args.num_requests or c.requests
-            for server in turned(under_test, turn):
-                raw_mm[cell][server.name].append(gflops())
-                d = out / f"r{r + 1}-{cell}-{server.name}"
-                record = ("--record-steps", str((d / "steps.jsonl").resolve())) if c.record_steps else ()
-                d.mkdir(parents=True, exist_ok=True)
-                s = run_bench(server, args.port, c.conc, [*c.workload, "--num-requests", str(n)], d,
-                              f"{server.name} {cell} round {r + 1}", args, (*c.serve_extra, *record))
-                figures[cell][server.name].append(c.read(s, min(c.conc, n), d))
-                summaries[cell][server.name].append(s)
-                print(f"round {r + 1} {cell:<10} {server.name:<10} {figures[cell][server.name][-1]:9.1f} "
-                      f"{c.figure}, matmul {raw_mm[cell][server.name][-1]:.0f} GFLOP/s, load average "
-                      f"{os.getloadavg()[0]:.1f}", flush=True)
-            turn += 1
+    with ExitStack() as stack:  # with --warm: the servers, stopped when the rounds end or fail
+        if args.warm:  # every variant's server up for the whole run, on a port of its own, warmed once
+            for server in under_test:
+                stack.enter_context(serving(server, ports[server.name], out))
+                bench_once(ports[server.name], 1, ["--workload", "chat", "--num-requests", "2"],
+                           out / f"warm-{server.name}", f"{server.name} warm-up", args, args.seed + args.rounds)
+        for r in range(args.rounds):
+            for cell in cells:
+                c = CELLS[cell]
+                n = args.num_requests or c.requests
+                for server in turned(under_test, turn):
+                    raw_mm[cell][server.name].append(gflops())
+                    d = out / f"r{r + 1}-{cell}-{server.name}"
+                    record = ("--record-steps", str((d / "steps.jsonl").resolve())) if c.record_steps else ()
+                    d.mkdir(parents=True, exist_ok=True)
+                    workload, label = [*c.workload, "--num-requests", str(n)], f"{server.name} {cell} round {r + 1}"
+                    # Warm servers keep their prefix caches: each round its own requests (seed + round),
+                    # the same for every variant within it.
+                    s = (bench_once(ports[server.name], c.conc, workload, d, label, args, args.seed + r) if args.warm else
+                         run_bench(server, args.port, c.conc, workload, d, label, args, (*c.serve_extra, *record)))
+                    figures[cell][server.name].append(c.read(s, min(c.conc, n), d))
+                    summaries[cell][server.name].append(s)
+                    print(f"round {r + 1} {cell:<10} {server.name:<10} {figures[cell][server.name][-1]:9.1f} "
+                          f"{c.figure}, matmul {raw_mm[cell][server.name][-1]:.0f} GFLOP/s, load average "
+                          f"{os.getloadavg()[0]:.1f}", flush=True)
+                turn += 1
     peak = max(v for per in raw_mm.values() for vs in per.values() for v in vs)
     mm = {c: {n: [v / peak for v in vs] for n, vs in per.items()} for c, per in raw_mm.items()}
     print(f"\nratios against {names[0]}; matmul peak of the run {peak:.0f} GFLOP/s (bfloat16 2048^3)")
@@ -276,6 +309,10 @@ def main() -> None:
                          "(instead of --baseline, llama.cpp and --concurrencies)")
     ap.add_argument("--cells", default=",".join(CELLS), help=f"with --variants: of {', '.join(CELLS)}")
     ap.add_argument("--rounds", type=int, default=2, help="with --variants: rounds of every cell (default 2)")
+    ap.add_argument("--warm", action="store_true",
+                    help="with --variants: each variant's server started once (ports --port, --port + 1, ...) and "
+                         "kept up, the runs alternating between them, instead of a fresh server per run: for "
+                         "cells where start-up and a cold cache are not what is measured")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

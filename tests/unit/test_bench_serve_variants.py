@@ -68,3 +68,71 @@ def test_the_table_gives_per_round_values_and_ratios_to_the_first_variant() -> N
     assert "1.10 1.30" in kv8 and kv8.endswith("1.20x")
     bf16 = next(line for line in table.splitlines() if line.startswith("bf16"))
     assert "80.0 [0.50]" in bf16 and bf16.endswith("1.00x")
+
+
+def _warm_args(tmp_path: Path, **kw: object) -> object:
+    import argparse
+
+    base = dict(variants="off=;draft=--x 1", cells="chat32", rounds=2, warm=True, port=9100, serve_args="",
+                bench_args="", num_requests=0, seed=1)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_warm_keeps_one_server_per_variant_up_and_alternates_the_runs(tmp_path: Path, monkeypatch) -> None:
+    from contextlib import contextmanager
+
+    events: list[tuple] = []
+
+    @contextmanager
+    def serving(server, port, logs, serve_extra=()):
+        events.append(("up", server.name, port))
+        yield
+        events.append(("down", server.name, port))
+
+    def bench_once(port, conc, workload, d, label, args, seed=None):
+        events.append(("run", port, label, seed))
+        return {"output_token_throughput": float(port)}
+
+    monkeypatch.setattr(bench_serve, "serving", serving)
+    monkeypatch.setattr(bench_serve, "bench_once", bench_once)
+    monkeypatch.setattr(bench_serve, "matmul_probe", lambda: lambda: 100.0)
+    bench_serve.run_variants(_warm_args(tmp_path), tmp_path)
+    ups = [e for e in events if e[0] == "up"]
+    assert ups == [("up", "off", 9100), ("up", "draft", 9101)]  # each started once, on its own port
+    runs = [(e[2], e[3]) for e in events if e[0] == "run" and "warm-up" not in e[2]]
+    # alternating, each round its own seed (no prefix-cache hits on an earlier round's prompts)
+    assert runs == [("off chat32 round 1", 1), ("draft chat32 round 1", 1), ("draft chat32 round 2", 2),
+                    ("off chat32 round 2", 2)]
+    assert [e[0] for e in events[-2:]] == ["down", "down"]  # stopped after the last run
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["figures"]["chat32"] == {"off": [9100.0, 9100.0], "draft": [9101.0, 9101.0]}
+
+
+def test_warm_stops_its_servers_when_a_run_fails(tmp_path: Path, monkeypatch) -> None:
+    from contextlib import contextmanager
+
+    downs: list[str] = []
+
+    @contextmanager
+    def serving(server, port, logs, serve_extra=()):
+        try:
+            yield
+        finally:
+            downs.append(server.name)
+
+    def bench_once(port, conc, workload, d, label, args, seed=None):
+        if "round" in label:
+            raise RuntimeError("bench failed")
+        return {"output_token_throughput": 1.0}
+
+    monkeypatch.setattr(bench_serve, "serving", serving)
+    monkeypatch.setattr(bench_serve, "bench_once", bench_once)
+    monkeypatch.setattr(bench_serve, "matmul_probe", lambda: lambda: 100.0)
+    with pytest.raises(RuntimeError, match="bench failed"):
+        bench_serve.run_variants(_warm_args(tmp_path), tmp_path)
+    assert sorted(downs) == ["draft", "off"]
+
+
+def test_warm_refuses_cells_that_need_servers_of_their_own_flags(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="decode2k"):
+        bench_serve.run_variants(_warm_args(tmp_path, cells="chat32,decode2k"), tmp_path)
