@@ -246,6 +246,8 @@ class IterationStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    # Per decode row with drafts to verify this step: how many it verifies (adaptive k's choice; 0: turned down).
+    chosen_draft_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

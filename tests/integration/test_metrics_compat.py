@@ -156,3 +156,16 @@ def test_vllm_prompt_tokens_count_each_request_prompt_once_at_its_first_token():
     s = samples(exp.render()[0])
     assert s[("vllm:prompt_tokens_total", (("engine", "0"), ("model_name", "m1")))] == 40
     assert s[("cadence:prompt_tokens_total", ())] == 54
+
+
+def test_the_drafts_each_row_verified_are_a_histogram_with_turned_down_rows_at_zero():
+    exp = PrometheusExporter(vllm_model_name="m1")
+    exp.record_step(IterationStats(num_drafts=2, num_draft_tokens=6, chosen_draft_tokens=[0, 0, 4, 2]), None)
+    exp.record_step(IterationStats(chosen_draft_tokens=[0]), None)  # a step that turned every row down
+    exp.record_step(IterationStats(), None)  # a step without speculation adds nothing
+    s = samples(exp.render()[0])
+    name = "cadence:spec_decode_chosen_draft_tokens"
+    assert s[(f"{name}_count", ())] == 5 and s[(f"{name}_sum", ())] == 6
+    assert s[(f"{name}_bucket", (("le", "0.0"),))] == 3
+    assert s[(f"{name}_bucket", (("le", "2.0"),))] == 4
+    assert s[(f"{name}_bucket", (("le", "4.0"),))] == 5

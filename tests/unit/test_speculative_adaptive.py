@@ -44,9 +44,10 @@ def _prompt(i: int) -> list[int]:
     return PERIOD * 3 + [PERIOD[i % len(PERIOD)]]
 
 
-def _run(n: int, spec: dict | None, *, repeat: bool = True, max_tokens: int = 40):
+def _run(n: int, spec: dict | None, *, repeat: bool = True, max_tokens: int = 40, chosen: list | None = None):
     """n greedy requests at once; outputs repeat PERIOD (drafts from the context are right) or,
-    without `repeat`, contradict every draft. Returns the tokens per request and the step outputs."""
+    without `repeat`, contradict every draft. Returns the tokens per request and the step outputs;
+    each step's `chosen_draft_tokens` stats go into `chosen`, if given."""
     script = {f"r{i}": list(itertools.islice(itertools.cycle(PERIOD), 64)) if repeat else _contrary(_prompt(i), 64)
               for i in range(n)}
     engine, executor, _ = make_engine(executor=FakeExecutor(script=script), speculative_config=spec,
@@ -59,6 +60,8 @@ def _run(n: int, spec: dict | None, *, repeat: bool = True, max_tokens: int = 40
     while engine.has_unfinished_requests():
         for d in engine.step():
             deltas.setdefault(d.request_id, []).append(d)
+        if chosen is not None:
+            chosen.append(list(engine.last_stats.chosen_draft_tokens))
     assert not executor.violations, executor.violations
     return {rid: tokens_of(ds) for rid, ds in deltas.items()}, executor.outputs
 
@@ -148,6 +151,24 @@ def test_k_falls_to_zero_as_running_requests_rise_and_tokens_stay_the_same() -> 
     # drafts: the n-gram's continuation runs into the end of the context).
     assert mean_k[1] > 2.5
     assert mean_k[1] > mean_k[3] > mean_k[32] == 0.0, mean_k
+
+
+def test_the_step_stats_count_each_row_s_chosen_k_and_the_rows_turned_down() -> None:
+    for n, spec in ((1, ADAPTIVE), (32, ADAPTIVE), (32, FIXED)):
+        chosen: list[list[int]] = []
+        _, outputs = _run(n, spec, chosen=chosen)
+        # a step's stats: the drafts of each of its verification rows, and a 0 per row turned down
+        for step, out in zip(chosen, outputs, strict=True):
+            rows = [sr.num_draft_tokens for sr in out.scheduled if sr.num_draft_tokens]
+            assert sorted(k for k in step if k) == sorted(rows)
+        samples = [k for step in chosen for k in step]
+        if n == 1:  # alone with drafts that are right: mostly verified, at the cap
+            assert samples.count(4) > len(samples) / 2
+        elif spec is ADAPTIVE:  # a busy batch: every row with drafts turned down, each counted as 0
+            assert samples and set(samples) == {0} and len(samples) >= 32 * 10
+        else:  # fixed k turns nothing down
+            assert samples and 0 not in samples
+    assert _run(1, None, chosen=(off := []))[0] and not any(off)  # no speculation, no samples
 
 
 def test_fixed_k_speculates_whatever_the_load() -> None:

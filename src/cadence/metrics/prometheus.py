@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 from cadence.boundary import FinishedRequestStats, IterationStats, SchedulerStats
 from cadence.metrics.vllm_compat import VllmMetrics
 
+# Drafts a row verifies: 1 to 16 (num_speculative_tokens' range), 0 for a row turned down.
+CHOSEN_DRAFT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+
 # The `_created` series (a timestamp per counter) double the output and no dashboard reads them.
 disable_created_metrics()
 
@@ -247,6 +250,13 @@ class PrometheusExporter:
             "0: the server does not speculate.",
             registry=r,
         )
+        self.spec_chosen = Histogram(
+            "cadence:spec_decode_chosen_draft_tokens",
+            "Speculative decoding: per decode row that had drafts in a step, the drafts it verified "
+            "(adaptive k's choice; 0: turned down for that step).",
+            buckets=CHOSEN_DRAFT_BUCKETS,
+            registry=r,
+        )
         self._spec_totals = [0, 0]  # draft tokens, accepted
         self.cache_queries = Counter(
             "cadence:prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.", registry=r
@@ -316,6 +326,8 @@ class PrometheusExporter:
         _inc(self.cache_hits, it.prefix_cache_hits)
         if it.num_drafts:
             self._record_spec(it)
+        for k in it.chosen_draft_tokens:
+            self.spec_chosen.observe(k)
         for tenant, seconds in it.first_token_latencies:
             self.ttft.labels(self.tenant(tenant)).observe(seconds)
         for tenant, seconds in it.token_latencies:

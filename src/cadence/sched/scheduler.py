@@ -26,6 +26,7 @@ lives in the base, `introspect.py` (why requests wait, snapshots, gauges).
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -144,9 +145,8 @@ class Scheduler(SchedulerIntrospection):
         stop: tuple[WaitReason, str | None] | None = (
             self._schedule_waiting(plan) if may_admit else (WaitReason.STATIC_BATCH, None)
         )
-        if candidates and self.speculation is not None:
-            self.speculation.adapt(plan, candidates, self.step_cost, len(self.running),
-                                  prices_shared=self.step_cost_prices_shared)
+        if self.speculation is not None:
+            self._count_chosen_drafts(plan, candidates)
         self._record_stop(stop)
         prefix = self.kv.pop_prefix_stats()
         self._stats.prefix_cache_queries += prefix.queries
@@ -427,6 +427,17 @@ class Scheduler(SchedulerIntrospection):
         if status is not RequestStatus.FINISHED_EVICTED:  # a drop is no service: not a drain
             self.admission.drain.record(now)
         self._stats.finished.append(finished_stats(req))
+
+    def _count_chosen_drafts(self, plan: StepPlan, candidates: list[Request]) -> None:
+        """Adaptive k's choices (with `candidates`), and every row's drafts into the step's stats:
+        one entry per decode row that had drafts, the drafts it verifies (0: turned down)."""
+        assert self.speculation is not None
+        chosen = self._stats.chosen_draft_tokens
+        if candidates:
+            declined = self.speculation.adapt(plan, candidates, self.step_cost, len(self.running),
+                                              prices_shared=self.step_cost_prices_shared)
+            chosen.extend(itertools.repeat(0, declined))
+        chosen.extend(sr.num_draft_tokens for sr in plan.rows.values() if sr.num_draft_tokens)
 
     def _close_stats(self) -> None:
         self.last_iteration_stats = self._stats

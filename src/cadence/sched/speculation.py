@@ -88,12 +88,12 @@ class Speculation:
         return drafts if drafts and self._allocate(req, len(drafts), num_running) else ()
 
     def adapt(self, plan: StepPlan, candidates: list[Request], step_cost: StepCost, num_running: int, *,
-              prices_shared: bool = False) -> None:
+              prices_shared: bool = False) -> int:
         """Adaptive k: with the step planned, turn the candidates' decodes into verification rows
         where `step_cost` says their expected accepted tokens pay for the time they add
         (sched/adaptive.py); the drafts take only the budget the step left. `prices_shared`: the
         step cost prices decode keys re-read from shared blocks, so the planned tables are scanned
-        for them (one pass)."""
+        for them (one pass). Returns how many candidates had drafts and verify none this step."""
         rows = plan.rows
         shared: dict[str, int] = {}
         if prices_shared:
@@ -123,6 +123,7 @@ class Speculation:
         block_size = self.kv.block_size if prices_shared else 0
         drafting = DraftModelCost(self.draft_cost_ratio, self.config.num_speculative_tokens) \
             if self.draft_proposals is not None and self.draft_cost_ratio > 0 else None
+        declined = len(cands)
         if cands:
             ks = choose_ks(self._features(rows, shared), cands, step_cost, plan.budget, block_size, drafting)
             self._wanted.update(ks)
@@ -132,12 +133,14 @@ class Speculation:
                     continue
                 rows[rid] = verification_request(req, drafts[:k], self.kv.block_tables.get(rid, ()))
                 plan.budget -= k
+                declined -= 1
             self._turn_down(cands, ks)
         if undrafted:
             # Would they verify drafts in a step like this one? Then they are drafted for after it.
             wanted = choose_ks(self._features(rows, shared), undrafted, step_cost, plan.budget, block_size, drafting)
             self._wanted.update(wanted)
             self._turn_down(undrafted, wanted)
+        return declined
 
     @staticmethod
     def _features(rows: Mapping[str, ScheduledRequest], shared: Mapping[str, int]) -> StepFeatures:
