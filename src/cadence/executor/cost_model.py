@@ -494,6 +494,9 @@ class SimExecutor:
         self.last_step_cost = 0.0
         self.total_cost = 0.0
         self.num_steps = 0
+        # Set by the simulator before a step: seconds added per step and per row (co-located
+        # replicas contending for cores, `SimOptions.colocated_overhead`).
+        self.extra_overhead = (0.0, 0.0)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self._kv_bytes_per_token * block_size
@@ -512,6 +515,9 @@ class SimExecutor:
         # Shared keys need a second pass over the tables: only for a model that prices them.
         sh = shared_decode_keys(rows, self._block_size()) if self.prices_shared_context and ds > 1 else 0
         cost = 0.0 if scheduler_output.is_empty else self._cost(pt, ps, ds, sm, dc, ds * dmax, pa, sh)
+        es, eq = self.extra_overhead
+        if (es or eq) and cost:
+            cost = max(self._min_cost, cost + es + eq * (ps + ds))
         if self.draft_cost is not None and scheduler_output.draft_requests:
             cost += self._drafting(scheduler_output)
         if self.scatter is not None:  # (without: the mean, untouched)

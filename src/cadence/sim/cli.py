@@ -59,6 +59,10 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                         "decode step, as a number or a fraction (`cadence serve` takes their weight bytes: 0.69 for "
                         "make_draft's default draft of the default model); each step is charged the draft model's k decode passes "
                         "at that share of a served decode step, as `cadence serve` prices them")
+    g.add_argument("--colocated-overhead", type=_overhead_ms, default=None, metavar="MS[,MS]",
+                   help="replicas sharing one machine's cores: the serving overhead a replica's step pays while the "
+                        "other replicas are busy, ms a step[,ms a running request], in place of the profile's "
+                        "(a share of it while some are; benchmarks/bench_fleet.py measures it through a fleet)")
     g.add_argument("--router", choices=ROUTERS, default="prefix-affinity",
                    help="how requests are spread (default %(default)s, as `cadence serve --replicas`); "
                         "with P/D, over the prefill replicas")
@@ -229,7 +233,19 @@ def _sim_options(args: argparse.Namespace, cfg: Any):
     return SimOptions(replicas=args.replicas, router=args.router, max_model_len=args.max_model_len,
                       seed=args.seed, concurrency=cfg.concurrency, closed_loop=closed,
                       spec_acceptance=None if rate is None else SpecAcceptance.parse(rate),
-                      spec_draft_ratio=getattr(args, "spec_draft_ratio", None))
+                      spec_draft_ratio=getattr(args, "spec_draft_ratio", None),
+                      colocated_overhead=getattr(args, "colocated_overhead", None))
+
+
+def _overhead_ms(text: str) -> tuple[float, float]:
+    """--colocated-overhead: "6.0" (ms a step) or "6.0,0.2" (and ms a running request), in seconds."""
+    try:
+        values = [float(x) / 1000 for x in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected MS or MS,MS (each >= 0), got {text!r}")
+    return values[0], values[1] if len(values) == 2 else 0.0
 
 
 def _ratio(text: str) -> float:

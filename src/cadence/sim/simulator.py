@@ -81,6 +81,11 @@ class SimOptions:
     `spec_draft_ratio`: with a draft model (`"method": "draft_model"`), what its decode pass costs
     beside a served decode step (`cadence serve` takes their weight bytes); required then. Each step is charged the draft model's time for the requests drafted
     for, and adaptive k weighs it, as `cadence serve` prices it (`DraftModelCost`).
+
+    `colocated_overhead`: (per step, per running request) seconds: the serving overhead a
+    replica's step pays, in place of the profile's, while every other replica is busy: replicas
+    sharing one machine's cores slow each other down only while both compute. With a share of the
+    others busy, that share of the difference is added. Fleets with it step one step at a time.
     """
 
     replicas: int = 1
@@ -93,6 +98,7 @@ class SimOptions:
     spec_acceptance: SpecAcceptance | None = None
     step_scatter: bool = True
     spec_draft_ratio: float | None = None
+    colocated_overhead: tuple[float, float] | None = None
 
     def validate(self) -> SimOptions:
         if self.replicas < 1:
@@ -106,6 +112,9 @@ class SimOptions:
         if r is not None and not (math.isfinite(r) and r > 0):
             raise ValueError(f"spec_draft_ratio (--spec-draft-ratio): must be > 0 (a draft model's decode pass over "
                              f"a served decode step), got {r}")
+        co = self.colocated_overhead
+        if co is not None and not (len(co) == 2 and all(math.isfinite(v) and v >= 0 for v in co)):
+            raise ValueError(f"colocated_overhead (--colocated-overhead): two terms, each >= 0 seconds, got {co}")
         return self
 
 
@@ -298,7 +307,10 @@ class Simulator:
         self._steps = 0
         # A step hook must see every step, so it turns the fast-forward off.
         # Speculating steps are not stretches of plain decodes (drafts come and go): stepped one by one.
-        self._fast_forward = options.fast_forward and on_step is None and not speculates
+        # Contention between co-located replicas depends on the others' state at each step's start:
+        # stepped one by one, each step priced then.
+        self._contention = _contention(options, cost_model)
+        self._fast_forward = options.fast_forward and on_step is None and not speculates and self._contention is None
         self.fast_forwarded_steps = 0  # steps applied as parts of stretches
         self.stretches_cut = 0  # stretches cut short by an arrival
         self.finished_mid_stretch = 0  # requests that finished in a stretch that went on without them
@@ -414,6 +426,13 @@ class Simulator:
     def _step(self, rep: SimReplica) -> None:
         ex = rep.executor
         ex.last_step_cost = 0.0
+        if self._contention is not None:
+            # The others computing now: stepping back to back while they have work (in the heap), or
+            # in a last step that ends after this one starts (steps are applied at their start).
+            now = rep.clock.now()
+            busy = sum(1 for o in self.replicas if o is not rep and (o.in_heap or o.last_end > now))
+            share = busy / (len(self.replicas) - 1)
+            ex.extra_overhead = (share * self._contention[0], share * self._contention[1])
         t_before = rep.clock.now()
         deltas = rep.core.step()
         t = rep.clock.now()
@@ -687,6 +706,16 @@ class Simulator:
             rec.status, rec.error = 503, "stalled: the engine could not schedule it"
             rec.output_tokens = len(rec.token_times) + self._extra_tokens.pop(rid, 0)
             del self._live[rid], self._times[rid]
+
+
+def _contention(options: SimOptions, cost_model: StepCostModel | None) -> tuple[float, float] | None:
+    """What a step pays beyond the profile's overhead with every other replica busy, per step and
+    per running request (`SimOptions.colocated_overhead`); None without it or a fleet."""
+    co = options.colocated_overhead
+    if co is None or options.replicas < 2 or cost_model is None:
+        return None
+    own = cost_model.overhead
+    return co[0] - own.get("per_step", 0.0), co[1] - own.get("per_seq", 0.0)
 
 
 def simulate(workload: Workload, config: EngineConfig, cost_model: StepCostModel,

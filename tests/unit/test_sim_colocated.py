@@ -1,0 +1,69 @@
+"""Co-located replicas (`SimOptions.colocated_overhead`, `cadence sim --colocated-overhead`): a
+replica's step pays the fleet's overhead only while the other replicas compute, by hand."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cadence.config import EngineConfig
+from cadence.executor.cost_model import StepCostModel
+from cadence.sim.cli import _overhead_ms
+from cadence.sim.simulator import SimOptions, Simulator
+from cadence.workload import Workload, WorkloadRequest
+
+META = {"kv_bytes_per_token": 1000, "max_model_len": 4096}
+STEP = 0.1
+OWN = {"per_step": 0.01, "per_seq": 0.0}  # the profile's overhead: a replica computing alone
+MODEL = StepCostModel("tokens", {"const": STEP}, META, overhead=OWN)  # 110 ms a step
+SHARED = (0.05, 0.0)  # with the other replica busy, 50 ms a step in place of 10
+
+
+def _run(arrivals: list[float], replicas: int = 2, co: tuple[float, float] | None = SHARED, out: int = 3):
+    reqs = tuple(WorkloadRequest(arrival_time=t, prompt_tokens=10, output_tokens=out) for t in arrivals)
+    sim = Simulator(EngineConfig.from_options(num_kv_blocks=2048), MODEL,
+                    SimOptions(replicas=replicas, router="round-robin", colocated_overhead=co))
+    return sim.run(Workload("t", reqs, prefix_block_tokens=16)).records
+
+
+def test_a_replica_computing_alone_pays_the_profile_s_overhead() -> None:
+    # far apart: each request's replica computes while the other idles
+    a, b = _run([0.0, 100.0])
+    assert a.token_times == pytest.approx([0.11, 0.22, 0.33])
+    assert b.e2e == pytest.approx(0.33)
+
+
+def test_both_replicas_busy_pay_the_colocated_overhead_at_every_step() -> None:
+    # at once, one on each replica: every step of each has the other computing
+    a, b = _run([0.0, 0.0])
+    assert a.token_times == pytest.approx([0.15, 0.30, 0.45])
+    assert b.token_times == pytest.approx([0.15, 0.30, 0.45])
+
+
+def test_overlap_pays_only_for_the_steps_it_overlaps() -> None:
+    # b (4 tokens) outlives a (2 tokens): its last steps run alone
+    reqs = (WorkloadRequest(arrival_time=0.0, prompt_tokens=10, output_tokens=2),
+            WorkloadRequest(arrival_time=0.0, prompt_tokens=10, output_tokens=4))
+    sim = Simulator(EngineConfig.from_options(num_kv_blocks=2048), MODEL,
+                    SimOptions(replicas=2, router="round-robin", colocated_overhead=SHARED))
+    a, b = sim.run(Workload("t", reqs, prefix_block_tokens=16)).records
+    assert a.token_times == pytest.approx([0.15, 0.30])
+    # b's third step starts at 0.30, as a's replica has finished: alone again, 110 ms a step
+    assert b.token_times == pytest.approx([0.15, 0.30, 0.41, 0.52])
+
+
+def test_without_it_or_without_a_fleet_nothing_changes() -> None:
+    assert [r.token_times for r in _run([0.0, 0.0], co=None)] == [pytest.approx([0.11, 0.22, 0.33])] * 2
+    (alone,) = _run([0.0], replicas=1)
+    assert alone.token_times == pytest.approx([0.11, 0.22, 0.33])
+
+
+def test_the_option_and_the_flag_refuse_what_is_not_two_non_negative_terms() -> None:
+    with pytest.raises(ValueError, match="colocated_overhead"):
+        SimOptions(colocated_overhead=(-0.001, 0.0)).validate()
+    assert _overhead_ms("6") == pytest.approx((0.006, 0.0))
+    assert _overhead_ms("6,0.2") == pytest.approx((0.006, 0.0002))
+    for bad in ("x", "6,1,2", "-1", "nan", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="MS or MS,MS"):
+            _overhead_ms(bad)
