@@ -24,8 +24,8 @@ modelled step, fitted as per step + per running request), through a fleet of two
 twice the clients, both replicas under load), started as the runs' fleets are (one thread a
 replica); saved as fleet_overhead.json under --out (`--sim-only` reuses it). The simulated fleets
 then run with that overhead; `single` keeps the profile's own (a plain `cadence serve`'s). With
-`--colocated` the fleets pay it only while both replicas compute (`cadence sim
---colocated-overhead`: it was measured with both busy), and the profile's while one computes alone.
+`--contended` the fleets pay it only while both replicas compute (`cadence sim
+--contended-overhead`: it was measured with both busy), and the profile's while one computes alone.
 
 `--sim-only` simulates again against the real runs already under --out (with another --profile;
 `--no-step-scatter` prices every step at its mean).
@@ -165,24 +165,24 @@ def _overhead_text(terms: dict) -> str:
     return f"{terms['per_step'] * 1e3:.2f} ms a step + {terms['per_seq'] * 1e3:.2f} ms a running request"
 
 
-def server_overhead(name: str, fits: dict[str, dict] | None, colocated: bool = False) -> dict[str, float] | None:
+def server_overhead(name: str, fits: dict[str, dict] | None, contended: bool = False) -> dict[str, float] | None:
     """The serving overhead a simulation of server `name` is given in place of the profile's:
     the fleet's measured one for a fleet, None (the profile's, a plain server's) for `single`, and
-    with `colocated` for every server (a fleet pays the measured one only while both replicas are
-    busy: `colocated_flags`)."""
-    if name == "single" or not fits or colocated:
+    with `contended` for every server (a fleet pays the measured one only while both replicas are
+    busy: `contended_flags`)."""
+    if name == "single" or not fits or contended:
         return None
     fit = fits[str(FLEET_REPLICAS)]
     return {"per_step": fit["per_step"], "per_seq": fit["per_seq"]}
 
 
-def colocated_flags(name: str, fits: dict[str, dict] | None, colocated: bool) -> list[str]:
-    """With `colocated`, a fleet's simulation pays the overhead measured through the fleet (both
-    replicas busy) only while the other replica is busy (`cadence sim --colocated-overhead`)."""
-    if name == "single" or not fits or not colocated:
+def contended_flags(name: str, fits: dict[str, dict] | None, contended: bool) -> list[str]:
+    """With `contended`, a fleet's simulation pays the overhead measured through the fleet (both
+    replicas busy) only while the other replica is busy (`cadence sim --contended-overhead`)."""
+    if name == "single" or not fits or not contended:
         return []
     fit = fits[str(FLEET_REPLICAS)]
-    return ["--colocated-overhead", f"{fit['per_step'] * 1e3:.4f},{fit['per_seq'] * 1e3:.4f}"]
+    return ["--contended-overhead", f"{fit['per_step'] * 1e3:.4f},{fit['per_seq'] * 1e3:.4f}"]
 
 
 def sim_cmd(name: str, args: argparse.Namespace, load: list[str], out: Path, profile: str,
@@ -237,9 +237,9 @@ def one_run(name: str, seed: int, args: argparse.Namespace, out: Path, fits: dic
     if not args.sim_only:
         serve_and_bench(name, seed, args, load, real, out)
     sim.mkdir(parents=True, exist_ok=True)
-    colocated = getattr(args, "colocated", False)
-    probed = with_request_path(args, real, sim, server_overhead(name, fits, colocated))
-    _run(sim_cmd(name, args, load, sim, str(sim / "profile.json"), colocated_flags(name, fits, colocated)))
+    contended = getattr(args, "contended", False)
+    probed = with_request_path(args, real, sim, server_overhead(name, fits, contended))
+    _run(sim_cmd(name, args, load, sim, str(sim / "profile.json"), contended_flags(name, fits, contended)))
     return {"router": name, "seed": seed, "hit_rate": json.loads((real / "hit.json").read_text())["hit_rate"],
             "real": _summary(real)["overall"], "sim": _summary(sim)["overall"], "sim_hit_rate": _sim_hit_rate(sim),
             "request_path_ms": 1000 * probed.request_delay,
@@ -588,9 +588,9 @@ def main() -> int:
     p.add_argument("--fleet-overhead", action="store_true",
                    help="routers: measure the serving overhead through a fleet of 1 and of 2 replicas first "
                         "and simulate the fleets with it (single keeps the profile's)")
-    p.add_argument("--colocated", action="store_true",
+    p.add_argument("--contended", action="store_true",
                    help="routers, with --fleet-overhead: the simulated fleets pay the overhead measured through the "
-                        "fleet only while both replicas are busy (`cadence sim --colocated-overhead`), the profile's "
+                        "fleet only while both replicas are busy (`cadence sim --contended-overhead`), the profile's "
                         "while a replica computes alone")
     p.add_argument("--overhead-batches", default="1,4,16",
                    help="--fleet-overhead: running requests a replica, comma-separated")

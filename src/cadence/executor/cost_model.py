@@ -495,7 +495,7 @@ class SimExecutor:
         self.total_cost = 0.0
         self.num_steps = 0
         # Set by the simulator before a step: seconds added per step and per row (co-located
-        # replicas contending for cores, `SimOptions.colocated_overhead`).
+        # replicas contending for cores, `SimOptions.contended_overhead`).
         self.extra_overhead = (0.0, 0.0)
 
     def kv_bytes_per_block(self, block_size: int) -> int:

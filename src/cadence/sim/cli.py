@@ -59,7 +59,7 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                         "decode step, as a number or a fraction (`cadence serve` takes their weight bytes: 0.69 for "
                         "make_draft's default draft of the default model); each step is charged the draft model's k decode passes "
                         "at that share of a served decode step, as `cadence serve` prices them")
-    g.add_argument("--colocated-overhead", type=_overhead_ms, default=None, metavar="MS[,MS]",
+    g.add_argument("--contended-overhead", type=_overhead_ms, default=None, metavar="MS[,MS]",
                    help="replicas sharing one machine's cores: the serving overhead a replica's step pays while the "
                         "other replicas are busy, ms a step[,ms a running request], in place of the profile's "
                         "(a share of it while some are; benchmarks/bench_fleet.py measures it through a fleet)")
@@ -234,11 +234,11 @@ def _sim_options(args: argparse.Namespace, cfg: Any):
                       seed=args.seed, concurrency=cfg.concurrency, closed_loop=closed,
                       spec_acceptance=None if rate is None else SpecAcceptance.parse(rate),
                       spec_draft_ratio=getattr(args, "spec_draft_ratio", None),
-                      colocated_overhead=getattr(args, "colocated_overhead", None))
+                      contended_overhead=getattr(args, "contended_overhead", None))
 
 
 def _overhead_ms(text: str) -> tuple[float, float]:
-    """--colocated-overhead: "6.0" (ms a step) or "6.0,0.2" (and ms a running request), in seconds."""
+    """--contended-overhead: "6.0" (ms a step) or "6.0,0.2" (and ms a running request), in seconds."""
     try:
         values = [float(x) / 1000 for x in text.split(",")]
     except ValueError:
@@ -288,6 +288,9 @@ def run_sim(args: argparse.Namespace) -> int:
     workload, cfg = prepare_workload(args)
     opts = _sim_options(args, cfg)
     pd = pd_options(args)
+    if opts.contended_overhead is not None and (pd is not None or opts.replicas < 2):
+        raise ValueError("--contended-overhead: prices replicas contending for one machine's cores: it needs "
+                         "--replicas 2 or more (not a P/D fleet)")
     if pd is None:
         res = Simulator(engine_cfg, model, opts).run(workload)
     else:
@@ -451,6 +454,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         raise ValueError("--replicas: `cadence sim plan` searches the number of replicas itself; "
                          "give --max-replicas N to bound it (or use `cadence sim --replicas N`)")
+    if args.contended_overhead is not None:
+        raise ValueError("--contended-overhead: `cadence sim plan` sizes fleets of replicas on machines of their own; "
+                         "give it to `cadence sim --replicas N` to simulate replicas sharing one machine's cores")
     for flag in ("prefill_replicas", "decode_replicas"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')}: `cadence sim plan --disaggregate` searches the split itself "

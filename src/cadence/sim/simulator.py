@@ -82,7 +82,7 @@ class SimOptions:
     beside a served decode step (`cadence serve` takes their weight bytes); required then. Each step is charged the draft model's time for the requests drafted
     for, and adaptive k weighs it, as `cadence serve` prices it (`DraftModelCost`).
 
-    `colocated_overhead`: (per step, per running request) seconds: the serving overhead a
+    `contended_overhead`: (per step, per running request) seconds: the serving overhead a
     replica's step pays, in place of the profile's, while every other replica is busy: replicas
     sharing one machine's cores slow each other down only while both compute. With a share of the
     others busy, that share of the difference is added. Fleets with it step one step at a time.
@@ -98,7 +98,7 @@ class SimOptions:
     spec_acceptance: SpecAcceptance | None = None
     step_scatter: bool = True
     spec_draft_ratio: float | None = None
-    colocated_overhead: tuple[float, float] | None = None
+    contended_overhead: tuple[float, float] | None = None
 
     def validate(self) -> SimOptions:
         if self.replicas < 1:
@@ -112,9 +112,9 @@ class SimOptions:
         if r is not None and not (math.isfinite(r) and r > 0):
             raise ValueError(f"spec_draft_ratio (--spec-draft-ratio): must be > 0 (a draft model's decode pass over "
                              f"a served decode step), got {r}")
-        co = self.colocated_overhead
+        co = self.contended_overhead
         if co is not None and not (len(co) == 2 and all(math.isfinite(v) and v >= 0 for v in co)):
-            raise ValueError(f"colocated_overhead (--colocated-overhead): two terms, each >= 0 seconds, got {co}")
+            raise ValueError(f"contended_overhead (--contended-overhead): two terms, each >= 0 seconds, got {co}")
         return self
 
 
@@ -710,8 +710,8 @@ class Simulator:
 
 def _contention(options: SimOptions, cost_model: StepCostModel | None) -> tuple[float, float] | None:
     """What a step pays beyond the profile's overhead with every other replica busy, per step and
-    per running request (`SimOptions.colocated_overhead`); None without it or a fleet."""
-    co = options.colocated_overhead
+    per running request (`SimOptions.contended_overhead`); None without it or a fleet."""
+    co = options.contended_overhead
     if co is None or options.replicas < 2 or cost_model is None:
         return None
     own = cost_model.overhead

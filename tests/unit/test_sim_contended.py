@@ -1,4 +1,4 @@
-"""Co-located replicas (`SimOptions.colocated_overhead`, `cadence sim --colocated-overhead`): a
+"""Replicas contending for one machine's cores (`SimOptions.contended_overhead`, `cadence sim --contended-overhead`): a
 replica's step pays the fleet's overhead only while the other replicas compute, by hand."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ SHARED = (0.05, 0.0)  # with the other replica busy, 50 ms a step in place of 10
 def _run(arrivals: list[float], replicas: int = 2, co: tuple[float, float] | None = SHARED, out: int = 3):
     reqs = tuple(WorkloadRequest(arrival_time=t, prompt_tokens=10, output_tokens=out) for t in arrivals)
     sim = Simulator(EngineConfig.from_options(num_kv_blocks=2048), MODEL,
-                    SimOptions(replicas=replicas, router="round-robin", colocated_overhead=co))
+                    SimOptions(replicas=replicas, router="round-robin", contended_overhead=co))
     return sim.run(Workload("t", reqs, prefix_block_tokens=16)).records
 
 
@@ -34,7 +34,7 @@ def test_a_replica_computing_alone_pays_the_profile_s_overhead() -> None:
     assert b.e2e == pytest.approx(0.33)
 
 
-def test_both_replicas_busy_pay_the_colocated_overhead_at_every_step() -> None:
+def test_both_replicas_busy_pay_the_contended_overhead_at_every_step() -> None:
     # at once, one on each replica: every step of each has the other computing
     a, b = _run([0.0, 0.0])
     assert a.token_times == pytest.approx([0.15, 0.30, 0.45])
@@ -46,7 +46,7 @@ def test_overlap_pays_only_for_the_steps_it_overlaps() -> None:
     reqs = (WorkloadRequest(arrival_time=0.0, prompt_tokens=10, output_tokens=2),
             WorkloadRequest(arrival_time=0.0, prompt_tokens=10, output_tokens=4))
     sim = Simulator(EngineConfig.from_options(num_kv_blocks=2048), MODEL,
-                    SimOptions(replicas=2, router="round-robin", colocated_overhead=SHARED))
+                    SimOptions(replicas=2, router="round-robin", contended_overhead=SHARED))
     a, b = sim.run(Workload("t", reqs, prefix_block_tokens=16)).records
     assert a.token_times == pytest.approx([0.15, 0.30])
     # b's third step starts at 0.30, as a's replica has finished: alone again, 110 ms a step
@@ -60,10 +60,37 @@ def test_without_it_or_without_a_fleet_nothing_changes() -> None:
 
 
 def test_the_option_and_the_flag_refuse_what_is_not_two_non_negative_terms() -> None:
-    with pytest.raises(ValueError, match="colocated_overhead"):
-        SimOptions(colocated_overhead=(-0.001, 0.0)).validate()
+    with pytest.raises(ValueError, match="contended_overhead"):
+        SimOptions(contended_overhead=(-0.001, 0.0)).validate()
     assert _overhead_ms("6") == pytest.approx((0.006, 0.0))
     assert _overhead_ms("6,0.2") == pytest.approx((0.006, 0.0002))
     for bad in ("x", "6,1,2", "-1", "nan", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="MS or MS,MS"):
             _overhead_ms(bad)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["sim", "--workload", "chat", "--num-requests", "4", "--contended-overhead", "6"],
+     "--contended-overhead: prices replicas contending for one machine's cores: it needs --replicas 2 or more"),
+    (["sim", "--workload", "chat", "--num-requests", "4", "--prefill-replicas", "1", "--decode-replicas", "1",
+      "--contended-overhead", "6"], "(not a P/D fleet)"),
+    (["sim", "plan", "--workload", "chat", "--num-requests", "4", "--rate", "1", "--slo", "ttft_p95=1",
+      "--contended-overhead", "6"], "--contended-overhead: `cadence sim plan` sizes fleets of replicas"),
+])
+def test_the_flag_is_refused_where_no_replicas_contend(argv: list[str], says: str, capsys) -> None:
+    from cadence.cli import main
+
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_the_flag_simulates_a_fleet_sharing_cores(tmp_path, capsys) -> None:
+    from cadence.cli import main
+
+    common = ["sim", "--workload", "chat", "--num-requests", "8", "--rate", "4", "--replicas", "2", "--seed", "3"]
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    assert main([*common, "--contended-overhead", "20", "--out", str(tmp_path / "b")]) == 0
+    import json
+
+    alone, shared = (json.loads((tmp_path / d / "summary.json").read_text())["overall"]["itl"]["p50"] for d in "ab")
+    assert shared > alone  # 20 ms a step while the other replica computes
