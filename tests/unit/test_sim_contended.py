@@ -1,15 +1,14 @@
-"""Replicas contending for one machine's cores (`SimOptions.contended_overhead`, `cadence sim --contended-overhead`): a
-replica's step pays the fleet's overhead only while the other replicas compute, by hand."""
+"""Replicas contending for one machine's cores (`SimOptions.contended_overhead`, `cadence sim
+--contended-overhead`): a replica's step pays the fleet's overhead only while the other replicas
+compute, by hand."""
 
 from __future__ import annotations
-
-import argparse
 
 import pytest
 
 from cadence.config import EngineConfig
 from cadence.executor.cost_model import StepCostModel
-from cadence.sim.cli import _overhead_ms
+from cadence.sim.cli import parse_contended
 from cadence.sim.simulator import SimOptions, Simulator
 from cadence.workload import Workload, WorkloadRequest
 
@@ -62,11 +61,26 @@ def test_without_it_or_without_a_fleet_nothing_changes() -> None:
 def test_the_option_and_the_flag_refuse_what_is_not_two_non_negative_terms() -> None:
     with pytest.raises(ValueError, match="contended_overhead"):
         SimOptions(contended_overhead=(-0.001, 0.0)).validate()
-    assert _overhead_ms("6") == pytest.approx((0.006, 0.0))
-    assert _overhead_ms("6,0.2") == pytest.approx((0.006, 0.0002))
-    for bad in ("x", "6,1,2", "-1", "nan", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match="MS or MS,MS"):
-            _overhead_ms(bad)
+    assert parse_contended(None) is None
+    assert parse_contended("6") == pytest.approx((0.006, None))  # the profile's per running request
+    assert parse_contended("6,0.2") == pytest.approx((0.006, 0.0002))
+    for bad in ("x", "6,1,2", "-1", "nan", "inf", "1e309", "", "5,", "20000"):
+        with pytest.raises(ValueError, match="--contended-overhead: expected MS or MS,MS, each 0 to 10000 ms"):
+            parse_contended(bad)
+
+
+def test_a_step_term_alone_keeps_the_profile_s_per_request_overhead() -> None:
+    model = StepCostModel("tokens", {"const": STEP}, META, overhead={"per_step": 0.0, "per_seq": 0.02})
+    reqs = tuple(WorkloadRequest(arrival_time=0.0, prompt_tokens=10, output_tokens=2) for _ in range(2))
+
+    def run(co):
+        sim = Simulator(EngineConfig.from_options(num_kv_blocks=2048), model,
+                        SimOptions(replicas=2, router="round-robin", contended_overhead=co))
+        return [r.token_times for r in sim.run(Workload("t", reqs, prefix_block_tokens=16)).records]
+
+    # one row a step: 100 + 20 ms alone; with the other busy 30 ms a step more, the row's 20 kept
+    assert run((0.03, None))[0] == pytest.approx([0.15, 0.30])
+    assert run((0.03, 0.0))[0] == pytest.approx([0.13, 0.26])  # given as 0: the row's 20 ms gone
 
 
 @pytest.mark.parametrize(("argv", "says"), [
@@ -94,3 +108,15 @@ def test_the_flag_simulates_a_fleet_sharing_cores(tmp_path, capsys) -> None:
 
     alone, shared = (json.loads((tmp_path / d / "summary.json").read_text())["overall"]["itl"]["p50"] for d in "ab")
     assert shared > alone  # 20 ms a step while the other replica computes
+    notes = json.loads((tmp_path / "b" / "summary.json").read_text())["meta"]["notes"]
+    assert any("replicas contend for cores: 20 ms a step" in n for n in notes), notes
+    assert "replicas contend for cores" in capsys.readouterr().out
+
+
+def test_a_bad_value_is_one_line_naming_the_flag(capsys) -> None:
+    from cadence.cli import main
+
+    argv = ["sim", "--workload", "chat", "--num-requests", "4", "--replicas", "2", "--contended-overhead", "nan"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--contended-overhead: expected MS or MS,MS" in err[0], err

@@ -59,10 +59,12 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                         "decode step, as a number or a fraction (`cadence serve` takes their weight bytes: 0.69 for "
                         "make_draft's default draft of the default model); each step is charged the draft model's k decode passes "
                         "at that share of a served decode step, as `cadence serve` prices them")
-    g.add_argument("--contended-overhead", type=_overhead_ms, default=None, metavar="MS[,MS]",
-                   help="replicas sharing one machine's cores: the serving overhead a replica's step pays while the "
-                        "other replicas are busy, ms a step[,ms a running request], in place of the profile's "
-                        "(a share of it while some are; benchmarks/bench_fleet.py measures it through a fleet)")
+    g.add_argument("--contended-overhead", default=None, metavar="MS[,MS]",
+                   help="replicas sharing one machine's cores (--replicas 2 or more; not P/D, not `sim plan`): the "
+                        "serving overhead a replica's step pays while the other replicas are busy, ms a step[,ms a "
+                        "running request], in place of the profile's (MS alone keeps the profile's per running "
+                        "request; a share of the difference while some are busy; benchmarks/bench_fleet.py measures "
+                        "it through a fleet)")
     g.add_argument("--router", choices=ROUTERS, default="prefix-affinity",
                    help="how requests are spread (default %(default)s, as `cadence serve --replicas`); "
                         "with P/D, over the prefill replicas")
@@ -234,18 +236,34 @@ def _sim_options(args: argparse.Namespace, cfg: Any):
                       seed=args.seed, concurrency=cfg.concurrency, closed_loop=closed,
                       spec_acceptance=None if rate is None else SpecAcceptance.parse(rate),
                       spec_draft_ratio=getattr(args, "spec_draft_ratio", None),
-                      contended_overhead=getattr(args, "contended_overhead", None))
+                      contended_overhead=parse_contended(getattr(args, "contended_overhead", None)))
 
 
-def _overhead_ms(text: str) -> tuple[float, float]:
-    """--contended-overhead: "6.0" (ms a step) or "6.0,0.2" (and ms a running request), in seconds."""
+MAX_CONTENDED_MS = 10_000.0  # a step's serving overhead beyond 10 s is no overhead but a typo
+
+
+def parse_contended(text: str | None) -> tuple[float, float | None] | None:
+    """--contended-overhead: "6.0" (ms a step; the profile's per running request) or "6.0,0.2"
+    (and ms a running request), in seconds; None for None."""
+    if text is None:
+        return None
     try:
         values = [float(x) / 1000 for x in text.split(",")]
     except ValueError:
         values = []
-    if len(values) not in (1, 2) or not all(math.isfinite(v) and v >= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected MS or MS,MS (each >= 0), got {text!r}")
-    return values[0], values[1] if len(values) == 2 else 0.0
+    if len(values) not in (1, 2) or not all(math.isfinite(v) and 0 <= v <= MAX_CONTENDED_MS / 1000 for v in values):
+        raise ValueError(f"--contended-overhead: expected MS or MS,MS, each 0 to {MAX_CONTENDED_MS:g} ms, got {text!r}")
+    return values[0], values[1] if len(values) == 2 else None
+
+
+def _contended_line(opts: Any, model: Any) -> str | None:
+    """What `--contended-overhead` priced, for the printed notes and summary.json."""
+    co = opts.contended_overhead
+    if co is None:
+        return None
+    per_seq = co[1] if co[1] is not None else model.overhead.get("per_seq", 0.0)
+    return (f"replicas contend for cores: {co[0] * 1e3:.3g} ms a step + {per_seq * 1e3:.3g} ms a running request "
+            "while the others compute, the profile's overhead alone (--contended-overhead)")
 
 
 def _ratio(text: str) -> float:
@@ -291,6 +309,9 @@ def run_sim(args: argparse.Namespace) -> int:
     if opts.contended_overhead is not None and (pd is not None or opts.replicas < 2):
         raise ValueError("--contended-overhead: prices replicas contending for one machine's cores: it needs "
                          "--replicas 2 or more (not a P/D fleet)")
+    contended = _contended_line(opts, model)
+    if contended:
+        print(contended, flush=True)
     if pd is None:
         res = Simulator(engine_cfg, model, opts).run(workload)
     else:
@@ -302,7 +323,8 @@ def run_sim(args: argparse.Namespace) -> int:
             "burstiness": cfg.burstiness, "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
             "duration": cfg.duration, "seed": args.seed, **cfg.workload_settings,
             "replicas": opts.replicas, "router": opts.router, "profile": _profile_line(model),
-            "notes": [*workload.notes, _sim_note(res, model), *res.notes, *([scatter_line] if scatter_line else [])],
+            "notes": [*workload.notes, _sim_note(res, model), *res.notes, *([scatter_line] if scatter_line else []),
+                      *([contended] if contended else [])],
             "replica_stats": [{"index": r.index, "requests": r.requests, "steps": r.steps, "busy_s": r.busy_s,
                                "preemptions": r.preemptions, "prefix_cache_query_tokens": r.prefix_cache_queries,
                                "prefix_cache_hit_tokens": r.prefix_cache_hits} for r in res.replicas]}

@@ -85,7 +85,8 @@ class SimOptions:
     `contended_overhead`: (per step, per running request) seconds: the serving overhead a
     replica's step pays, in place of the profile's, while every other replica is busy: replicas
     sharing one machine's cores slow each other down only while both compute. With a share of the
-    others busy, that share of the difference is added. Fleets with it step one step at a time.
+    others busy, that share of the difference is added; a per-request term of None keeps the
+    profile's. Fleets with it step one step at a time.
     """
 
     replicas: int = 1
@@ -98,7 +99,7 @@ class SimOptions:
     spec_acceptance: SpecAcceptance | None = None
     step_scatter: bool = True
     spec_draft_ratio: float | None = None
-    contended_overhead: tuple[float, float] | None = None
+    contended_overhead: tuple[float, float | None] | None = None
 
     def validate(self) -> SimOptions:
         if self.replicas < 1:
@@ -113,8 +114,10 @@ class SimOptions:
             raise ValueError(f"spec_draft_ratio (--spec-draft-ratio): must be > 0 (a draft model's decode pass over "
                              f"a served decode step), got {r}")
         co = self.contended_overhead
-        if co is not None and not (len(co) == 2 and all(math.isfinite(v) and v >= 0 for v in co)):
-            raise ValueError(f"contended_overhead (--contended-overhead): two terms, each >= 0 seconds, got {co}")
+        if co is not None and not (len(co) == 2 and all(v is None or (math.isfinite(v) and v >= 0) for v in co)
+                                   and co[0] is not None):
+            raise ValueError(f"contended_overhead (--contended-overhead): (seconds a step, seconds a running request "
+                             f"or None for the profile's), each >= 0, got {co}")
         return self
 
 
@@ -715,7 +718,8 @@ def _contention(options: SimOptions, cost_model: StepCostModel | None) -> tuple[
     if co is None or options.replicas < 2 or cost_model is None:
         return None
     own = cost_model.overhead
-    return co[0] - own.get("per_step", 0.0), co[1] - own.get("per_seq", 0.0)
+    per_seq = co[1] - own.get("per_seq", 0.0) if co[1] is not None else 0.0
+    return co[0] - own.get("per_step", 0.0), per_seq
 
 
 def simulate(workload: Workload, config: EngineConfig, cost_model: StepCostModel,
