@@ -144,8 +144,11 @@ def start_ray(opts: RayOptions) -> None:
         check_reachable(address)
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     else:
-        ray.init(num_cpus=opts.num_cpus, include_dashboard=False, object_store_memory=opts.object_store_bytes or OBJECT_STORE_BYTES,
-                 log_to_driver=False)
+        # "local": a Ray of its own, always. Without an address Ray would join whatever it finds
+        # (RAY_ADDRESS, a `ray start` cluster, another fleet's Ray on this machine), and refuse
+        # num_cpus there; joining is what --ray-address is for.
+        ray.init(address="local", num_cpus=opts.num_cpus, include_dashboard=False,
+                 object_store_memory=opts.object_store_bytes or OBJECT_STORE_BYTES, log_to_driver=False)
         stop_unused_head_processes()
 
 
