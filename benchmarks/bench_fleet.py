@@ -179,9 +179,9 @@ def server_overhead(name: str, fits: dict[str, dict] | None, contended: bool = F
 def contended_flags(name: str, fits: dict[str, dict] | None, contended: bool) -> list[str]:
     """With `contended`, a fleet's simulation pays the overhead measured through the fleet (both
     replicas busy) only while the other replica is busy (`cadence sim --contended-overhead`)."""
-    if name == "single" or not fits or not contended:
+    fit = server_overhead(name, fits) if contended else None
+    if fit is None:
         return []
-    fit = fits[str(FLEET_REPLICAS)]
     return ["--contended-overhead", f"{fit['per_step'] * 1e3:.4f},{fit['per_seq'] * 1e3:.4f}"]
 
 

@@ -146,7 +146,11 @@ class Scheduler(SchedulerIntrospection):
             self._schedule_waiting(plan) if may_admit else (WaitReason.STATIC_BATCH, None)
         )
         if self.speculation is not None:
-            self._count_chosen_drafts(plan, candidates)
+            declined = 0
+            if candidates:
+                declined = self.speculation.adapt(plan, candidates, self.step_cost, len(self.running),
+                                                  prices_shared=self.step_cost_prices_shared)
+            self._count_chosen_drafts(plan, declined)
         self._record_stop(stop)
         prefix = self.kv.pop_prefix_stats()
         self._stats.prefix_cache_queries += prefix.queries
@@ -428,15 +432,11 @@ class Scheduler(SchedulerIntrospection):
             self.admission.drain.record(now)
         self._stats.finished.append(finished_stats(req))
 
-    def _count_chosen_drafts(self, plan: StepPlan, candidates: list[Request]) -> None:
-        """Adaptive k's choices (with `candidates`), and every row's drafts into the step's stats:
-        one entry per decode row that had drafts, the drafts it verifies (0: turned down)."""
-        assert self.speculation is not None
+    def _count_chosen_drafts(self, plan: StepPlan, declined: int) -> None:
+        """Into the step's stats, one entry per decode row that had drafts: the drafts each of the
+        plan's verification rows carries, and a 0 for each of the `declined` adaptive k turned down."""
         chosen = self._stats.chosen_draft_tokens
-        if candidates:
-            declined = self.speculation.adapt(plan, candidates, self.step_cost, len(self.running),
-                                              prices_shared=self.step_cost_prices_shared)
-            chosen.extend(itertools.repeat(0, declined))
+        chosen.extend(itertools.repeat(0, declined))
         chosen.extend(sr.num_draft_tokens for sr in plan.rows.values() if sr.num_draft_tokens)
 
     def _close_stats(self) -> None:

@@ -429,14 +429,13 @@ class Simulator:
     def _step(self, rep: SimReplica) -> None:
         ex = rep.executor
         ex.last_step_cost = 0.0
+        t_before = rep.clock.now()
         if self._contention is not None:
             # The others computing now: stepping back to back while they have work (in the heap), or
             # in a last step that ends after this one starts (steps are applied at their start).
-            now = rep.clock.now()
-            busy = sum(1 for o in self.replicas if o is not rep and (o.in_heap or o.last_end > now))
+            busy = sum(1 for o in self.replicas if o is not rep and (o.in_heap or o.last_end > t_before))
             share = busy / (len(self.replicas) - 1)
             ex.extra_overhead = (share * self._contention[0], share * self._contention[1])
-        t_before = rep.clock.now()
         deltas = rep.core.step()
         t = rep.clock.now()
         self._busy(rep, t_before, t)
