@@ -30,6 +30,14 @@ then run with that overhead; `single` keeps the profile's own (a plain `cadence 
 `--sim-only` simulates again against the real runs already under --out (with another --profile;
 `--no-step-scatter` prices every step at its mean).
 
+`--at-run-speed`: each real run records its steps (`--record-steps`, steps.jsonl beside its
+records), and each server is simulated a second time with its step costs scaled to how fast that
+run's steps ran against the profile's prediction (`cadence.sim.served_fit.run_speed`, `cadence sim
+--step-cost-scale`): a shared machine's speed drifts by 10-20% over minutes, and near overload
+that moves the latencies by far more; the second simulation separates the machine's speed at the
+time from the simulator's model. A fleet's factor pools both replicas' steps, and so includes how
+much they slowed each other's steps.
+
 `--repeat N`: each server runs N times on each seed (the repeats in their own order after the
 first round), and the table adds each repeat against the first run, and how many TTFT/ITL cells
 the real runs agree on within 15% beside how many the simulator does: on a shared machine the
@@ -70,6 +78,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cadence.bench.launch import served
 from cadence.executor.cost_model import StepCostModel
+from cadence.sim.cli import MAX_STEP_SCALE, MIN_STEP_SCALE
+from cadence.sim.served_fit import run_speed
 from cadence.sim.serving import decode_overhead, fit_request_path, probe_request_path, warm_up
 from cadence.workload import Workload, WorkloadRequest, write_jsonl
 
@@ -239,27 +249,51 @@ def one_run(name: str, seed: int, args: argparse.Namespace, out: Path, fits: dic
     sim.mkdir(parents=True, exist_ok=True)
     contended = getattr(args, "contended", False)
     probed = with_request_path(args, real, sim, server_overhead(name, fits, contended))
-    _run(sim_cmd(name, args, load, sim, str(sim / "profile.json"), contended_flags(name, fits, contended)))
-    return {"router": name, "seed": seed, "hit_rate": json.loads((real / "hit.json").read_text())["hit_rate"],
-            "real": _summary(real)["overall"], "sim": _summary(sim)["overall"], "sim_hit_rate": _sim_hit_rate(sim),
-            "request_path_ms": 1000 * probed.request_delay,
-            "request_path_us_per_token": 1e6 * probed.request_delay_per_token,
-            "overhead_ms": {k: 1000 * v for k, v in probed.overhead.items()}}
+    flags = contended_flags(name, fits, contended)
+    _run(sim_cmd(name, args, load, sim, str(sim / "profile.json"), flags))
+    row = {"router": name, "seed": seed, "hit_rate": json.loads((real / "hit.json").read_text())["hit_rate"],
+           "real": _summary(real)["overall"], "sim": _summary(sim)["overall"], "sim_hit_rate": _sim_hit_rate(sim),
+           "request_path_ms": 1000 * probed.request_delay,
+           "request_path_us_per_token": 1e6 * probed.request_delay_per_token,
+           "overhead_ms": {k: 1000 * v for k, v in probed.overhead.items()}}
+    speed = run_speed(probed, real / "steps.jsonl") if getattr(args, "at_run_speed", False) else None
+    if speed is not None and not MIN_STEP_SCALE <= speed <= MAX_STEP_SCALE:
+        print(f"{name} seed {seed}: its steps ran {speed:.3g} times the profile's: not this machine's profile "
+              "(calibrate it), no simulation at the run's speed", flush=True)
+    elif speed is not None:
+        at_speed = out / f"{name}_s{seed}_sim_speed"
+        _run(sim_cmd(name, args, load, at_speed, str(sim / "profile.json"),
+                     [*flags, "--step-cost-scale", f"{speed:.4f}"]))
+        row.update(run_speed=speed, sim_speed=_summary(at_speed)["overall"])
+    return row
 
 
 def serve_and_bench(name: str, seed: int, args: argparse.Namespace, load: list[str], real: Path, out: Path,
                     log_suffix: str = "") -> None:
-    with served([*serve_cmd(name, args), "--port", str(args.port)], f"http://127.0.0.1:{args.port}/health",
+    record: list[str] = []
+    if getattr(args, "at_run_speed", False):  # (after the probe below: its steps are not the run's)
+        real.mkdir(parents=True, exist_ok=True)
+        record = ["--record-steps", str((real / "steps.all.jsonl").resolve())]
+        (real / "steps.all.jsonl").unlink(missing_ok=True)
+    with served([*serve_cmd(name, args), "--port", str(args.port), *record], f"http://127.0.0.1:{args.port}/health",
                 out / f"{name}_s{seed}{log_suffix}.log", cwd=ROOT, timeout=300):
         # At idle first: what a request pays outside the engines' steps on this server.
         probe = probe_request_path(f"http://127.0.0.1:{args.port}", seed=seed)
         real.mkdir(parents=True, exist_ok=True)
         (real / "request_path_probe.json").write_text(json.dumps(probe))
         q0, h0 = _cache_counters(args.port)
+        probe_steps = _lines(real / "steps.all.jsonl") if record else []
         _run([*CADENCE, "bench", *load, "--base-url", f"http://127.0.0.1:{args.port}", "--no-progress",
               "--label", f"{name} seed {seed}", "--out", str(real)])
         q1, h1 = _cache_counters(args.port)
     (real / "hit.json").write_text(json.dumps({"hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else None}))
+    if record:  # the run's own steps: those after the probe's (each was logged before its tokens left)
+        run_steps = _lines(real / "steps.all.jsonl")[len(probe_steps):]
+        (real / "steps.jsonl").write_text("".join(run_steps))
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines(keepends=True) if path.exists() else []
 
 
 def _sim_hit_rate(path: Path) -> float | None:
@@ -335,6 +369,20 @@ def _within(cells: list[float], tol: float = 0.15) -> int:
     return sum(1 for c in cells if abs(c - 1) <= tol)
 
 
+def speed_table(rows: list[dict]) -> str:
+    """Each server simulated at the speed its run's steps ran (`--at-run-speed`) against the real run."""
+    rows = [r for r in rows if "sim_speed" in r]
+    lines = ["| server | seed | run's steps / profile | sim/real TTFT p50, p90 | sim/real ITL p50, p90 |",
+             "|---|---:|---:|---|---|"]
+    for r in rows:
+        c = [f"{x:.2f}" for x in _ratios(r["real"], r["sim_speed"])]
+        lines.append(f"| {r['router']} | {r['seed']} | {r['run_speed']:.2f} | {', '.join(c[:2])} | {', '.join(c[2:])} |")
+    cells = [c for r in rows for c in _ratios(r["real"], r["sim_speed"])]
+    lines += ["", f"simulator at each run's speed: {_within(cells)} of {len(cells)} cells within 15% of the real run; "
+                  f"sim/real median {statistics.median(cells):.2f}, range {min(cells):.2f}-{max(cells):.2f}"]
+    return "\n".join(lines)
+
+
 def repeats_table(repeats: list[dict]) -> str:
     lines = ["| server | seed | run | TTFT p50 / p95 (ms) | ITL p50 / p90 (ms) | this run / first, TTFT p50, p90 | "
              "ITL p50, p90 |", "|---|---:|---:|---|---|---|---|"]
@@ -377,6 +425,8 @@ def routers(args: argparse.Namespace, out: Path) -> None:
         for name in order:
             rows.append(one_run(name, seed, args, out, fits))
             print(routers_table(rows[-1:]), flush=True)
+            if "sim_speed" in rows[-1]:
+                print(speed_table(rows[-1:]), flush=True)
         for rep in range(1, args.repeat):
             for name in order[rep % len(order):] + order[: rep % len(order)]:
                 repeats.append(repeat_run(name, seed, rep, args, out))
@@ -386,6 +436,8 @@ def routers(args: argparse.Namespace, out: Path) -> None:
             f"{args.kv_blocks} KV blocks a replica, profile {args.profile}, load average "
             f"{os.getloadavg()[0]:.2f} at the end{_fits_text(fits)}\n\n{routers_table(rows)}\n\n"
             f"{routers_summary(rows)}")
+    if any("sim_speed" in r for r in rows):
+        text += f"\n\n{speed_table(rows)}"
     if repeats:
         text += f"\n\n{repeats_table(repeats)}\n\n{repeats_summary(rows, repeats)}"
         (out / "repeats.json").write_text(json.dumps(repeats, indent=1))
@@ -601,6 +653,9 @@ def main() -> int:
                         "against the first run, the simulator against both: the machine's own spread)")
     p.add_argument("--no-step-scatter", action="store_true",
                    help="routers: simulate every step at its mean time, without the profile's step-time scatter")
+    p.add_argument("--at-run-speed", action="store_true",
+                   help="routers: record each real run's steps and simulate each server again at the speed they "
+                        "ran (`cadence sim --step-cost-scale`)")
     p.add_argument("--tiny", action="store_true",
                    help="serve the tiny random-weight model (a check that the script runs, not a measurement)")
     p.add_argument("--profile", default=str(ROOT / "src/cadence/sim/profiles/default.json"))

@@ -80,3 +80,37 @@ def test_routers_repeat_judges_the_real_runs_against_themselves(tmp_path):
     assert "real against itself:" in table and "simulator against the first runs" in table
     assert "--no-step-scatter" in done.stdout
 
+
+
+def test_routers_at_run_speed_simulates_again_at_the_speed_the_run_s_steps_ran(tmp_path):
+    """--at-run-speed: the server records its steps, the probe's are left out of the run's, and the
+    second simulation's step costs are the profile's times how fast those steps ran against it."""
+    from cadence.sim.served_fit import run_speed
+
+    # The tiny model runs far faster than the default model's profile: a profile a tenth as dear
+    # keeps its factor inside what `cadence sim --step-cost-scale` takes on any machine.
+    profile = tmp_path / "fast.json"
+    StepCostModel.load(default_profile_path()).with_step_scale(0.1).save(profile)
+    out = tmp_path / "routers"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_fleet.py"), "routers", "--tiny", "--at-run-speed",
+           "--servers", "single", "--seeds", "0", "--families", "2", "--per-family", "2",
+           "--prefix-tokens", "64", "--suffix-tokens", "16", "--output-tokens", "4", "--rate", "4",
+           "--kv-blocks", "64", "--max-num-seqs", "4", "--profile", str(profile), "--port", str(_port()),
+           "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    real = out / "single_s0"
+    every = (real / "steps.all.jsonl").read_text().splitlines()
+    run = (real / "steps.jsonl").read_text().splitlines()
+    assert 0 < len(run) < len(every) and every[-len(run):] == run  # the probe's steps came first
+    # the run's prompts (4 of 80 tokens; the probe's are other lengths) and decodes, no more
+    assert sum(json.loads(s)["sampled"] for s in run) == 4 * 4
+    [row] = json.loads((out / "rows.json").read_text())
+    probed = StepCostModel.load(out / "single_s0_sim" / "profile.json")
+    assert row["run_speed"] == pytest.approx(run_speed(probed, real / "steps.jsonl"))
+    at_speed = json.loads((out / "single_s0_sim_speed" / "summary.json").read_text())
+    given = float(f"{row['run_speed']:.4f}")  # as the script passes it to --step-cost-scale
+    assert any(f"step costs: {given:g} times the profile's" in n for n in at_speed["meta"]["notes"])
+    assert row["sim_speed"] == at_speed["overall"]
+    assert "simulator at each run's speed:" in (out / "table.md").read_text()

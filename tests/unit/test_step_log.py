@@ -30,3 +30,27 @@ def test_a_served_engine_records_each_step_it_ran(tmp_path):
     assert max(f.prefill_tokens + f.decode_seqs for f in shapes) <= 16
     assert sum(f.decode_seqs for f in shapes) == 2 * 3
     assert sum(f.sampled for f in shapes) == 2 * 4
+
+
+def test_each_step_says_when_it_ended(tmp_path):
+    # `end` lines steps up with a client's records (unix time) and shows the engine's time between
+    # steps: each step ends after the one before it ended plus its own duration.
+    import json
+    import time
+
+    path = tmp_path / "steps.jsonl"
+    cfg = EngineConfig.from_options(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
+                                    record_steps=str(path))
+    core = build_engine(cfg, tiny=True).core
+    core.add_request(Request("a", list(range(100, 140)), SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)))
+    before = time.time()
+    while core.has_unfinished_requests():
+        core.step()
+    after = time.time()
+    core.step_observer.close()
+    lines = [json.loads(s) for s in path.read_text().splitlines()]
+    assert len(lines) == core.scheduler.step_count >= 4
+    assert before <= lines[0]["end"] - lines[0]["duration"] + 1e-3 and lines[-1]["end"] <= after
+    for prev, cur in zip(lines, lines[1:]):
+        assert cur["end"] - cur["duration"] >= prev["end"] - 1e-3
+    assert len(read_step_log(path)) == len(lines)  # the reader takes the shape and duration, not `end`

@@ -17,7 +17,7 @@ import os
 import platform
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import reduce
 from operator import add
 from pathlib import Path
@@ -275,6 +275,17 @@ class StepCostModel:
 
     def predict(self, f: StepFeatures) -> float:
         return max(self.min_cost, sum(a * b for a, b in zip(self._w, f.bases(), strict=True)))
+
+    def with_step_scale(self, factor: float) -> StepCostModel:
+        """This model on a machine `factor` times slower at computing steps (1.2: each step 20%
+        longer): the coefficients scaled, the serving overhead and the request path as they were
+        (they are the server's and the network's, not the step's arithmetic)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"step scale: must be a finite number > 0, got {factor}")
+        if factor == 1.0:
+            return self
+        return replace(self, coefficients={k: v * factor for k, v in self.coefficients.items()},
+                       min_cost=self.min_cost * factor, metadata={**self.metadata, "step_cost_scale": factor})
 
     @property
     def prices_shared_context(self) -> bool:

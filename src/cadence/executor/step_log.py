@@ -6,7 +6,9 @@ share the cores and the memory bus), and which shapes a real run makes depends o
 Recording the steps a served run really made, with their measured durations, lets
 `benchmarks/serving_breakdown.py` compare each one with its prediction, by kind of step and by load.
 
-One line per step: `{"step": N, "duration": seconds, "prefill_tokens": ..., ...}` (the fields of
+One line per step: `{"step": N, "end": unix time, "duration": seconds, "prefill_tokens": ..., ...}`
+(`end`: when the step ended, to line steps up with a client's records and to see the engine's time
+between steps; the fields of
 `StepFeatures`, `decode_context_shared` included, so that a refit on served traffic whose rows
 share a prompt prefix can learn what re-reading shared blocks costs). Lines are written as steps
 end (line-buffered), so the file is complete up to the last step even if the server is killed.
@@ -15,6 +17,7 @@ end (line-buffered), so the file is complete up to the last step even if the ser
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TextIO
 
@@ -34,7 +37,8 @@ class StepLog:
         if self._file is None:
             return
         f = StepFeatures.from_output(out, self.block_size)
-        self._file.write(json.dumps({"step": out.step, "duration": round(duration, 7), **f.to_dict()}) + "\n")
+        row = {"step": out.step, "end": round(time.time(), 6), "duration": round(duration, 7), **f.to_dict()}
+        self._file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         if self._file is not None:
@@ -58,6 +62,7 @@ def read_step_log(path: str | Path) -> list[tuple[StepFeatures, float]]:
 def _step(d: dict) -> tuple[StepFeatures, float]:
     duration = d.pop("duration")
     d.pop("step", None)
+    d.pop("end", None)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in d.values()):
         raise ValueError(f"step shape counts must be whole numbers >= 0, got {d}")
     if isinstance(duration, bool) or not isinstance(duration, (int, float)):

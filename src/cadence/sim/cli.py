@@ -54,6 +54,11 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="price every step at its shape's mean, even with a profile that measured how served steps "
                         "scatter around it (`calibrate --from-served`; by default each step's time is drawn from "
                         "that scatter, seeded by --seed)")
+    g.add_argument("--step-cost-scale", default=None, metavar="X",
+                   help="each step's computing time X times the profile's (1.2: a machine 20%% slower than when "
+                        "the profile was calibrated; the serving overhead and request path as they are): what-if "
+                        "planning, or a recorded run simulated at the speed its steps ran (benchmarks/bench_fleet.py "
+                        "--at-run-speed) (default 1)")
     g.add_argument("--spec-draft-ratio", type=_ratio, default=None, metavar="RATIO",
                    help="with a draft model (\"method\": \"draft_model\"): what its decode pass costs beside a served "
                         "decode step, as a number or a fraction (`cadence serve` takes their weight bytes: 0.69 for "
@@ -172,6 +177,9 @@ def check_sim_args(args: argparse.Namespace) -> None:
     if not getattr(args, "trace", None):  # (a trace's length is known once it is read)
         _warn_long_run((getattr(args, "num_requests", None) or 0) * args.repeat)
 
+
+# --step-cost-scale's range: a machine ten times slower or faster is another machine (calibrate it).
+MIN_STEP_SCALE, MAX_STEP_SCALE = 0.1, 10.0
 
 # Above this many requests a run takes minutes: say so before the first of them is built.
 LONG_RUN_REQUESTS = 1_000_000
@@ -301,7 +309,7 @@ def run_sim(args: argparse.Namespace) -> int:
     from cadence.bench.client import BenchResult, write_outputs
     from cadence.sim.simulator import Simulator
 
-    model, scatter_line = with_scatter_choice(load_profile(args.profile, args), args)
+    model, scatter_line = sim_profile(args)
     engine_cfg = sim_engine_config(args)
     workload, cfg = prepare_workload(args)
     opts = _sim_options(args, cfg)
@@ -348,6 +356,32 @@ def run_sim(args: argparse.Namespace) -> int:
         for f in write_outputs(BenchResult(res.records, summary, time.time()), args.out):
             print(f"wrote {f}")
     return 0 if summary["overall"]["completed"] else 1
+
+
+def sim_profile(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """--profile as the simulation prices steps: at --step-cost-scale, with or without its scatter
+    (`with_scatter_choice`); the line that says so (None: nothing to say)."""
+    scale = step_cost_scale(getattr(args, "step_cost_scale", None))
+    model = load_profile(args.profile, args)
+    model, line = with_scatter_choice(model.with_step_scale(scale), args)
+    if scale != 1.0:
+        scaled = f"step costs: {scale:g} times the profile's (--step-cost-scale)"
+        line = scaled if line is None else f"{line}; {scaled}"
+    return model, line
+
+
+def step_cost_scale(text: str | None) -> float:
+    """--step-cost-scale: a number from MIN_STEP_SCALE to MAX_STEP_SCALE (None: 1)."""
+    if text is None:
+        return 1.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and MIN_STEP_SCALE <= value <= MAX_STEP_SCALE):
+        raise ValueError(f"--step-cost-scale: expected a number from {MIN_STEP_SCALE:g} to {MAX_STEP_SCALE:g} "
+                         f"(times the profile's step times), got {text!r}")
+    return value
 
 
 def with_scatter_choice(model: Any, args: argparse.Namespace) -> tuple[Any, str | None]:
@@ -498,7 +532,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-replicas: must be >= 1, got {args.max_replicas}")
     if not (0.0 <= args.max_error_rate <= 1.0):
         raise ValueError(f"--max-error-rate: must be a fraction in [0, 1], got {args.max_error_rate:g}")
-    model, scatter_line = with_scatter_choice(load_profile(args.profile, args), args)
+    model, scatter_line = sim_profile(args)
     engine_cfg = sim_engine_config(args)
     if link is not None and not engine_cfg.cache.enable_prefix_caching:
         raise ValueError("--disaggregate: a decode replica takes the transferred KV as prefix-cache blocks; "

@@ -85,6 +85,18 @@ def served_samples(step_logs: list[Path], limit: int, seed: int = 0) -> list[tup
     return out
 
 
+def run_speed(model: StepCostModel, step_log: str | Path) -> float:
+    """How much longer than `model` predicts a recorded run's steps took: their summed measured time
+    over their summed prediction, the model's step costs alone (a step log times the executor, not
+    the server's overhead around it). 1.15: that run's machine computed steps 15% slower than the
+    one the profile was calibrated on; `cadence sim --step-cost-scale` simulates at that speed."""
+    rows = [r for r in read_step_log(step_log) if r[1] > 0]
+    if not rows:
+        raise ValueError(f"{step_log}: no steps recorded")
+    bare = dataclasses.replace(model, overhead={}, step_scatter=None)
+    return sum(s for _, s in rows) / float(bare.predict_many([f for f, _ in rows]).sum())
+
+
 def measure_scatter(model: StepCostModel, step_logs: list[Path]) -> StepScatter | None:
     """How the steps of served runs (`step_logs`, each one run's steps in order) scatter around
     `model`'s prediction: measured / predicted, normalised to mean 1 within each run and kind of
