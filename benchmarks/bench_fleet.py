@@ -36,7 +36,9 @@ run's steps ran against the profile's prediction (`cadence.sim.served_fit.run_sp
 --step-cost-scale`): a shared machine's speed drifts by 10-20% over minutes, and near overload
 that moves the latencies by far more; the second simulation separates the machine's speed at the
 time from the simulator's model. A fleet's factor pools both replicas' steps, and so includes how
-much they slowed each other's steps.
+much they slowed each other's steps. A run without its steps (recorded without the flag, then
+`--sim-only --at-run-speed`) or with a factor outside 0.1-10 (a profile of another machine or
+model) is not simulated again; the table and rows.json say why.
 
 `--repeat N`: each server runs N times on each seed (the repeats in their own order after the
 first round), and the table adds each repeat against the first run, and how many TTFT/ITL cells
@@ -256,16 +258,31 @@ def one_run(name: str, seed: int, args: argparse.Namespace, out: Path, fits: dic
            "request_path_ms": 1000 * probed.request_delay,
            "request_path_us_per_token": 1e6 * probed.request_delay_per_token,
            "overhead_ms": {k: 1000 * v for k, v in probed.overhead.items()}}
-    speed = run_speed(probed, real / "steps.jsonl") if getattr(args, "at_run_speed", False) else None
-    if speed is not None and not MIN_STEP_SCALE <= speed <= MAX_STEP_SCALE:
-        print(f"{name} seed {seed}: its steps ran {speed:.3g} times the profile's: not this machine's profile "
-              "(calibrate it), no simulation at the run's speed", flush=True)
-    elif speed is not None:
-        at_speed = out / f"{name}_s{seed}_sim_speed"
-        _run(sim_cmd(name, args, load, at_speed, str(sim / "profile.json"),
-                     [*flags, "--step-cost-scale", f"{speed:.4f}"]))
-        row.update(run_speed=speed, sim_speed=_summary(at_speed)["overall"])
+    if getattr(args, "at_run_speed", False):
+        speed, skipped = speed_of_run(probed, real / "steps.jsonl")
+        if skipped:
+            print(f"{name} seed {seed}: no simulation at the run's speed: {skipped}", flush=True)
+            row["at_run_speed_skipped"] = skipped
+        else:
+            at_speed = out / f"{name}_s{seed}_sim_speed"
+            _run(sim_cmd(name, args, load, at_speed, str(sim / "profile.json"),
+                         [*flags, "--step-cost-scale", f"{speed:.4f}"]))
+            row.update(run_speed=speed, sim_speed=_summary(at_speed)["overall"])
     return row
+
+
+def speed_of_run(model: StepCostModel, steps: Path) -> tuple[float, str | None]:
+    """How fast a run's recorded steps ran against `model` (`run_speed`), or why it cannot be used."""
+    if not steps.exists():
+        return 0.0, f"{steps} is missing (the run was made without --at-run-speed)"
+    try:
+        speed = run_speed(model, steps)
+    except ValueError as e:
+        return 0.0, str(e)
+    if not MIN_STEP_SCALE <= speed <= MAX_STEP_SCALE:
+        return speed, (f"its steps ran {speed:.3g} times the profile's, outside {MIN_STEP_SCALE:g}-{MAX_STEP_SCALE:g}: "
+                       "the profile is not this machine's or this model's (calibrate one)")
+    return speed, None
 
 
 def serve_and_bench(name: str, seed: int, args: argparse.Namespace, load: list[str], real: Path, out: Path,
@@ -371,15 +388,19 @@ def _within(cells: list[float], tol: float = 0.15) -> int:
 
 def speed_table(rows: list[dict]) -> str:
     """Each server simulated at the speed its run's steps ran (`--at-run-speed`) against the real run."""
-    rows = [r for r in rows if "sim_speed" in r]
+    rows = [r for r in rows if "sim_speed" in r or "at_run_speed_skipped" in r]
     lines = ["| server | seed | run's steps / profile | sim/real TTFT p50, p90 | sim/real ITL p50, p90 |",
              "|---|---:|---:|---|---|"]
     for r in rows:
+        if "sim_speed" not in r:
+            lines.append(f"| {r['router']} | {r['seed']} | n/a | not simulated: {r['at_run_speed_skipped']} | |")
+            continue
         c = [f"{x:.2f}" for x in _ratios(r["real"], r["sim_speed"])]
         lines.append(f"| {r['router']} | {r['seed']} | {r['run_speed']:.2f} | {', '.join(c[:2])} | {', '.join(c[2:])} |")
-    cells = [c for r in rows for c in _ratios(r["real"], r["sim_speed"])]
+    cells = [c for r in rows if "sim_speed" in r for c in _ratios(r["real"], r["sim_speed"])]
     lines += ["", f"simulator at each run's speed: {_within(cells)} of {len(cells)} cells within 15% of the real run; "
-                  f"sim/real median {statistics.median(cells):.2f}, range {min(cells):.2f}-{max(cells):.2f}"]
+                  f"sim/real median {statistics.median(cells):.2f}, range {min(cells):.2f}-{max(cells):.2f}"
+              if cells else "simulator at each run's speed: no run could be simulated at its speed"]
     return "\n".join(lines)
 
 
@@ -425,7 +446,7 @@ def routers(args: argparse.Namespace, out: Path) -> None:
         for name in order:
             rows.append(one_run(name, seed, args, out, fits))
             print(routers_table(rows[-1:]), flush=True)
-            if "sim_speed" in rows[-1]:
+            if "sim_speed" in rows[-1] or "at_run_speed_skipped" in rows[-1]:
                 print(speed_table(rows[-1:]), flush=True)
         for rep in range(1, args.repeat):
             for name in order[rep % len(order):] + order[: rep % len(order)]:
@@ -436,7 +457,7 @@ def routers(args: argparse.Namespace, out: Path) -> None:
             f"{args.kv_blocks} KV blocks a replica, profile {args.profile}, load average "
             f"{os.getloadavg()[0]:.2f} at the end{_fits_text(fits)}\n\n{routers_table(rows)}\n\n"
             f"{routers_summary(rows)}")
-    if any("sim_speed" in r for r in rows):
+    if any("sim_speed" in r or "at_run_speed_skipped" in r for r in rows):
         text += f"\n\n{speed_table(rows)}"
     if repeats:
         text += f"\n\n{repeats_table(repeats)}\n\n{repeats_summary(rows, repeats)}"

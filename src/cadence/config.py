@@ -501,8 +501,9 @@ OPTION_HELP: dict[str, str] = {
     "chat_template_timeout": "seconds rendering one chat with a chat template may take",
     "chat_template_max_chars": "characters a chat template may output, or build in any one string",
     "chat_template_max_iterations": "loop iterations and calls rendering one chat may take",
-    "record_steps": "append each engine step's shape and duration to this file as JSON lines, to compare served "
-                    "steps with the simulator's cost model (benchmarks/serving_breakdown.py); none: off",
+    "record_steps": "append each engine step's shape, duration, end time and process to this file as JSON lines, "
+                    "to compare served steps with the simulator's cost model (benchmarks/serving_breakdown.py); "
+                    "none: off",
     "block_size": "tokens per KV cache block (a power of two up to 128)",
     "kv_cache_memory": "size of the KV cache (512MiB, 2GiB, or bytes); the block count follows and is logged",
     "num_kv_blocks": "KV cache blocks, overriding --kv-cache-memory (none: from --kv-cache-memory)",

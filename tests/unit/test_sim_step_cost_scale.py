@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -61,8 +62,18 @@ def test_a_run_s_speed_is_its_steps_time_over_the_model_s_without_the_overhead(t
     rows = [(shapes[0], 2.0 * bare.predict(shapes[0])), (shapes[2], 1.0 * bare.predict(shapes[2]))]
     expect = (2.0 * bare.predict(shapes[0]) + bare.predict(shapes[2])) / (bare.predict(shapes[0]) + bare.predict(shapes[2]))
     assert run_speed(MODEL, _log(tmp_path, rows)) == pytest.approx(expect)
-    with pytest.raises(ValueError, match="no steps recorded"):
+    with pytest.raises(ValueError, match="no step with a duration > 0 recorded"):
         run_speed(MODEL, _log(tmp_path, []))
+    with pytest.raises(ValueError, match="no step with a duration > 0 recorded"):
+        run_speed(MODEL, _log(tmp_path, [(shapes[0], 0.0), (shapes[1], 0.0)]))
+
+
+def test_a_run_that_cannot_be_simulated_at_its_speed_says_why() -> None:
+    from benchmark_scripts import load_benchmark
+
+    bench_fleet = load_benchmark("bench_fleet")
+    speed, why = bench_fleet.speed_of_run(MODEL, Path("/nonexistent/steps.jsonl"))
+    assert why is not None and "missing (the run was made without --at-run-speed)" in why
 
 
 def test_the_flag_slows_a_simulation_and_says_so(tmp_path, capsys) -> None:
@@ -74,6 +85,7 @@ def test_the_flag_slows_a_simulation_and_says_so(tmp_path, capsys) -> None:
     (a, b) = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
     assert b["overall"]["itl"]["p50"] > 1.3 * a["overall"]["itl"]["p50"]
     assert any("1.5 times the profile's (--step-cost-scale)" in n for n in b["meta"]["notes"]), b["meta"]["notes"]
+    assert (a["meta"]["step_cost_scale"], b["meta"]["step_cost_scale"]) == (1.0, 1.5)
     assert not any("--step-cost-scale" in n for n in a["meta"]["notes"])
 
 
@@ -84,3 +96,15 @@ def test_a_bad_value_is_one_line_naming_the_flag(value: str, capsys) -> None:
     assert main(["sim", "--workload", "chat", "--num-requests", "4", "--step-cost-scale", value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--step-cost-scale: expected a number from 0.1 to 10" in err[0], err
+
+
+def test_a_factor_outside_what_the_simulator_takes_is_not_used(tmp_path) -> None:
+    from benchmark_scripts import load_benchmark
+
+    bench_fleet = load_benchmark("bench_fleet")
+    bare = StepCostModel("tokens", MODEL.coefficients, META)
+    f = StepFeatures(decode_seqs=1, sampled=1, decode_context=10, decode_padded=10)
+    speed, why = bench_fleet.speed_of_run(MODEL, _log(tmp_path, [(f, 20 * bare.predict(f))]))
+    assert speed == pytest.approx(20) and "outside 0.1-10" in why
+    speed, why = bench_fleet.speed_of_run(MODEL, _log(tmp_path, [(f, 1.5 * bare.predict(f))]))
+    assert speed == pytest.approx(1.5) and why is None

@@ -55,8 +55,8 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                         "scatter around it (`calibrate --from-served`; by default each step's time is drawn from "
                         "that scatter, seeded by --seed)")
     g.add_argument("--step-cost-scale", default=None, metavar="X",
-                   help="each step's computing time X times the profile's (1.2: a machine 20%% slower than when "
-                        "the profile was calibrated; the serving overhead and request path as they are): what-if "
+                   help="each step's computing time X times the profile's, 0.1 to 10 (1.2: a machine 20%% slower "
+                        "than when the profile was calibrated; the serving overhead and request path as they are): what-if "
                         "planning, or a recorded run simulated at the speed its steps ran (benchmarks/bench_fleet.py "
                         "--at-run-speed) (default 1)")
     g.add_argument("--spec-draft-ratio", type=_ratio, default=None, metavar="RATIO",
@@ -331,6 +331,7 @@ def run_sim(args: argparse.Namespace) -> int:
             "burstiness": cfg.burstiness, "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
             "duration": cfg.duration, "seed": args.seed, **cfg.workload_settings,
             "replicas": opts.replicas, "router": opts.router, "profile": _profile_line(model),
+            "step_cost_scale": model.metadata.get("step_cost_scale", 1.0),
             "notes": [*workload.notes, _sim_note(res, model), *res.notes, *([scatter_line] if scatter_line else []),
                       *([contended] if contended else [])],
             "replica_stats": [{"index": r.index, "requests": r.requests, "steps": r.steps, "busy_s": r.busy_s,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -92,9 +93,12 @@ def run_speed(model: StepCostModel, step_log: str | Path) -> float:
     one the profile was calibrated on; `cadence sim --step-cost-scale` simulates at that speed."""
     rows = [r for r in read_step_log(step_log) if r[1] > 0]
     if not rows:
-        raise ValueError(f"{step_log}: no steps recorded")
+        raise ValueError(f"{step_log}: no step with a duration > 0 recorded")
     bare = dataclasses.replace(model, overhead={}, step_scatter=None)
-    return sum(s for _, s in rows) / float(bare.predict_many([f for f, _ in rows]).sum())
+    speed = sum(s for _, s in rows) / float(bare.predict_many([f for f, _ in rows]).sum())
+    if not math.isfinite(speed):
+        raise ValueError(f"{step_log}: the steps' durations add up to no finite time")
+    return speed
 
 
 def measure_scatter(model: StepCostModel, step_logs: list[Path]) -> StepScatter | None:
