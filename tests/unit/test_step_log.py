@@ -53,7 +53,7 @@ def test_each_step_says_when_it_ended(tmp_path):
     lines = [json.loads(s) for s in path.read_text().splitlines()]
     assert len(lines) == core.scheduler.step_count >= 4
     assert before <= lines[0]["end"] - lines[0]["duration"] + 1e-3 and lines[-1]["end"] <= after
-    for prev, cur in zip(lines, lines[1:]):
+    for prev, cur in zip(lines, lines[1:], strict=False):
         assert cur["end"] - cur["duration"] >= prev["end"] - 1e-3
     assert len(read_step_log(path)) == len(lines)  # the reader takes the shape and duration, not `end`
 
