@@ -152,7 +152,7 @@ def fleet_overheads(args: argparse.Namespace, out: Path) -> dict[str, dict]:
     path = out / "fleet_overhead.json"
     if args.sim_only and path.exists():
         return json.loads(path.read_text())
-    model = dataclasses.replace(StepCostModel.load(args.profile), overhead={})  # the steps alone
+    model = StepCostModel.load(args.profile).steps_only()
     batches = tuple(int(b) for b in args.overhead_batches.split(","))
     if not all(1 <= b <= args.max_num_seqs for b in batches):
         # A batch beyond --max-num-seqs would queue: its gaps would not be steps of that batch.
@@ -386,9 +386,14 @@ def _within(cells: list[float], tol: float = 0.15) -> int:
     return sum(1 for c in cells if abs(c - 1) <= tol)
 
 
+def _at_speed(row: dict) -> bool:
+    """Whether `--at-run-speed` said something of this row: its simulation at the run's speed, or why not."""
+    return "sim_speed" in row or "at_run_speed_skipped" in row
+
+
 def speed_table(rows: list[dict]) -> str:
     """Each server simulated at the speed its run's steps ran (`--at-run-speed`) against the real run."""
-    rows = [r for r in rows if "sim_speed" in r or "at_run_speed_skipped" in r]
+    rows = [r for r in rows if _at_speed(r)]
     lines = ["| server | seed | run's steps / profile | sim/real TTFT p50, p90 | sim/real ITL p50, p90 |",
              "|---|---:|---:|---|---|"]
     for r in rows:
@@ -446,7 +451,7 @@ def routers(args: argparse.Namespace, out: Path) -> None:
         for name in order:
             rows.append(one_run(name, seed, args, out, fits))
             print(routers_table(rows[-1:]), flush=True)
-            if "sim_speed" in rows[-1] or "at_run_speed_skipped" in rows[-1]:
+            if _at_speed(rows[-1]):
                 print(speed_table(rows[-1:]), flush=True)
         for rep in range(1, args.repeat):
             for name in order[rep % len(order):] + order[: rep % len(order)]:
@@ -457,7 +462,7 @@ def routers(args: argparse.Namespace, out: Path) -> None:
             f"{args.kv_blocks} KV blocks a replica, profile {args.profile}, load average "
             f"{os.getloadavg()[0]:.2f} at the end{_fits_text(fits)}\n\n{routers_table(rows)}\n\n"
             f"{routers_summary(rows)}")
-    if any("sim_speed" in r or "at_run_speed_skipped" in r for r in rows):
+    if any(_at_speed(r) for r in rows):
         text += f"\n\n{speed_table(rows)}"
     if repeats:
         text += f"\n\n{repeats_table(repeats)}\n\n{repeats_summary(rows, repeats)}"

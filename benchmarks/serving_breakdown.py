@@ -168,8 +168,7 @@ def steps_vs_model(path: Path, profile: str) -> dict[str, dict[str, float]]:
     from cadence.executor.cost_model import StepCostModel
     from cadence.executor.step_log import read_step_log
 
-    doc = json.loads(Path(profile).read_text())
-    model = StepCostModel.from_dict({**doc, "cost_model": {**doc["cost_model"], "overhead": {}}})
+    model = StepCostModel.load(profile).steps_only()
     kinds: dict[str, list[tuple[float, float]]] = {}
     for f, actual in read_step_log(path):
         kind = "decodes" if not f.prefill_tokens else ("chunk + decodes" if f.decode_seqs else "chunks")

@@ -276,6 +276,11 @@ class StepCostModel:
     def predict(self, f: StepFeatures) -> float:
         return max(self.min_cost, sum(a * b for a, b in zip(self._w, f.bases(), strict=True)))
 
+    def steps_only(self) -> StepCostModel:
+        """This model without the serving overhead: a step's own time, as a step log (`--record-steps`)
+        and a decode gap less the engine's overhead measure it."""
+        return replace(self, overhead={})
+
     def with_step_scale(self, factor: float) -> StepCostModel:
         """This model on a machine `factor` times slower at computing steps (1.2: each step 20%
         longer): the coefficients scaled, the serving overhead and the request path as they were

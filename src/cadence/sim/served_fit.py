@@ -94,8 +94,7 @@ def run_speed(model: StepCostModel, step_log: str | Path) -> float:
     rows = [r for r in read_step_log(step_log) if r[1] > 0]
     if not rows:
         raise ValueError(f"{step_log}: no step with a duration > 0 recorded")
-    bare = dataclasses.replace(model, overhead={}, step_scatter=None)
-    speed = sum(s for _, s in rows) / float(bare.predict_many([f for f, _ in rows]).sum())
+    speed = sum(s for _, s in rows) / float(model.steps_only().predict_many([f for f, _ in rows]).sum())
     if not math.isfinite(speed):
         raise ValueError(f"{step_log}: the steps' durations add up to no finite time")
     return speed
