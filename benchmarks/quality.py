@@ -27,6 +27,14 @@ Configurations (`CONFIGS`; a new one is a line there):
 `--int8-two-terms KINDS` (comma-separated of qkv, o, gate_up, down, output, or "none") sets the
 kinds in two int8 terms for the act8 configurations: how much each kind's rounding costs.
 
+`--emulate NAME=SPEC` (repeatable) adds a configuration NAME that asks what another quantization of
+the activations would cost before a kernel is written for it: the bf16 model with the kinds SPEC
+names computed in float32 on their dequantised weights, from inputs rounded as an int8 kernel would
+see them (`fake_quantize`: per row and block of k, to the nearest of 255 steps of the block's
+max|x|, or 32513 in two terms). SPEC is `KIND:BLOCK[x2],...` of the kinds above or `*` (every kind;
+later entries override), e.g. `*:32,gate_up:16,output:16`; kinds it leaves out stay bfloat16. On the
+default model `*:32` lands within a few tokens in 4,096 of act8-1, the kernels' own one-term figure.
+
 The default model's weights are the same in all (the GGUF's, dequantised exactly for float32).
 The window is 2,048 tokens by default so that most positions attend over contexts of hundreds to
 thousands of cached tokens, where the 8-bit cache's error accumulates; the figures depend on the
@@ -47,6 +55,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,6 +76,7 @@ class Config:
     activation_dtype: str = "auto"
     int8_two_terms: frozenset[str] = INT8_TWO_TERMS  # with int8 activations: the kinds in two int8 terms
     about: str = ""
+    emulate: tuple[tuple[str, int, int], ...] = ()  # (kind, block, terms): fake-quantized inputs (--emulate)
 
 
 CONFIGS: dict[str, Config] = {
@@ -114,7 +124,66 @@ def make_runner(ckpt: Checkpoint, config: Config, window: int) -> ModelRunner:
                          q4_0=ckpt.q4_0, kv_cache_dtype=config.kv_cache_dtype,
                          activation_dtype=config.activation_dtype, int8_two_terms=config.int8_two_terms)
     runner.initialize_kv_cache(-(-window // BLOCK), BLOCK)
+    if config.emulate:
+        emulate(runner, ckpt, config.emulate)
     return runner
+
+
+# ------------------------------------------------------------------------------------ --emulate
+LEVELS = {1: 127, 2: 16256}  # int8 steps either side of 0: one term, and two (a 15-bit integer)
+
+
+def fake_quantize(x: torch.Tensor, block: int, terms: int = 1) -> torch.Tensor:
+    """`x` [.., k] in float32, each row's blocks of `block` k rounded as an int8 kernel quantizes
+    them: q = x / s to the nearest integer (ties to even), s = max|x| / 127 of the block (16256 in two
+    terms), and returned as q * s."""
+    if x.shape[-1] % block:
+        raise ValueError(f"block {block} does not divide k = {x.shape[-1]}")
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / LEVELS[terms], torch.ones_like(amax))
+    return (torch.round(xb / scale) * scale).reshape(x.shape)
+
+
+def parse_emulation(spec: str) -> tuple[tuple[str, int, int], ...]:
+    """`KIND:BLOCK[x2],...` (KIND of LINEAR_KINDS or `*`) -> ((kind, block, terms), ...) in
+    LINEAR_KINDS order."""
+    chosen: dict[str, tuple[int, int]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, _, size = part.partition(":")
+        terms = 2 if size.endswith("x2") else 1
+        size = size.removesuffix("x2")
+        if kind != "*" and kind not in LINEAR_KINDS:
+            raise ValueError(f"{part!r}: {kind!r} is not * or one of {', '.join(LINEAR_KINDS)}")
+        if not size.isdigit() or int(size) not in (8, 16, 32):
+            raise ValueError(f"{part!r}: expected KIND:BLOCK with BLOCK 8, 16 or 32, optionally x2 (two terms)")
+        for k in LINEAR_KINDS if kind == "*" else (kind,):
+            chosen[k] = (int(size), terms)
+    if not chosen:
+        raise ValueError("expected KIND:BLOCK[x2],... (e.g. *:32,gate_up:16)")
+    return tuple((k, *chosen[k]) for k in LINEAR_KINDS if k in chosen)
+
+
+def emulate(runner: ModelRunner, ckpt: Checkpoint, spec: tuple[tuple[str, int, int], ...]) -> None:
+    """Replace the named linear layers of `runner`'s model by float32 products of their dequantised
+    weights (the checkpoint's, as loaded in float32) with `fake_quantize`d inputs."""
+    model, w = runner.model, ckpt.weights
+    model.fused_decode = None  # (the scored steps are prefill chunks; no step may bypass the layers)
+
+    def install(layer: Any, weight: torch.Tensor, block: int, terms: int) -> None:
+        wt = weight.float().t().contiguous()
+        layer._float32 = lambda x: fake_quantize(x, block, terms) @ wt
+        layer._forward = lambda x: layer._float32(x).to(x.dtype)
+
+    for kind, block, terms in spec:
+        if kind == "output":
+            install(model.lm_head, w.get("lm_head.weight", w["model.embed_tokens.weight"]), block, terms)
+            continue
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            names = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+                     "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}[kind]
+            install(getattr(layer, kind), torch.cat([w[f"{p}{n}.weight"] for n in names]), block, terms)
 
 
 def chunk_logits(runner: ModelRunner, ids: list[int], chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
@@ -210,7 +279,18 @@ def main() -> None:
     ap.add_argument("--int8-two-terms", default="",
                     help="act8, act8+kv8: these layer kinds in two int8 terms (comma-separated, or none; "
                          f"default {','.join(sorted(INT8_TWO_TERMS))})")
+    ap.add_argument("--emulate", action="append", default=[], metavar="NAME=SPEC",
+                    help="add configuration NAME: SPEC's kinds on fake-quantized inputs (KIND:BLOCK[x2],...; "
+                         "see above)")
     args = ap.parse_args()
+    for item in args.emulate:
+        name, _, spec = item.partition("=")
+        if not name or name in CONFIGS:
+            ap.error(f"--emulate {item!r}: expected NAME=SPEC with a NAME not of {', '.join(CONFIGS)}")
+        try:
+            CONFIGS[name] = Config(torch.bfloat16, emulate=parse_emulation(spec), about=f"emulated: {spec}")
+        except ValueError as e:
+            ap.error(f"--emulate {item!r}: {e}")
     if min(args.tokens, args.window, args.chunk) < 2:
         ap.error("--tokens, --window and --chunk must be >= 2")
     if args.int8_two_terms:
@@ -224,6 +304,7 @@ def main() -> None:
     ckpt = load_checkpoint(path, torch.float32)
     tokens = text_tokens(Tokenizer.from_model_path(path), args.tokens)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    names += [e.partition("=")[0] for e in args.emulate if e.partition("=")[0] not in names]
     print(f"{path.name}: {len(tokens)} tokens of pydoc_data/topics.py (Python {platform.python_version()}) in "
           f"windows of {args.window}, chunks of {args.chunk}; torch {torch.__version__}, {args.threads} threads",
           flush=True)

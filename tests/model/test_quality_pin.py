@@ -45,7 +45,8 @@ def results() -> dict[str, dict[str, float]]:
     path = default_model_path()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    configs = ["bf16", "kv8", *(["act8", "act8+kv8", "act8-1"] if VNNI else [])]
+    quality.CONFIGS["emu-32"] = quality.Config(torch.bfloat16, emulate=quality.parse_emulation("*:32"))
+    configs = ["bf16", "kv8", "emu-32", *(["act8", "act8+kv8", "act8-1"] if VNNI else [])]
     try:
         tokens = quality.text_tokens(Tokenizer.from_model_path(path), TOKENS)
         return quality.evaluate(configs, tokens, TOKENS, CHUNK, load_checkpoint(path, torch.float32))
@@ -85,6 +86,16 @@ def test_two_terms_agree_with_float32_more_often_than_one(results) -> None:
     """What the second term buys: every layer in one int8 term moves 3 points of this text."""
     assert results["act8"]["agreement"] > results["act8-1"]["agreement"]
     _within_goals(results, "act8-1", 4.0)
+
+
+@needs_vnni
+def test_emulated_one_term_lands_on_the_kernels_one_term(results) -> None:
+    """`quality.py --emulate` asks what a quantization would cost before its kernel exists: emulated
+    on every layer in one int8 term per block of 32 (fake-quantized inputs, float32 products), it
+    moves the top choice about as often as the kernels' own one term (act8-1), and below bf16."""
+    emu, kernels, bf16 = (results[n]["agreement"] for n in ("emu-32", "act8-1", "bf16"))
+    assert abs(emu - kernels) <= 0.01
+    assert emu < bf16
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the pinned bfloat16 figures are the CPU kernels'")
