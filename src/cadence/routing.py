@@ -20,7 +20,8 @@ next snapshot shows it. Imports only the standard library and the KV manager's h
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import logging
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -31,6 +32,7 @@ ROUTERS = ("round-robin", "least-loaded", "prefix-affinity")
 DIGEST_LIMIT = 4096  # fingerprints a replica publishes at most (8 bytes each on the wire)
 STATS_PERIOD_S = 1.0  # how often a replica publishes its stats
 RECENT_CHAIN_BLOCKS = 512  # leading blocks of a chain the router remembers sending (more would cost, not help)
+log = logging.getLogger("cadence.routing")
 
 
 def fingerprint(block_hash: BlockHash) -> int:
@@ -134,18 +136,37 @@ def least_loaded(loads: Sequence[int], start: int = 0) -> int:
     raise AssertionError("unreachable")
 
 
-def prefix_affinity(chain: Sequence[int], stats: Sequence[ReplicaStats], start: int = 0,
-                    cfg: RoutingConfig = RoutingConfig(), recent: Mapping[int, Hashable] | None = None,
-                    ids: Sequence[Hashable] | None = None) -> int:
-    """The replica with the best prefix hit minus load (see the module's docstring). `recent` maps
-    a block's fingerprint to the replica (its entry in `ids`, default its index) it was sent to."""
+# What decided a choice (`Decision.outcome`): prefix-affinity sent the request to a replica with
+# the longest cached prefix ("prefix"), to another for its load ("diverted"), to the least loaded
+# because the fleet was unbalanced ("unbalanced") or because no replica held any of its prefix
+# ("no-prefix"); round-robin and least-loaded decide by turn or load alone ("load").
+OUTCOMES = ("prefix", "diverted", "unbalanced", "no-prefix", "load")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A routing choice: the index into `stats`, what decided it (of `OUTCOMES`), and for
+    prefix-affinity the leading blocks of the chain each replica holds (empty when not looked at)."""
+
+    replica: int
+    outcome: str
+    hits: tuple[int, ...] = ()
+
+
+def affinity_decision(chain: Sequence[int], stats: Sequence[ReplicaStats], start: int = 0,
+                      cfg: RoutingConfig = RoutingConfig(), recent: Mapping[int, Hashable] | None = None,
+                      ids: Sequence[Hashable] | None = None) -> Decision:
+    """The replica with the best prefix hit minus load (see the module's docstring), and why. `recent`
+    maps a block's fingerprint to the replica (its entry in `ids`, default its index) it was sent to."""
     loads = [s.load for s in stats]
-    if not chain or unbalanced(loads, cfg):
-        return least_loaded(loads, start)
+    if not chain:
+        return Decision(least_loaded(loads, start), "no-prefix")
+    if unbalanced(loads, cfg):
+        return Decision(least_loaded(loads, start), "unbalanced")
     keys = ids if ids is not None else range(len(stats))
-    hits = [matched_blocks(chain, s.digest, recent, k) for s, k in zip(stats, keys, strict=True)]
+    hits = tuple(matched_blocks(chain, s.digest, recent, k) for s, k in zip(stats, keys, strict=True))
     if not any(hits):
-        return least_loaded(loads, start)
+        return Decision(least_loaded(loads, start), "no-prefix", hits)
     n = len(stats)
     best, best_key = -1, None
     for k in range(n):  # ties: the less loaded, then the first from `start`
@@ -153,23 +174,38 @@ def prefix_affinity(chain: Sequence[int], stats: Sequence[ReplicaStats], start: 
         key = (hits[i] - cfg.load_weight * loads[i], -loads[i])
         if best_key is None or key > best_key:
             best, best_key = i, key
-    return best
+    return Decision(best, "prefix" if hits[best] == max(hits) else "diverted", hits)
+
+
+def prefix_affinity(chain: Sequence[int], stats: Sequence[ReplicaStats], start: int = 0,
+                    cfg: RoutingConfig = RoutingConfig(), recent: Mapping[int, Hashable] | None = None,
+                    ids: Sequence[Hashable] | None = None) -> int:
+    """`affinity_decision`'s replica."""
+    return affinity_decision(chain, stats, start, cfg, recent, ids).replica
+
+
+def decide(policy: str, chain: Sequence[int], stats: Sequence[ReplicaStats], start: int = 0,
+           cfg: RoutingConfig = RoutingConfig(), recent: Mapping[int, Hashable] | None = None,
+           ids: Sequence[Hashable] | None = None) -> Decision:
+    """The replica for a request whose block chain fingerprints are `chain`, and why; `start` is the
+    rotation cursor ties are broken from."""
+    if not stats:
+        raise ValueError("stats: no replica to route to")
+    if policy == "round-robin":
+        return Decision(start % len(stats), "load")
+    if policy == "least-loaded":
+        return Decision(least_loaded([s.load for s in stats], start), "load")
+    if policy == "prefix-affinity":
+        return affinity_decision(chain, stats, start, cfg, recent, ids)
+    raise ValueError(f"router: expected one of {ROUTERS}, got {policy!r}")
 
 
 def choose(policy: str, chain: Sequence[int], stats: Sequence[ReplicaStats], start: int = 0,
            cfg: RoutingConfig = RoutingConfig(), recent: Mapping[int, Hashable] | None = None,
            ids: Sequence[Hashable] | None = None) -> int:
-    """Index into `stats` of the replica for a request whose block chain fingerprints are `chain`;
-    `start` is the rotation cursor ties are broken from."""
-    if not stats:
-        raise ValueError("stats: no replica to route to")
-    if policy == "round-robin":
-        return start % len(stats)
-    if policy == "least-loaded":
-        return least_loaded([s.load for s in stats], start)
-    if policy == "prefix-affinity":
-        return prefix_affinity(chain, stats, start, cfg, recent, ids)
-    raise ValueError(f"router: expected one of {ROUTERS}, got {policy!r}")
+    """Index into `stats` of the replica for a request whose block chain fingerprints are `chain`
+    (`decide`'s replica)."""
+    return decide(policy, chain, stats, start, cfg, recent, ids).replica
 
 
 # ------------------------------------------------------------------------------------ the router
@@ -182,6 +218,7 @@ class Router:
     policy: str
     cfg: RoutingConfig = field(default_factory=RoutingConfig)
     recent_limit: int = 1 << 16
+    decisions: Counter[str] = field(default_factory=Counter)  # choices made, by `Decision.outcome`
     _next: int = 0
     _recent: OrderedDict[int, Hashable] = field(default_factory=OrderedDict)
 
@@ -195,9 +232,22 @@ class Router:
         return self.policy == "prefix-affinity"
 
     def route(self, chain: Sequence[int], stats: Sequence[ReplicaStats], ids: Sequence[Hashable] | None = None) -> int:
-        """Index into `stats` of the replica for a request with block chain `chain`."""
+        """Index into `stats` of the replica for a request with block chain `chain` (`decide`, whose
+        outcome it counts and, at DEBUG, logs with each replica's load and cached blocks)."""
+        return self.decide(chain, stats, ids).replica
+
+    def decide(self, chain: Sequence[int], stats: Sequence[ReplicaStats],
+               ids: Sequence[Hashable] | None = None) -> Decision:
+        """`route`, with what decided it."""
         recent = self._recent if self.wants_prefixes else None
-        i = choose(self.policy, chain, stats, self._next, self.cfg, recent, ids)
+        d = decide(self.policy, chain, stats, self._next, self.cfg, recent, ids)
+        i = d.replica
+        self.decisions[d.outcome] += 1
+        if log.isEnabledFor(logging.DEBUG):
+            names = list(ids) if ids is not None else list(range(len(stats)))
+            log.debug("route %d blocks -> %s (%s); loads %s, cached blocks %s", len(chain), names[i], d.outcome,
+                      dict(zip(names, (s.load for s in stats), strict=True)),
+                      dict(zip(names, d.hits, strict=True)) if d.hits else "-")
         self._next = i + 1
         if recent is not None:
             key = ids[i] if ids is not None else i
@@ -206,7 +256,7 @@ class Router:
                 recent.move_to_end(fp)
             while len(recent) > self.recent_limit:
                 recent.popitem(last=False)
-        return i
+        return d
 
     def route_by_load(self, loads: Sequence[int]) -> int:
         """`route` for round-robin and least-loaded, which read nothing but each replica's load
@@ -215,6 +265,7 @@ class Router:
             raise ValueError("route_by_load: prefix-affinity needs the replicas' stats")
         i = self._next % len(loads) if self.policy == "round-robin" else least_loaded(loads, self._next)
         self._next = i + 1
+        self.decisions["load"] += 1
         return i
 
     def forget_replica(self, key: Hashable) -> None:

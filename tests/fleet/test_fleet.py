@@ -75,6 +75,13 @@ def test_families_each_land_on_one_replica_and_hit_the_cache(fleet) -> None:
     queries = metric(after, "cadence:prefix_cache_query_tokens_total") - metric(before, "cadence:prefix_cache_query_tokens_total")
     hits = metric(after, "cadence:prefix_cache_hit_tokens_total") - metric(before, "cadence:prefix_cache_hit_tokens_total")
     assert queries > 0 and hits / queries > 0.6, (hits, queries)
+    # The router counts what decided each choice: requests sent one at a time find no load to
+    # divert them, and every family's requests after its first find its prefix.
+    decided = {o: metric(after, "cadence:fleet_routed_requests_total", outcome=o)
+               - metric(before, "cadence:fleet_routed_requests_total", outcome=o)
+               for o in ("prefix", "diverted", "unbalanced", "no-prefix", "load")}
+    assert sum(decided.values()) == 20 and decided["prefix"] >= 18, decided
+    assert decided["diverted"] == decided["unbalanced"] == decided["load"] == 0, decided
 
 
 def test_metrics_are_the_sum_of_the_replicas(fleet) -> None:

@@ -15,6 +15,7 @@ from cadence.routing import (
     Router,
     RoutingConfig,
     choose,
+    decide,
     fingerprint,
     fingerprints,
     matched_blocks,
@@ -81,6 +82,41 @@ def test_load_term_and_the_guard() -> None:
     assert prefix_affinity(chain, _stats(11, 1, 2, digests=digests), cfg=no_load) == 0  # (11 - 1 is not > 10)
     assert not unbalanced([40, 30], RoutingConfig(balance_abs=5, balance_rel=1.5))  # relative threshold holds it
     assert unbalanced([100, 30], RoutingConfig(balance_abs=64, balance_rel=1.5))
+
+
+def test_each_decision_says_what_decided_it() -> None:
+    cfg = RoutingConfig(load_weight=2.0, balance_abs=10, balance_rel=1.5)
+    chain = tuple(range(1, 11))  # 10 blocks, all on replica 0
+    digests = (frozenset(chain), frozenset(chain[:4]), frozenset())
+
+    def why(*loads: int, policy: str = "prefix-affinity", c: tuple[int, ...] = chain) -> tuple[int, str, tuple]:
+        d = decide(policy, c, _stats(*loads, digests=digests), cfg=cfg)
+        return d.replica, d.outcome, d.hits
+
+    assert why(0, 0, 0) == (0, "prefix", (10, 4, 0))
+    assert why(2, 0, 0) == (0, "prefix", (10, 4, 0))  # 10 - 2*2 = 6 > 4 - 0
+    assert why(4, 0, 0) == (1, "diverted", (10, 4, 0))  # 10 - 2*4 = 2 < 4 - 0: the load term sends it on
+    assert why(12, 1, 2)[:2] == (1, "unbalanced")  # the guard, whatever the hit
+    assert why(0, 0, 0, c=(900, 901)) == (0, "no-prefix", (0, 0, 0))
+    assert why(0, 0, 0, c=()) == (0, "no-prefix", ())
+    assert why(0, 0, 0, policy="round-robin")[1] == why(3, 0, 0, policy="least-loaded")[1] == "load"
+    assert choose("prefix-affinity", chain, _stats(6, 0, 0, digests=digests), cfg=cfg) == 1
+
+
+def test_router_counts_and_logs_its_decisions(caplog: pytest.LogCaptureFixture) -> None:
+    router = Router("prefix-affinity")
+    chain = tuple(range(1, 11))
+    digests = (frozenset(chain), frozenset())
+    with caplog.at_level("DEBUG", logger="cadence.routing"):
+        assert router.route(chain, _stats(0, 0, digests=digests), ids=["r-a", "r-b"]) == 0
+        assert router.route((50, 51), _stats(0, 1, digests=digests), ids=["r-a", "r-b"]) == 0
+    assert router.decisions == Counter({"prefix": 1, "no-prefix": 1})
+    assert caplog.messages[0] == "route 10 blocks -> r-a (prefix); loads {'r-a': 0, 'r-b': 0}, cached blocks {'r-a': 10, 'r-b': 0}"
+    assert caplog.messages[1].startswith("route 2 blocks -> r-a (no-prefix)")
+    rr = Router("round-robin")
+    rr.route_by_load([0, 0])
+    rr.route((), _stats(0, 0))
+    assert rr.decisions == Counter({"load": 2})
 
 
 def test_one_hot_prefix_spreads_over_the_fleet() -> None:
@@ -156,3 +192,21 @@ def test_simulated_hot_system_prompt_is_not_piled_onto_one_replica() -> None:
         return sum(r.prefix_cache_hits for r in res.replicas) / sum(r.prefix_cache_queries for r in res.replicas)
 
     assert hit_rate(aff) >= hit_rate(ll)
+    # What decided each choice: the hot prefix is everywhere, so the load term sends requests on.
+    assert sum(aff.routing.values()) == len(w.requests) and aff.routing["diverted"] > 0, aff.routing
+    assert ll.routing == {"load": len(w.requests)}
+
+
+def test_sim_reports_its_routing_decisions(tmp_path, capsys) -> None:
+    import json
+
+    from cadence.cli import main
+
+    argv = ["sim", "--workload", "shared-prefix", "--num-requests", "24", "--rate", "8", "--replicas", "2",
+            "--router", "prefix-affinity", "--seed", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    decided = json.loads((tmp_path / "summary.json").read_text())["meta"]["routing_decisions"]
+    assert sum(decided.values()) == 24 and set(decided) <= {"prefix", "diverted", "unbalanced", "no-prefix"}
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("routing (prefix-affinity): "))
+    assert f"{decided.get('prefix', 0)} to a replica with the longest cached prefix" in line
+    assert f"{decided.get('diverted', 0)} diverted by load" in line

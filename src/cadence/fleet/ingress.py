@@ -34,6 +34,7 @@ def build_ingress(replicas: Any, info: ReplicaInfo, engine_config: EngineConfig,
     """The ingress app over the handle `replicas` (the decode pool when `prefill`, the prefill
     pool's handle, is given). `behind_proxy`: Serve's HTTP proxy is in front, and itself sends
     back the request's X-Request-Id. `max_held`: the requests it holds at once (deploy.max_held)."""
+    from cadence.fleet import state
     from cadence.fleet.client import FleetClient, ReplicaHeaderMiddleware
     from cadence.model.loader import default_model_path
     from cadence.model.tokenizer import Tokenizer
@@ -49,5 +50,6 @@ def build_ingress(replicas: Any, info: ReplicaInfo, engine_config: EngineConfig,
     else:
         client = FleetClient(replicas, info, tokenizer, engine_config, max_held)
     app = create_app(client, server_config, render_metrics=client.render_metrics)
+    app.state.exporter.watch_routing_decisions(state.routing_decisions)  # (the router runs in this process)
     app.add_middleware(ReplicaHeaderMiddleware, echo_request_id=not behind_proxy)
     return Ingress(app, client)

@@ -42,10 +42,12 @@ class CadenceRequestRouter(RequestRouter):
         self._placed: dict[str, ReplicaID] = {}
         self._watched: dict[str, asyncio.Future] = {}  # the request's pending future, watched
 
+    def _deployment_name(self) -> str:
+        return getattr(getattr(self, "_deployment_id", None), "name", "")
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        deployment = getattr(getattr(self, "_deployment_id", None), "name", "")
-        state.set_deployment_replicas(deployment, {r.replica_id.unique_id for r in replicas})
+        state.set_deployment_replicas(self._deployment_name(), {r.replica_id.unique_id for r in replicas})
 
     def _stats(self, replica: RunningReplica, placed: int) -> ReplicaStats:
         published = ReplicaStats.from_dict(replica.routing_stats or {})
@@ -100,7 +102,9 @@ class CadenceRequestRouter(RequestRouter):
             replicas = [r for r in replicas if r.replica_id.unique_id not in call.avoid] or replicas
         placed = Counter(self._placed.values())
         stats = [self._stats(r, placed[r.replica_id]) for r in replicas]
-        best = self._router.route(chain, stats, [r.replica_id.unique_id for r in replicas])
+        decision = self._router.decide(chain, stats, [r.replica_id.unique_id for r in replicas])
+        state.routing_decided(self._deployment_name(), decision.outcome)
+        best = decision.replica
         self._note_placed(pending_request, replicas[best])
         rest = sorted((i for i in range(len(replicas)) if i != best), key=lambda i: stats[i].load)
         return [[replicas[best]], [replicas[i] for i in rest]]

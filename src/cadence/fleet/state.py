@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from cadence.routing import OUTCOMES
+
 REPLICA_IDS: set[str] = set()  # the replicas this process's fleet routers route to
 DEPLOYMENT_REPLICAS: dict[str, set[str]] = {}  # the same, by deployment name
 
@@ -27,6 +29,22 @@ def set_deployment_replicas(deployment: str, ids: set[str]) -> None:
 def deployment_replica_ids(deployment: str) -> list[str]:
     """The ids of one deployment's replicas (sorted)."""
     return sorted(DEPLOYMENT_REPLICAS.get(deployment, ()))
+
+
+# This process's routing choices, by (deployment, `cadence.routing.Decision.outcome`): the ingress
+# shows them on /metrics (`cadence:fleet_routed_requests_total`).
+ROUTING_DECISIONS: Counter[tuple[str, str]] = Counter()
+
+
+def routing_decided(deployment: str, outcome: str) -> None:
+    ROUTING_DECISIONS[(deployment, outcome)] += 1
+
+
+def routing_decisions() -> dict[tuple[str, str], int]:
+    """The counts, with every outcome of every deployment routed to present (at 0 from the start, so
+    rate() and alerts see them)."""
+    deployments = set(DEPLOYMENT_REPLICAS) | {d for d, _ in ROUTING_DECISIONS}
+    return {(d, o): ROUTING_DECISIONS[(d, o)] for d in sorted(deployments) for o in OUTCOMES}
 
 
 # This process's streams and subscriptions by replica id: the router counts a replica's streams

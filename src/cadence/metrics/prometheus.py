@@ -298,6 +298,10 @@ class PrometheusExporter:
         """Export the engine thread's time totals (`EngineThreadTimes.as_dict`), read at each scrape."""
         self.registry.register(_ThreadTimesCollector(read))
 
+    def watch_routing_decisions(self, read: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        """A fleet's ingress: its router's choices by (deployment, outcome), read at each scrape."""
+        self.registry.register(_RoutingDecisionsCollector(read))
+
     def record_kv_cache(self, kv_cache_dtype: str, capacity_tokens: int) -> None:
         """The KV cache's size and storage, once at start-up."""
         self.kv_capacity.labels(kv_cache_dtype).set(capacity_tokens)
@@ -414,6 +418,23 @@ class KVTransferMetrics:
         self.blocks.labels("transferred").inc(transferred)
         self.blocks.labels("cached").inc(cached)
         self.seconds.observe(seconds)
+
+
+class _RoutingDecisionsCollector(Collector):
+    def __init__(self, read: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "cadence:fleet_routed_requests",
+            "Requests the fleet's router placed, by what decided each: prefix (a replica holding the longest "
+            "cached prefix), diverted (another, for its load), unbalanced (the least loaded: the fleet was "
+            "unbalanced), no-prefix (the least loaded: no replica held any of it), load (round-robin, least-loaded).",
+            labels=("deployment", "outcome"),
+        )
+        for (deployment, outcome), n in sorted(self._read().items()):
+            family.add_metric((deployment, outcome), n)
+        yield family
 
 
 class _ThreadTimesCollector(Collector):

@@ -337,6 +337,8 @@ def run_sim(args: argparse.Namespace) -> int:
             "replica_stats": [{"index": r.index, "requests": r.requests, "steps": r.steps, "busy_s": r.busy_s,
                                "preemptions": r.preemptions, "prefix_cache_query_tokens": r.prefix_cache_queries,
                                "prefix_cache_hit_tokens": r.prefix_cache_hits} for r in res.replicas]}
+    if res.routing:
+        meta["routing_decisions"] = res.routing
     if pd is not None:  # (a colocated report stays as it was)
         meta["replicas"] = pd.prefill_replicas + pd.decode_replicas
         for row, pool in zip(meta["replica_stats"], res.pools, strict=True):
@@ -348,6 +350,8 @@ def run_sim(args: argparse.Namespace) -> int:
     summary = report.summarize(res.records, cfg.slos, meta)
     print(report.format_table(summary))
     print(_replica_table(res))
+    if res.routing:
+        print(_routing_line(opts.router, res.routing))
     if pd is not None:
         print(_transfer_line(res.transfers))
     print(_band_lines(summary, validation))
@@ -451,6 +455,15 @@ def _replica_table(res: Any) -> str:
         hit = r.prefix_cache_hits / r.prefix_cache_queries if r.prefix_cache_queries else 0.0
         lines.append(f"{r.index:<8}{pool:<{w}}{r.requests:>9}{r.steps:>9}{util:>8.0%}{r.preemptions:>9}{hit:>11.0%}")
     return "\n".join(lines)
+
+
+def _routing_line(router: str, decisions: dict[str, int]) -> str:
+    """What decided the router's choices, as the fleet's cadence:fleet_routed_requests_total counts them."""
+    if set(decisions) <= {"load"}:
+        return f"routing ({router}): {decisions.get('load', 0)} requests by turn or load"
+    words = {"prefix": "to a replica with the longest cached prefix", "diverted": "diverted by load",
+             "unbalanced": "to the least loaded (fleet unbalanced)", "no-prefix": "with no cached prefix anywhere"}
+    return f"routing ({router}): " + ", ".join(f"{decisions.get(k, 0)} {w}" for k, w in words.items())
 
 
 def _transfer_line(t: dict[str, Any]) -> str:

@@ -146,6 +146,7 @@ class SimResult:
     notes: list[str] = field(default_factory=list)
     pools: list[str] = field(default_factory=list)  # a P/D fleet's: each replica's pool (sim/disagg.py)
     transfers: dict[str, Any] = field(default_factory=dict)  # a P/D fleet's KV transfers (sim/disagg.py)
+    routing: dict[str, int] = field(default_factory=dict)  # a fleet's routing choices by outcome (Router.decisions)
 
 
 class SimReplica:
@@ -669,7 +670,8 @@ class Simulator:
         end = max((r.clock.now() for r in self.replicas), default=t0)
         stats = [r.stats for r in self.replicas]
         return SimResult(records, stats, time.perf_counter() - wall0, end - t0, self._steps, t0,
-                         notes=self._spec_notes(stats))
+                         notes=self._spec_notes(stats),
+                         routing=dict(self.router.decisions) if len(self.replicas) > 1 else {})
 
     def _spec_notes(self, stats: list[ReplicaStats]) -> list[str]:
         """A line on speculation, when the engine speculates (as /metrics would count it)."""
