@@ -4,6 +4,7 @@ the cost of the Ray ingress.
     .venv/bin/python benchmarks/bench_fleet.py routers [--calibrate] [--fleet-overhead] [--seeds 0,1,2] [--rate 1.5] [--out results/fleet_routers]
     .venv/bin/python benchmarks/bench_fleet.py overhead [--rounds 3] [--fleet-only] [--out results/fleet_overhead]
     .venv/bin/python benchmarks/bench_fleet.py idle [--rounds 2] [--idle-seconds 60] [--out results/fleet_idle]
+    .venv/bin/python benchmarks/bench_fleet.py ceiling [--fleet-sizes 2,3,4] [--families-list 8,12,16,24,32] [--seeds 0,1,2]
 
 `routers`: a workload of prompt families (each family's requests open with the same long prefix,
 then a text of their own; families in random order, Poisson arrivals) is sent by `cadence bench`
@@ -57,6 +58,14 @@ the client spent per 1,000 output tokens.
 `idle`: a fleet of one without traffic: the CPU seconds a minute of each of its processes (Ray's
 and Serve's, the replica, `cadence serve`) over `--rounds` windows of `--idle-seconds`.
 
+`ceiling` (simulated only, no server; a few minutes): what prefix affinity can find in the cache
+against round-robin, by fleet size. For each fleet size N and family count F, the `routers`
+workload of F families on each seed through `cadence sim`: prefix-affinity and round-robin over N
+replicas of --kv-blocks each, and one server with N times the blocks (the fleet's cache in one
+place: what no router of N replicas can beat, since each family's prefix is computed at least once
+wherever it lands). Prints each one's hit rate and the ratios affinity / round-robin and single /
+round-robin, median and range over the seeds; rows.json under --out.
+
 Servers, client and this script share the machine's cores: run it on a quiet machine.
 """
 
@@ -107,6 +116,14 @@ def families_workload(families: int, per_family: int, prefix_tokens: int, suffix
     notes = (f"{families} families x {per_family} requests, {prefix_tokens}-token shared prefix + "
              f"{suffix_tokens} own tokens, {output_tokens} output tokens, seed {seed}",)
     return Workload("families", tuple(reqs), prefix_block_tokens=BLOCK, notes=notes)
+
+
+def int_list(text: str, least: int) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]; each an integer >= `least`, at least one."""
+    items = [x.strip() for x in text.split(",")]
+    if not all(x.isdigit() and int(x) >= least for x in items):
+        raise ValueError(f"expected comma-separated integers >= {least}, got {text!r}")
+    return [int(x) for x in items]
 
 
 def _run(cmd: list[str]) -> None:
@@ -446,7 +463,7 @@ def routers(args: argparse.Namespace, out: Path) -> None:
     fits = fleet_overheads(args, out) if args.fleet_overhead else None
     rows: list[dict] = []
     repeats: list[dict] = []
-    for k, seed in enumerate(int(s) for s in args.seeds.split(",")):
+    for k, seed in enumerate(args.seeds):
         order = names[k % len(names):] + names[: k % len(names)]  # each server takes each turn in time
         for name in order:
             rows.append(one_run(name, seed, args, out, fits))
@@ -470,6 +487,55 @@ def routers(args: argparse.Namespace, out: Path) -> None:
     (out / "rows.json").write_text(json.dumps(rows, indent=1))
     (out / "table.md").write_text(text + "\n")
     print(text)
+
+
+def ceiling(args: argparse.Namespace, out: Path) -> None:
+    seeds = args.seeds
+    rows = []
+    for n in args.fleet_sizes:
+        for fam in args.families_list:
+            row: dict = {"replicas": n, "families": fam, "hit": {"prefix-affinity": [], "round-robin": [], "single": []}}
+            for seed in seeds:
+                wl = out / f"workload_f{fam}_s{seed}.jsonl"
+                write_jsonl(families_workload(fam, args.per_family, args.prefix_tokens, args.suffix_tokens,
+                                              args.output_tokens, seed), wl)
+                load = ["--requests-file", str(wl), "--arrival", "poisson", "--rate", str(args.rate), "--seed", str(seed)]
+                for name in row["hit"]:
+                    fleet = ["--replicas", "1"] if name == "single" else ["--replicas", str(n), "--router", name]
+                    blocks = args.kv_blocks * (n if name == "single" else 1)
+                    sim = out / f"{name}_n{n}_f{fam}_s{seed}"
+                    subprocess.run([*CADENCE, "sim", *load, *fleet, "--num-kv-blocks", str(blocks), "--max-num-seqs",
+                                    str(args.max_num_seqs), "--num-threads", "1", "--profile", args.profile,
+                                    "--out", str(sim)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+                    row["hit"][name].append(_sim_hit_rate(sim) or 0.0)
+            rows.append(row)
+            print(ceiling_line(row), flush=True)
+    (out / "rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("\n" + ceiling_table(rows))
+
+
+def _ratio_text(num: list[float], den: list[float]) -> str:
+    r = [a / b if b else float("inf") for a, b in zip(num, den, strict=True)]
+    return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+
+
+def ceiling_line(row: dict) -> str:
+    h = row["hit"]
+    return (f"{row['replicas']} replicas, {row['families']} families: " + ", ".join(
+        f"{k} {statistics.median(v):.0%}" for k, v in h.items())
+        + f"; affinity/round-robin {_ratio_text(h['prefix-affinity'], h['round-robin'])}, "
+          f"single/round-robin {_ratio_text(h['single'], h['round-robin'])}")
+
+
+def ceiling_table(rows: list[dict]) -> str:
+    lines = ["| replicas | families | prefix-affinity | round-robin | single (N x KV) | affinity / round-robin "
+             "| single / round-robin |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        h = r["hit"]
+        lines.append(f"| {r['replicas']} | {r['families']} | " + " | ".join(
+            f"{statistics.median(h[k]):.0%}" for k in ("prefix-affinity", "round-robin", "single"))
+            + f" | {_ratio_text(h['prefix-affinity'], h['round-robin'])} | {_ratio_text(h['single'], h['round-robin'])} |")
+    return "\n".join(lines)
 
 
 def _fits_text(fits: dict[str, dict] | None) -> str:
@@ -641,10 +707,12 @@ def cpu_table(cpu: dict[str, list[dict[str, float]]]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["routers", "overhead", "idle"])
+    p.add_argument("mode", choices=["routers", "overhead", "idle", "ceiling"])
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--servers", default=",".join([*ROUTERS, "single"]), help="routers: which servers, in turn")
     p.add_argument("--families", type=int, default=12)
+    p.add_argument("--fleet-sizes", default="2,3,4", help="ceiling: replicas in each simulated fleet")
+    p.add_argument("--families-list", default="8,12,16,24,32", help="ceiling: family counts")
     p.add_argument("--per-family", type=int, default=8)
     p.add_argument("--prefix-tokens", type=int, default=512)
     p.add_argument("--suffix-tokens", type=int, default=32)
@@ -687,6 +755,11 @@ def main() -> int:
     p.add_argument("--profile", default=str(ROOT / "src/cadence/sim/profiles/default.json"))
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    for flag, least in (("seeds", 0), ("fleet_sizes", 1), ("families_list", 1)):
+        try:
+            setattr(args, flag, int_list(getattr(args, flag), least))
+        except ValueError as e:
+            p.error(f"--{flag.replace('_', '-')}: {e}")
     args.slo = args.slo or ["ttft=2", "itl=0.2"]
     out = Path(args.out or ROOT / f"results/fleet_{args.mode}")
     out.mkdir(parents=True, exist_ok=True)
@@ -694,7 +767,7 @@ def main() -> int:
         # Step times on a shared machine depend on what else runs: calibrate under today's conditions.
         args.profile = str(out / "profile.json")
         _run([*CADENCE, "calibrate", "--num-threads", "1", "--out", args.profile])
-    {"routers": routers, "overhead": overhead, "idle": idle}[args.mode](args, out)
+    {"routers": routers, "overhead": overhead, "idle": idle, "ceiling": ceiling}[args.mode](args, out)
     return 0
 
 
