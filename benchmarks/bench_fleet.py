@@ -11,6 +11,7 @@ then a text of their own; families in random order, Poisson arrivals) is sent by
 to four servers in turn, each started fresh for each seed, in an order that rotates every seed:
   prefix-affinity, least-loaded, round-robin  `cadence serve --replicas 2 --replica-threads 1`
   single                                     `cadence serve --num-threads 1`, the fleet's total KV
+(`--fleet-size N`: fleets of N replicas, one thread each, and the single server with N times the KV.)
 For each run: the prefix-cache hit rate (prompt tokens found in the cache over those looked up,
 from the server's /metrics before and after), TTFT p50/p95, ITL p50/p90, goodput under the SLOs.
 Before the traffic, each server's request path is probed at idle (sim/serving.py,
@@ -146,8 +147,12 @@ def _cache_counters(port: int) -> tuple[float, float]:
     return got["cadence:prefix_cache_query_tokens_total"], got["cadence:prefix_cache_hit_tokens_total"]
 
 
+def fleet_size(args: argparse.Namespace) -> int:
+    return getattr(args, "fleet_size", FLEET_REPLICAS)
+
+
 def engine_flags(args: argparse.Namespace, single: bool) -> list[str]:
-    blocks = args.kv_blocks * (2 if single else 1)
+    blocks = args.kv_blocks * (fleet_size(args) if single else 1)
     return ["--num-kv-blocks", str(blocks), "--max-num-seqs", str(args.max_num_seqs)]
 
 
@@ -158,12 +163,12 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
 def serve_cmd(name: str, args: argparse.Namespace) -> list[str]:
     if name == "single":
         return [*CADENCE, "serve", "--num-threads", "1", *engine_flags(args, True), *_model_flags(args)]
-    return [*CADENCE, "serve", "--replicas", str(FLEET_REPLICAS), "--replica-threads", "1", "--router", name,
+    return [*CADENCE, "serve", "--replicas", str(fleet_size(args)), "--replica-threads", "1", "--router", name,
             *engine_flags(args, False), *_model_flags(args)]
 
 
 def fleet_overheads(args: argparse.Namespace, out: Path) -> dict[str, dict]:
-    """The serving overhead of a fleet of `FLEET_REPLICAS` (the fleets the routers run), keyed by
+    """The serving overhead of a fleet of --fleet-size replicas (the fleets the routers run), keyed by
     the number of replicas: the fleet started as the runs' are (least-loaded, so the closed-loop
     clients spread evenly) and measured with `decode_overhead` against --profile's step prices."""
     path = out / "fleet_overhead.json"
@@ -177,7 +182,7 @@ def fleet_overheads(args: argparse.Namespace, out: Path) -> dict[str, dict]:
                          f"got {args.overhead_batches}")
     fits: dict[str, dict] = {}
     url = f"http://127.0.0.1:{args.port}"
-    for replicas in (FLEET_REPLICAS,):
+    for replicas in (fleet_size(args),):
         cmd = [*CADENCE, "serve", "--replicas", str(replicas), "--replica-threads", "1", "--router", "least-loaded",
                *engine_flags(args, False), *_model_flags(args), "--port", str(args.port)]
         print(f"$ {' '.join(cmd[2:])}  (serving overhead, batches {args.overhead_batches})", flush=True)
@@ -194,21 +199,26 @@ def _overhead_text(terms: dict) -> str:
     return f"{terms['per_step'] * 1e3:.2f} ms a step + {terms['per_seq'] * 1e3:.2f} ms a running request"
 
 
-def server_overhead(name: str, fits: dict[str, dict] | None, contended: bool = False) -> dict[str, float] | None:
+def server_overhead(name: str, fits: dict[str, dict] | None, contended: bool = False,
+                    replicas: int = FLEET_REPLICAS) -> dict[str, float] | None:
     """The serving overhead a simulation of server `name` is given in place of the profile's:
     the fleet's measured one for a fleet, None (the profile's, a plain server's) for `single`, and
     with `contended` for every server (a fleet pays the measured one only while both replicas are
     busy: `contended_flags`)."""
     if name == "single" or not fits or contended:
         return None
-    fit = fits[str(FLEET_REPLICAS)]
+    if str(replicas) not in fits:
+        raise SystemExit(f"fleet_overhead.json has the overhead of fleets of {', '.join(fits)}, not {replicas}: "
+                         "measure it again (without --sim-only)")
+    fit = fits[str(replicas)]
     return {"per_step": fit["per_step"], "per_seq": fit["per_seq"]}
 
 
-def contended_flags(name: str, fits: dict[str, dict] | None, contended: bool) -> list[str]:
+def contended_flags(name: str, fits: dict[str, dict] | None, contended: bool,
+                    replicas: int = FLEET_REPLICAS) -> list[str]:
     """With `contended`, a fleet's simulation pays the overhead measured through the fleet (both
     replicas busy) only while the other replica is busy (`cadence sim --contended-overhead`)."""
-    fit = server_overhead(name, fits) if contended else None
+    fit = server_overhead(name, fits, replicas=replicas) if contended else None
     if fit is None:
         return []
     return ["--contended-overhead", f"{fit['per_step'] * 1e3:.4f},{fit['per_seq'] * 1e3:.4f}"]
@@ -216,7 +226,7 @@ def contended_flags(name: str, fits: dict[str, dict] | None, contended: bool) ->
 
 def sim_cmd(name: str, args: argparse.Namespace, load: list[str], out: Path, profile: str,
             extra: list[str] | None = None) -> list[str]:
-    fleet = (["--replicas", "1"] if name == "single" else ["--replicas", "2", "--router", name])
+    fleet = (["--replicas", "1"] if name == "single" else ["--replicas", str(fleet_size(args)), "--router", name])
     scatter = ["--no-step-scatter"] if getattr(args, "no_step_scatter", False) else []
     return [*CADENCE, "sim", *load, *fleet, *engine_flags(args, name == "single"), "--num-threads", "1",
             "--profile", profile, "--out", str(out), *scatter, *(extra or [])]
@@ -267,8 +277,8 @@ def one_run(name: str, seed: int, args: argparse.Namespace, out: Path, fits: dic
         serve_and_bench(name, seed, args, load, real, out)
     sim.mkdir(parents=True, exist_ok=True)
     contended = getattr(args, "contended", False)
-    probed = with_request_path(args, real, sim, server_overhead(name, fits, contended))
-    flags = contended_flags(name, fits, contended)
+    probed = with_request_path(args, real, sim, server_overhead(name, fits, contended, fleet_size(args)))
+    flags = contended_flags(name, fits, contended, fleet_size(args))
     _run(sim_cmd(name, args, load, sim, str(sim / "profile.json"), flags))
     row = {"router": name, "seed": seed, "hit_rate": json.loads((real / "hit.json").read_text())["hit_rate"],
            "real": _summary(real)["overall"], "sim": _summary(sim)["overall"], "sim_hit_rate": _sim_hit_rate(sim),
@@ -476,8 +486,8 @@ def routers(args: argparse.Namespace, out: Path) -> None:
                 print(repeats_table(repeats[-1:]), flush=True)
     text = (f"{args.families} families x {args.per_family} requests ({args.prefix_tokens} shared + "
             f"{args.suffix_tokens} own prompt tokens, {args.output_tokens} output), Poisson {args.rate} req/s, "
-            f"{args.kv_blocks} KV blocks a replica, profile {args.profile}, load average "
-            f"{os.getloadavg()[0]:.2f} at the end{_fits_text(fits)}\n\n{routers_table(rows)}\n\n"
+            f"{fleet_size(args)} replicas of {args.kv_blocks} KV blocks, profile {args.profile}, load average "
+            f"{os.getloadavg()[0]:.2f} at the end{_fits_text(fits, fleet_size(args))}\n\n{routers_table(rows)}\n\n"
             f"{routers_summary(rows)}")
     if any(_at_speed(r) for r in rows):
         text += f"\n\n{speed_table(rows)}"
@@ -538,11 +548,11 @@ def ceiling_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _fits_text(fits: dict[str, dict] | None) -> str:
+def _fits_text(fits: dict[str, dict] | None, replicas: int = FLEET_REPLICAS) -> str:
     if not fits:
         return ""
     each = "; ".join(f"{n} replica{'s' if n != '1' else ''}: {_overhead_text(f)}" for n, f in sorted(fits.items()))
-    return f"\nserving overhead measured through the fleet (the simulated fleets use {FLEET_REPLICAS} replicas'): {each}"
+    return f"\nserving overhead measured through the fleet (the simulated fleets use {replicas} replicas'): {each}"
 
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -712,6 +722,8 @@ def main() -> int:
     p.add_argument("--servers", default=",".join([*ROUTERS, "single"]), help="routers: which servers, in turn")
     p.add_argument("--families", type=int, default=12)
     p.add_argument("--fleet-sizes", default="2,3,4", help="ceiling: replicas in each simulated fleet")
+    p.add_argument("--fleet-size", type=int, default=FLEET_REPLICAS,
+                   help="routers: replicas in each fleet (one thread each; the single server: that many times the KV)")
     p.add_argument("--families-list", default="8,12,16,24,32", help="ceiling: family counts")
     p.add_argument("--per-family", type=int, default=8)
     p.add_argument("--prefix-tokens", type=int, default=512)
@@ -760,6 +772,8 @@ def main() -> int:
             setattr(args, flag, int_list(getattr(args, flag), least))
         except ValueError as e:
             p.error(f"--{flag.replace('_', '-')}: {e}")
+    if args.fleet_size < 1:
+        p.error(f"--fleet-size: expected an integer >= 1, got {args.fleet_size}")
     args.slo = args.slo or ["ttft=2", "itl=0.2"]
     out = Path(args.out or ROOT / f"results/fleet_{args.mode}")
     out.mkdir(parents=True, exist_ok=True)
