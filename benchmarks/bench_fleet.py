@@ -63,8 +63,9 @@ and Serve's, the replica, `cadence serve`) over `--rounds` windows of `--idle-se
 against round-robin, by fleet size. For each fleet size N and family count F, the `routers`
 workload of F families on each seed through `cadence sim`: prefix-affinity and round-robin over N
 replicas of --kv-blocks each, and one server with N times the blocks (the fleet's cache in one
-place: what no router of N replicas can beat, since each family's prefix is computed at least once
-wherever it lands). Prints each one's hit rate and the ratios affinity / round-robin and single /
+place, computing each family's prefix once: the reference a router of N replicas aims at; its
+seats stay --max-num-seqs, so it queues where the fleet would not, and a fleet can land a point or
+two either side of it). Prints each one's hit rate and the ratios affinity / round-robin and single /
 round-robin, median and range over the seeds; rows.json under --out.
 
 Servers, client and this script share the machine's cores: run it on a quiet machine.
@@ -514,14 +515,28 @@ def ceiling(args: argparse.Namespace, out: Path) -> None:
                     fleet = ["--replicas", "1"] if name == "single" else ["--replicas", str(n), "--router", name]
                     blocks = args.kv_blocks * (n if name == "single" else 1)
                     sim = out / f"{name}_n{n}_f{fam}_s{seed}"
-                    subprocess.run([*CADENCE, "sim", *load, *fleet, "--num-kv-blocks", str(blocks), "--max-num-seqs",
-                                    str(args.max_num_seqs), "--num-threads", "1", "--profile", args.profile,
-                                    "--out", str(sim)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-                    row["hit"][name].append(_sim_hit_rate(sim) or 0.0)
+                    done = subprocess.run([*CADENCE, "sim", *load, *fleet, "--num-kv-blocks", str(blocks),
+                                           "--max-num-seqs", str(args.max_num_seqs), "--num-threads", "1",
+                                           "--profile", args.profile, "--out", str(sim)],
+                                          cwd=ROOT, capture_output=True, text=True)
+                    hit = _sim_hit_rate(sim) if done.returncode == 0 else None
+                    if hit is None:  # (every request refused, or a bad flag: the simulator says which)
+                        raise SystemExit(f"ceiling: `cadence sim` of {name}, {n} replicas, {fam} families, seed {seed} "
+                                         f"served nothing: {_sim_failure(done)}")
+                    row["hit"][name].append(hit)
             rows.append(row)
             print(ceiling_line(row), flush=True)
     (out / "rows.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("\n" + ceiling_table(rows))
+
+
+def _sim_failure(done: subprocess.CompletedProcess) -> str:
+    """Why a `cadence sim` run served nothing: its first reason for refusing, else its last error line."""
+    lines = done.stdout.splitlines()
+    if "errors by reason:" in lines[:-1]:
+        return lines[lines.index("errors by reason:") + 1].strip()
+    tail = done.stderr.strip().splitlines()
+    return tail[-1] if tail else f"exit status {done.returncode}"
 
 
 def _ratio_text(num: list[float], den: list[float]) -> str:
@@ -730,7 +745,7 @@ def main() -> int:
     p.add_argument("--suffix-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals, requests/s")
-    p.add_argument("--kv-blocks", type=int, default=200, help="KV blocks a replica (the single server: twice)")
+    p.add_argument("--kv-blocks", type=int, default=200, help="KV blocks a replica (the single server: the fleet's, --fleet-size times as many)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--slo", action="append", default=None, help="KEY=SECONDS for goodput (default ttft=2, itl=0.2)")
     p.add_argument("--rounds", type=int, default=3)

@@ -50,6 +50,7 @@ import argparse
 import json
 import math
 import platform
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -283,10 +284,14 @@ def main() -> None:
                     help="add configuration NAME: SPEC's kinds on fake-quantized inputs (KIND:BLOCK[x2],...; "
                          "see above)")
     args = ap.parse_args()
+    builtin = list(CONFIGS)
     for item in args.emulate:
         name, _, spec = item.partition("=")
-        if not name or name in CONFIGS:
-            ap.error(f"--emulate {item!r}: expected NAME=SPEC with a NAME not of {', '.join(CONFIGS)}")
+        if name in CONFIGS and name not in builtin:
+            ap.error(f"--emulate {item!r}: NAME {name!r} is given twice")
+        if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name) or name in builtin:
+            ap.error(f"--emulate {item!r}: expected NAME=SPEC with a NAME of letters, digits and _.+- "
+                     f"not of {', '.join(builtin)}")
         try:
             CONFIGS[name] = Config(torch.bfloat16, emulate=parse_emulation(spec), about=f"emulated: {spec}")
         except ValueError as e:
@@ -299,12 +304,14 @@ def main() -> None:
             ap.error(f"--int8-two-terms: {sorted(unknown)} are not of {', '.join(LINEAR_KINDS)}")
         for name in ("act8", "act8+kv8"):
             CONFIGS[name] = replace(CONFIGS[name], int8_two_terms=kinds)
+    names = list(dict.fromkeys(n.strip() for n in args.configs.split(",") if n.strip()))  # (each once)
+    names += [e.partition("=")[0] for e in args.emulate if e.partition("=")[0] not in names]
+    if unknown := [n for n in names if n not in CONFIGS]:
+        ap.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_model_path()
     ckpt = load_checkpoint(path, torch.float32)
     tokens = text_tokens(Tokenizer.from_model_path(path), args.tokens)
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    names += [e.partition("=")[0] for e in args.emulate if e.partition("=")[0] not in names]
     print(f"{path.name}: {len(tokens)} tokens of pydoc_data/topics.py (Python {platform.python_version()}) in "
           f"windows of {args.window}, chunks of {args.chunk}; torch {torch.__version__}, {args.threads} threads",
           flush=True)

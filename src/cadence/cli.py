@@ -592,6 +592,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # matplotlib (bench's plots) logs its font cache's creation at INFO on first use: not news either.
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
+    if getattr(args, "log_level", None):  # (serve's --log-level: cadence's own lines too, not only uvicorn's)
+        logging.getLogger("cadence").setLevel(args.log_level.upper())
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, OSError) as e:

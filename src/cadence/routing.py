@@ -258,6 +258,11 @@ class Router:
                 recent.popitem(last=False)
         return d
 
+    def decision_counts(self) -> dict[str, int]:
+        """`decisions` with every outcome this router's policy can reach, 0 where none came."""
+        reachable = OUTCOMES[:-1] if self.wants_prefixes else ("load",)
+        return {o: self.decisions[o] for o in reachable}
+
     def route_by_load(self, loads: Sequence[int]) -> int:
         """`route` for round-robin and least-loaded, which read nothing but each replica's load
         (running + waiting): the same choice without building the stats."""

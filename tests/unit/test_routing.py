@@ -195,6 +195,7 @@ def test_simulated_hot_system_prompt_is_not_piled_onto_one_replica() -> None:
     # What decided each choice: the hot prefix is everywhere, so the load term sends requests on.
     assert sum(aff.routing.values()) == len(w.requests) and aff.routing["diverted"] > 0, aff.routing
     assert ll.routing == {"load": len(w.requests)}
+    assert set(aff.routing) == {"prefix", "diverted", "unbalanced", "no-prefix"}  # (0 where none came)
 
 
 def test_sim_reports_its_routing_decisions(tmp_path, capsys) -> None:
@@ -206,7 +207,25 @@ def test_sim_reports_its_routing_decisions(tmp_path, capsys) -> None:
             "--router", "prefix-affinity", "--seed", "1", "--out", str(tmp_path)]
     assert main(argv) == 0
     decided = json.loads((tmp_path / "summary.json").read_text())["meta"]["routing_decisions"]
-    assert sum(decided.values()) == 24 and set(decided) <= {"prefix", "diverted", "unbalanced", "no-prefix"}
+    assert sum(decided.values()) == 24 and set(decided) == {"prefix", "diverted", "unbalanced", "no-prefix"}
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("routing (prefix-affinity): "))
     assert f"{decided.get('prefix', 0)} to a replica with the longest cached prefix" in line
     assert f"{decided.get('diverted', 0)} diverted by load" in line
+
+
+def test_serve_log_level_reaches_cadences_own_loggers() -> None:
+    """`cadence serve --log-level debug` shows the routing decisions (`cadence.routing`), not only
+    uvicorn's lines: the level is set on the `cadence` loggers before the command runs."""
+    import logging
+
+    from cadence.cli import main
+
+    logger = logging.getLogger("cadence")
+    was = logger.level
+    try:
+        assert main(["serve", "--log-level", "debug", "--max-num-seqs", "0"]) == 2  # (stops at the bad value)
+        assert logging.getLogger("cadence.routing").isEnabledFor(logging.DEBUG)
+        assert main(["serve", "--log-level", "warning", "--max-num-seqs", "0"]) == 2
+        assert not logging.getLogger("cadence.routing").isEnabledFor(logging.INFO)
+    finally:
+        logger.setLevel(was)

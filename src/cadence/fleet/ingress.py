@@ -50,6 +50,9 @@ def build_ingress(replicas: Any, info: ReplicaInfo, engine_config: EngineConfig,
     else:
         client = FleetClient(replicas, info, tokenizer, engine_config, max_held)
     app = create_app(client, server_config, render_metrics=client.render_metrics)
+    for handle in (replicas, prefill):
+        if handle is not None:
+            state.routes_to(handle.deployment_name)
     app.state.exporter.watch_routing_decisions(state.routing_decisions)  # (the router runs in this process)
     app.add_middleware(ReplicaHeaderMiddleware, echo_request_id=not behind_proxy)
     return Ingress(app, client)

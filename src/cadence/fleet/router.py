@@ -41,6 +41,8 @@ class CadenceRequestRouter(RequestRouter):
         # Serve's internal request id -> the replica this router placed it on, until it finishes.
         self._placed: dict[str, ReplicaID] = {}
         self._watched: dict[str, asyncio.Future] = {}  # the request's pending future, watched
+        # Serve's internal request id -> what decided its latest choice, counted once it is sent.
+        self._outcome: dict[str, str] = {}
 
     def _deployment_name(self) -> str:
         return getattr(getattr(self, "_deployment_id", None), "name", "")
@@ -72,12 +74,18 @@ class CadenceRequestRouter(RequestRouter):
             future.add_done_callback(lambda f: self._settled(rid, f))
 
     def _settled(self, rid: str, future: asyncio.Future) -> None:
-        if self._watched.get(rid) is future:
+        current = self._watched.get(rid) is future
+        if current:
             del self._watched[rid]
         if future.cancelled() or future.exception() is not None:
             self._placed.pop(rid, None)
+            if current:
+                self._outcome.pop(rid, None)
         else:
             self._placed[rid] = future.result().replica_id
+            # Counted here, once a request: Serve asks again while every replica is at its limit.
+            if (outcome := self._outcome.pop(rid, None)) is not None:
+                state.routing_decided(self._deployment_name(), outcome)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
@@ -100,12 +108,19 @@ class CadenceRequestRouter(RequestRouter):
         replicas = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         if call is not None and call.avoid:
             replicas = [r for r in replicas if r.replica_id.unique_id not in call.avoid] or replicas
-        placed = Counter(self._placed.values())
+        # (Not this request's own earlier placement: Serve asks again for it while every replica is
+        # at its limit, and it would read as load on the replica it was to go to.)
+        rid = pending_request.metadata.internal_request_id if pending_request is not None else None
+        placed = Counter(r for k, r in self._placed.items() if k != rid)
         stats = [self._stats(r, placed[r.replica_id]) for r in replicas]
         decision = self._router.decide(chain, stats, [r.replica_id.unique_id for r in replicas])
-        state.routing_decided(self._deployment_name(), decision.outcome)
         best = decision.replica
         self._note_placed(pending_request, replicas[best])
+        if call is not None:  # a request (a replica's info or metrics is no placement to count)
+            if pending_request is None:
+                state.routing_decided(self._deployment_name(), decision.outcome)
+            else:
+                self._outcome[pending_request.metadata.internal_request_id] = decision.outcome
         rest = sorted((i for i in range(len(replicas)) if i != best), key=lambda i: stats[i].load)
         return [[replicas[best]], [replicas[i] for i in rest]]
 

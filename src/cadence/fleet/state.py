@@ -34,6 +34,12 @@ def deployment_replica_ids(deployment: str) -> list[str]:
 # This process's routing choices, by (deployment, `cadence.routing.Decision.outcome`): the ingress
 # shows them on /metrics (`cadence:fleet_routed_requests_total`).
 ROUTING_DECISIONS: Counter[tuple[str, str]] = Counter()
+ROUTED_DEPLOYMENTS: set[str] = set()  # the deployments this process's ingress sends requests to
+
+
+def routes_to(deployment: str) -> None:
+    """The ingress sends requests to `deployment`: its counts are shown (at 0) before its first."""
+    ROUTED_DEPLOYMENTS.add(deployment)
 
 
 def routing_decided(deployment: str, outcome: str) -> None:
@@ -43,7 +49,7 @@ def routing_decided(deployment: str, outcome: str) -> None:
 def routing_decisions() -> dict[tuple[str, str], int]:
     """The counts, with every outcome of every deployment routed to present (at 0 from the start, so
     rate() and alerts see them)."""
-    deployments = set(DEPLOYMENT_REPLICAS) | {d for d, _ in ROUTING_DECISIONS}
+    deployments = ROUTED_DEPLOYMENTS | {d for d, _ in ROUTING_DECISIONS}
     return {(d, o): ROUTING_DECISIONS[(d, o)] for d in sorted(deployments) for o in OUTCOMES}
 
 

@@ -350,7 +350,7 @@ def run_sim(args: argparse.Namespace) -> int:
     summary = report.summarize(res.records, cfg.slos, meta)
     print(report.format_table(summary))
     print(_replica_table(res))
-    if res.routing:
+    if any(res.routing.values()):
         print(_routing_line(opts.router, res.routing))
     if pd is not None:
         print(_transfer_line(res.transfers))
@@ -459,8 +459,9 @@ def _replica_table(res: Any) -> str:
 
 def _routing_line(router: str, decisions: dict[str, int]) -> str:
     """What decided the router's choices, as the fleet's cadence:fleet_routed_requests_total counts them."""
-    if set(decisions) <= {"load"}:
-        return f"routing ({router}): {decisions.get('load', 0)} requests by turn or load"
+    if set(decisions) == {"load"}:
+        how = "in turn" if router == "round-robin" else "to the least loaded"
+        return f"routing ({router}): {decisions['load']} requests {how}"
     words = {"prefix": "to a replica with the longest cached prefix", "diverted": "diverted by load",
              "unbalanced": "to the least loaded (fleet unbalanced)", "no-prefix": "with no cached prefix anywhere"}
     return f"routing ({router}): " + ", ".join(f"{decisions.get(k, 0)} {w}" for k, w in words.items())

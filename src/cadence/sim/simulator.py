@@ -671,7 +671,7 @@ class Simulator:
         stats = [r.stats for r in self.replicas]
         return SimResult(records, stats, time.perf_counter() - wall0, end - t0, self._steps, t0,
                          notes=self._spec_notes(stats),
-                         routing=dict(self.router.decisions) if len(self.replicas) > 1 else {})
+                         routing=self.router.decision_counts() if len(self.replicas) > 1 else {})
 
     def _spec_notes(self, stats: list[ReplicaStats]) -> list[str]:
         """A line on speculation, when the engine speculates (as /metrics would count it)."""
