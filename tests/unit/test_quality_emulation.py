@@ -3,24 +3,14 @@ the SPEC that names which layer kinds, in what blocks."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def quality():
-    spec = importlib.util.spec_from_file_location("quality", ROOT / "benchmarks" / "quality.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quality"] = module  # dataclasses look their module up while being made
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("quality")
 
 
 @pytest.mark.parametrize(("block", "terms"), [(32, 1), (16, 1), (8, 1), (32, 2)])

@@ -13,6 +13,10 @@ only the router's own count of its placements keeps a burst from landing on one 
 The chosen replica comes first; the others follow, least loaded first, should it refuse (Serve's
 `max_ongoing_requests`). Replicas a `GenerateCall` names in `avoid` (they refused it for a full
 queue) are left out while any other remains.
+
+Each request's placement is counted (`state.routing_decided`, the ingress's
+`cadence:fleet_routed_requests_total`) once Serve sends it, by what decided the choice it went on:
+Serve asks again while every replica is at its limit.
 """
 
 from __future__ import annotations
