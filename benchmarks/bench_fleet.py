@@ -504,6 +504,7 @@ def ceiling(args: argparse.Namespace, out: Path) -> None:
     seeds = args.seeds
     rows = []
     for n in args.fleet_sizes:
+        sized = argparse.Namespace(**{**vars(args), "fleet_size": n})  # (sim_cmd's fleets: n replicas)
         for fam in args.families_list:
             row: dict = {"replicas": n, "families": fam, "hit": {"prefix-affinity": [], "round-robin": [], "single": []}}
             for seed in seeds:
@@ -512,13 +513,9 @@ def ceiling(args: argparse.Namespace, out: Path) -> None:
                                               args.output_tokens, seed), wl)
                 load = ["--requests-file", str(wl), "--arrival", "poisson", "--rate", str(args.rate), "--seed", str(seed)]
                 for name in row["hit"]:
-                    fleet = ["--replicas", "1"] if name == "single" else ["--replicas", str(n), "--router", name]
-                    blocks = args.kv_blocks * (n if name == "single" else 1)
                     sim = out / f"{name}_n{n}_f{fam}_s{seed}"
-                    done = subprocess.run([*CADENCE, "sim", *load, *fleet, "--num-kv-blocks", str(blocks),
-                                           "--max-num-seqs", str(args.max_num_seqs), "--num-threads", "1",
-                                           "--profile", args.profile, "--out", str(sim)],
-                                          cwd=ROOT, capture_output=True, text=True)
+                    done = subprocess.run(sim_cmd(name, sized, load, sim, args.profile), cwd=ROOT, capture_output=True,
+                                          text=True)
                     hit = _sim_hit_rate(sim) if done.returncode == 0 else None
                     if hit is None:  # (every request refused, or a bad flag: the simulator says which)
                         raise SystemExit(f"ceiling: `cadence sim` of {name}, {n} replicas, {fam} families, seed {seed} "

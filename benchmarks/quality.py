@@ -165,6 +165,11 @@ def parse_emulation(spec: str) -> tuple[tuple[str, int, int], ...]:
     return tuple((k, *chosen[k]) for k in LINEAR_KINDS if k in chosen)
 
 
+# A decoder layer's linear kinds as the checkpoint's matrices, concatenated in this order (as the model fuses them).
+LAYER_MATRICES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+                  "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+
 def emulate(runner: ModelRunner, ckpt: Checkpoint, spec: tuple[tuple[str, int, int], ...]) -> None:
     """Replace the named linear layers of `runner`'s model by float32 products of their dequantised
     weights (the checkpoint's, as loaded in float32) with `fake_quantize`d inputs."""
@@ -181,10 +186,8 @@ def emulate(runner: ModelRunner, ckpt: Checkpoint, spec: tuple[tuple[str, int, i
             install(model.lm_head, w.get("lm_head.weight", w["model.embed_tokens.weight"]), block, terms)
             continue
         for i, layer in enumerate(model.layers):
-            p = f"model.layers.{i}."
-            names = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
-                     "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}[kind]
-            install(getattr(layer, kind), torch.cat([w[f"{p}{n}.weight"] for n in names]), block, terms)
+            weights = [w[f"model.layers.{i}.{name}.weight"] for name in LAYER_MATRICES[kind]]
+            install(getattr(layer, kind), torch.cat(weights), block, terms)
 
 
 def chunk_logits(runner: ModelRunner, ids: list[int], chunk: int) -> Iterator[tuple[int, torch.Tensor]]:

@@ -260,7 +260,7 @@ class Router:
 
     def decision_counts(self) -> dict[str, int]:
         """`decisions` with every outcome this router's policy can reach, 0 where none came."""
-        reachable = OUTCOMES[:-1] if self.wants_prefixes else ("load",)
+        reachable = tuple(o for o in OUTCOMES if o != "load") if self.wants_prefixes else ("load",)
         return {o: self.decisions[o] for o in reachable}
 
     def route_by_load(self, loads: Sequence[int]) -> int:

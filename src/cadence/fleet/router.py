@@ -121,10 +121,10 @@ class CadenceRequestRouter(RequestRouter):
         best = decision.replica
         self._note_placed(pending_request, replicas[best])
         if call is not None:  # a request (a replica's info or metrics is no placement to count)
-            if pending_request is None:
+            if rid is None:
                 state.routing_decided(self._deployment_name(), decision.outcome)
             else:
-                self._outcome[pending_request.metadata.internal_request_id] = decision.outcome
+                self._outcome[rid] = decision.outcome
         rest = sorted((i for i in range(len(replicas)) if i != best), key=lambda i: stats[i].load)
         return [[replicas[best]], [replicas[i] for i in rest]]
 
