@@ -62,3 +62,77 @@ def test_other_refusals_are_not_retried() -> None:
     with pytest.raises(CadenceError) as e:
         _admit(send, ["a", "b"])
     assert e.value.kind is ErrorKind.INVALID_REQUEST and sent == [()]
+
+
+# -- held at the ingress ---------------------------------------------------------------------------
+
+
+class _Queues:
+    """Two replicas whose queues stay full for `full_rounds` rounds, then `b` has room."""
+
+    def __init__(self, full_rounds: int) -> None:
+        self.calls = 0
+        self.full_rounds = full_rounds
+
+    def send(self, call: GenerateCall) -> _Stream:
+        self.calls += 1
+        replica = "b" if "a" in call.avoid else "a"
+        if self.calls > 2 * self.full_rounds and replica == "b":
+            return _Stream(Admitted("b"))
+        return _Stream(_full(replica))
+
+
+def test_held_a_request_every_replica_refused_is_sent_again_until_one_has_room(monkeypatch) -> None:
+    from cadence.fleet import client
+
+    pauses: list[float] = []
+
+    async def sleep(s: float) -> None:
+        pauses.append(s)
+
+    monkeypatch.setattr(client.asyncio, "sleep", sleep)
+    queues = _Queues(full_rounds=7)
+    call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req-1")
+    _, first = asyncio.run(admission_anywhere(queues.send, call, "replica", ["a", "b"], hold=True))
+    assert first.replica == "b" and queues.calls == 2 * 7 + 2
+    # Each full round waits, doubling from the first pause up to the last.
+    lo, hi = client.HOLD_PAUSE_S
+    assert pauses == [min(lo * 2**i, hi) for i in range(7)] and pauses[-1] == hi
+
+
+def test_held_a_refusal_other_than_a_full_queue_is_still_the_answer() -> None:
+    late = Refused(ErrorKind.DEADLINE.value, "the request's deadline passed before it was queued", None, None,
+                   True, "a")
+    sent, send = _fleet({"a": late, "b": Admitted("b")}, ["a", "b"])
+    call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req-1")
+    with pytest.raises(CadenceError) as e:
+        asyncio.run(admission_anywhere(send, call, "replica", ["a", "b"], hold=True))  # type: ignore[arg-type]
+    assert e.value.kind is ErrorKind.DEADLINE and sent == [()]
+
+
+def test_held_a_client_that_leaves_ends_the_hold() -> None:
+    queues = _Queues(full_rounds=10**9)
+    call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req-1")
+
+    async def leave() -> None:
+        task = asyncio.ensure_future(admission_anywhere(queues.send, call, "replica", ["a", "b"], hold=True))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(leave())
+    assert queues.calls >= 4  # (it was held, trying again, until the client left)
+
+
+def test_the_time_held_is_taken_off_the_deadline_at_the_replica() -> None:
+    from cadence.fleet.protocol import policy_at_replica
+    from cadence.request import RequestPolicy
+
+    call = GenerateCall(([1],), SamplingParams(max_tokens=1), "r", RequestPolicy(deadline=5.0), sent_at=100.0)
+    assert policy_at_replica(call, 102.5).deadline == pytest.approx(2.5)
+    assert policy_at_replica(call, 106.0).deadline == pytest.approx(-1.0)  # passed: the engine refuses it
+    assert policy_at_replica(call, 99.0).deadline == 5.0  # (a replica's clock behind the ingress's: nothing off)
+    assert policy_at_replica(GenerateCall(([1],), SamplingParams(max_tokens=1), "r", sent_at=100.0), 200.0).deadline is None
+    unsent = GenerateCall(([1],), SamplingParams(max_tokens=1), "r", RequestPolicy(deadline=5.0))
+    assert policy_at_replica(unsent, 200.0).deadline == 5.0

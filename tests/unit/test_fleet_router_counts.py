@@ -73,3 +73,50 @@ def test_every_outcome_of_a_routed_deployment_shows_before_its_first_request() -
         assert all(n == 0 for n in counts.values())
     finally:
         state.ROUTED_DEPLOYMENTS.discard("CadencePrefill")
+
+
+def _loaded(name: str, running: int, waiting: int, digest: frozenset[int] = frozenset()) -> SimpleNamespace:
+    return SimpleNamespace(replica_id=ReplicaID(name, DeploymentID("CadenceReplica")),
+                           routing_stats=ReplicaStats(running, waiting, 64, digest).to_dict())
+
+
+def test_a_request_is_held_while_every_replica_is_at_its_seats() -> None:
+    router = object.__new__(CadenceRequestRouter)
+    router._replica_queue_len_cache = {}
+    router.initialize_state("prefix-affinity", seats=3)
+    chain = (11, 12, 13)
+    call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req", chain=chain)
+
+    async def run() -> None:
+        full_a, full_b = _loaded("a", 2, 1, frozenset(chain)), _loaded("b", 1, 2)
+        held = _pending("r1", call)
+        held.routing_context = SimpleNamespace(should_backoff=False)
+        assert await router.choose_replicas([full_a, full_b], held) == []
+        assert held.routing_context.should_backoff  # (Serve pauses before it asks again)
+        # A seat frees on b: the request goes there, though its prefix is cached on the full a.
+        room_b = _loaded("b", 1, 1)
+        assert await router.choose_replicas([full_a, room_b], held) == [[room_b], []]
+        # A call to a named replica (its metrics, an abort) is never held.
+        from cadence.fleet.protocol import Target
+        named = _pending("r2", Target("a"))
+        assert await router.choose_replicas([full_a, full_b], named) == [[full_a]]
+
+    state.ROUTING_DECISIONS.clear()
+    try:
+        asyncio.run(run())
+    finally:
+        state.ROUTING_DECISIONS.clear()
+
+
+def test_without_seats_a_full_fleet_still_routes() -> None:
+    router = object.__new__(CadenceRequestRouter)
+    router._replica_queue_len_cache = {}
+    router.initialize_state("least-loaded")
+    call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req")
+
+    async def run() -> list:
+        return await router.choose_replicas([_loaded("a", 5, 5), _loaded("b", 5, 6)], _pending("r1", call))
+
+    [[first], [second]] = asyncio.run(run())
+    assert first.replica_id.unique_id == "a" and second.replica_id.unique_id == "b"
+    state.ROUTING_DECISIONS.clear()

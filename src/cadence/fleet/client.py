@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -43,6 +44,9 @@ log = logging.getLogger("cadence.fleet")
 REPLICA_HEADER = b"x-cadence-replica"
 REQUEST_ID_HEADER = b"x-request-id"  # the client's (or Serve's proxy's) id of the request
 BUSY_RETRY_AFTER_S = 1.0  # Retry-After when Serve's own queue for the replicas is full
+# A request every replica refused for a full queue, held at the ingress: the pauses before it is
+# sent again (the first, doubled each time up to the last).
+HOLD_PAUSE_S = (0.02, 0.5)
 REPLICA_CALL_TIMEOUT_S = 10.0  # a call to one replica (its metrics, a request's status)
 PLACED_KEEP = 4096  # requests whose replica the ingress remembers, for GET /v1/requests/{id}
 
@@ -164,13 +168,16 @@ async def first_answer(gen: Any, what: str) -> Admitted | Refused:
 
 
 async def admission_anywhere(send: Callable[[GenerateCall], Any], call: GenerateCall, what: str,
-                             replicas: Collection[str]) -> tuple[Any, Admitted]:
+                             replicas: Collection[str], *, hold: bool = False) -> tuple[Any, Admitted]:
     """`send(call)`'s stream and its admission. A replica whose engine refuses the request for a
     full queue (before admitting it: nothing was streamed) is named in the call's `avoid` and the
     call sent again, so that the router places it on another of `replicas`; each refuses it at
-    most once. The last refusal is the answer when every replica refused, and any other refusal
-    at once."""
+    most once a round. When every replica refused it for a full queue, `hold` keeps it here and
+    starts another round after a pause (`HOLD_PAUSE_S`; the caller bounds what it holds, and its
+    deadline still runs); without `hold` the last refusal is the answer. Any other refusal is the
+    answer at once."""
     refused: list[str] = []
+    pause = HOLD_PAUSE_S[0]
     while True:
         gen = send(replace(call, avoid=tuple(refused)) if refused else call)
         first = await first_answer(gen, what)
@@ -178,7 +185,14 @@ async def admission_anywhere(send: Callable[[GenerateCall], Any], call: Generate
             return gen, first
         again = first.replica in refused
         refused.append(first.replica)
-        if again or not (first.admission and first.kind == ErrorKind.QUEUE_FULL.value) or set(replicas) <= set(refused):
+        full = first.admission and first.kind == ErrorKind.QUEUE_FULL.value
+        everywhere = again or set(replicas) <= set(refused)
+        if full and everywhere and hold:
+            log.debug("request %s: every replica's queue is full; held %.2f s", call.request_id, pause)
+            await asyncio.sleep(pause)
+            pause, refused = min(2 * pause, HOLD_PAUSE_S[1]), []
+            continue
+        if everywhere or not full:
             note_replica(first.replica)
             raise refusal_error(first)
         log.info("request %s: refused by %s (queue full); trying another replica", call.request_id, first.replica)
@@ -376,13 +390,14 @@ class FleetClient:
         self.check_room()
         subscribed = self.subscribe_streams and handle is self._handle
         call = GenerateCall(tuple(prompts), params, request_id, policy, self.chain(prompts[0], policy.cache_salt),
-                            TRACE_CARRIER.get(), queue_status, subscriber=self._subs.subscriber if subscribed else None)
+                            TRACE_CARRIER.get(), queue_status, subscriber=self._subs.subscriber if subscribed else None,
+                            sent_at=time.time())
         inbox = self._subs.inbox(request_id) if subscribed else None
         self._admitting += 1
         self._in_admission[request_id] = None
         try:
             gen, first = await admission_anywhere(handle.options(stream=True).generate.remote, call, "replica",
-                                                  handle_replicas(handle))
+                                                  handle_replicas(handle), hold=self._max_held is not None)
         except BaseException:
             self._in_admission.pop(request_id, None)
             if inbox is not None:

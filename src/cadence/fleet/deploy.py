@@ -192,7 +192,7 @@ def _replica_deployment(cls: type, name: str, num_replicas: int, router: str, op
         graceful_shutdown_timeout_s=server_config.shutdown_timeout,
         request_router_config=RequestRouterConfig(
             request_router_class="cadence.fleet.router:CadenceRequestRouter",
-            request_router_kwargs={"policy": router},
+            request_router_kwargs={"policy": router, "seats": sched.max_num_seqs + sched.max_queue_len},
             request_routing_stats_period_s=STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0,
         ),

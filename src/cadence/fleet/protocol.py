@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
@@ -30,6 +30,19 @@ class GenerateCall:
     # The ingress subscription (`CadenceReplica.subscribe`) the request's deltas travel on; None:
     # on the call's own stream, after its admission.
     subscriber: str | None = None
+    # time.time() when the ingress first sent it: a request held there for a replica with room
+    # has waited that long of its deadline (`policy_at_replica`). None: no time taken off.
+    sent_at: float | None = None
+
+
+def policy_at_replica(call: GenerateCall, now: float) -> RequestPolicy:
+    """The call's policy as its replica's engine takes it: the seconds since the ingress first sent
+    it (`now`: time.time() on the replica) taken off its deadline, which counts from the request's
+    arrival; a deadline that passed while the request was held is refused by the engine."""
+    policy = call.policy
+    if policy.deadline is None or call.sent_at is None:
+        return policy
+    return replace(policy, deadline=policy.deadline - max(0.0, now - call.sent_at))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 from cadence.config import EngineConfig, ServerConfig
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.fleet.protocol import Admitted, Deltas, Failed, GenerateCall, Refused, Target
+from cadence.fleet.protocol import Admitted, Deltas, Failed, GenerateCall, Refused, Target, policy_at_replica
 from cadence.fleet.subscription import IDLE_LINGER_S, Batch, Outbox, pump
 from cadence.routing import DIGEST_LIMIT, ReplicaStats, fingerprints
 
@@ -101,7 +101,8 @@ class CadenceReplica:
         start_ns = time.time_ns()
         try:
             stream = await self.engine.submit(call.prompts, call.params, request_id=call.request_id,
-                                              policy=call.policy, queue_status=call.queue_status)
+                                              policy=policy_at_replica(call, time.time()),
+                                              queue_status=call.queue_status)
         except CadenceError as e:
             yield Refused(e.kind.value, str(e), e.param, e.retry_after, isinstance(e, AdmissionError), self.name)
             return
