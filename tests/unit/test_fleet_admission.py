@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import time
 
 import pytest
 
@@ -82,22 +84,37 @@ class _Queues:
         return _Stream(_full(replica))
 
 
-def test_held_a_request_every_replica_refused_is_sent_again_until_one_has_room(monkeypatch) -> None:
+def _held(full_rounds: int, policy: object = None) -> tuple[_Queues, list[float], Admitted]:
+    """A request held while `full_rounds` rounds find every queue full; `hold` records its waits."""
+    from cadence.request import DEFAULT_POLICY
+
+    waits: list[float] = []
+
+    async def hold(seconds: float) -> None:
+        waits.append(seconds)
+
+    queues = _Queues(full_rounds)
+    call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req-1", policy or DEFAULT_POLICY,
+                        sent_at=time.time())
+    _, first = asyncio.run(admission_anywhere(queues.send, call, "replica", ["a", "b"], hold=hold))
+    return queues, waits, first
+
+
+def test_held_a_request_every_replica_refused_is_sent_again_until_one_has_room() -> None:
     from cadence.fleet import client
 
-    pauses: list[float] = []
-
-    async def sleep(s: float) -> None:
-        pauses.append(s)
-
-    monkeypatch.setattr(client.asyncio, "sleep", sleep)
-    queues = _Queues(full_rounds=7)
-    call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req-1")
-    _, first = asyncio.run(admission_anywhere(queues.send, call, "replica", ["a", "b"], hold=True))
+    queues, waits, first = _held(full_rounds=7)
     assert first.replica == "b" and queues.calls == 2 * 7 + 2
-    # Each full round waits, doubling from the first pause up to the last.
+    # Each full round waits (until a seat frees, at most the pause), doubling up to the last pause.
     lo, hi = client.HOLD_PAUSE_S
-    assert pauses == [min(lo * 2**i, hi) for i in range(7)] and pauses[-1] == hi
+    assert waits == [min(lo * 2**i, hi) for i in range(7)] and waits[-1] == hi
+
+
+def test_held_no_longer_than_its_deadline_leaves() -> None:
+    from cadence.request import RequestPolicy
+
+    _, waits, _ = _held(full_rounds=7, policy=RequestPolicy(deadline=0.3))
+    assert all(0 <= w <= 0.3 for w in waits) and max(waits) < 0.3 < 2.0
 
 
 def test_held_a_refusal_other_than_a_full_queue_is_still_the_answer() -> None:
@@ -105,9 +122,42 @@ def test_held_a_refusal_other_than_a_full_queue_is_still_the_answer() -> None:
                    True, "a")
     sent, send = _fleet({"a": late, "b": Admitted("b")}, ["a", "b"])
     call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req-1")
+
+    async def hold(seconds: float) -> None:
+        raise AssertionError("not held")
+
     with pytest.raises(CadenceError) as e:
-        asyncio.run(admission_anywhere(send, call, "replica", ["a", "b"], hold=True))  # type: ignore[arg-type]
+        asyncio.run(admission_anywhere(send, call, "replica", ["a", "b"], hold=hold))  # type: ignore[arg-type]
     assert e.value.kind is ErrorKind.DEADLINE and sent == [()]
+
+
+def test_held_requests_wake_one_per_freed_seat_the_longest_held_first() -> None:
+    from cadence.fleet.client import FleetClient
+
+    ingress = object.__new__(FleetClient)  # (its hold alone, without Serve)
+    ingress._seat_waiters = collections.deque()
+
+    async def run() -> list[str]:
+        woke: list[str] = []
+
+        async def held(name: str, seconds: float) -> None:
+            await ingress._wait_for_seat(seconds)
+            woke.append(name)
+
+        tasks = [asyncio.ensure_future(held(n, 30.0)) for n in ("first", "second", "third")]
+        await asyncio.sleep(0.01)
+        ingress._seat_freed()  # one stream closed: one held request goes
+        await asyncio.sleep(0.01)
+        assert woke == ["first"]
+        tasks[1].cancel()  # the second's client left
+        await asyncio.sleep(0.01)
+        ingress._seat_freed()
+        await asyncio.sleep(0.01)
+        assert woke == ["first", "third"] and not ingress._seat_waiters
+        await ingress._wait_for_seat(0.01)  # no seat frees: the pause ends the wait
+        return woke
+
+    assert asyncio.run(run()) == ["first", "third"]
 
 
 def test_held_a_client_that_leaves_ends_the_hold() -> None:
@@ -115,8 +165,8 @@ def test_held_a_client_that_leaves_ends_the_hold() -> None:
     call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req-1")
 
     async def leave() -> None:
-        task = asyncio.ensure_future(admission_anywhere(queues.send, call, "replica", ["a", "b"], hold=True))
-        await asyncio.sleep(0.1)
+        task = asyncio.ensure_future(admission_anywhere(queues.send, call, "replica", ["a", "b"], hold=asyncio.sleep))
+        await asyncio.sleep(0.2)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

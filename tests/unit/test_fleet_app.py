@@ -6,6 +6,7 @@ import pytest
 
 from cadence.cli import serve_parser
 from cadence.fleet import app, serve_argv
+from cadence.fleet.deploy import CONTROL_ONGOING
 
 
 def test_builder_arguments_become_serve_flags() -> None:
@@ -20,7 +21,8 @@ def test_the_application_carries_the_options() -> None:
                        "max-queue-len": 4, "tiny": True})
     replica = application._bound_deployment.init_args[0]._bound_deployment  # the replicas' deployment
     assert replica.num_replicas == 3
-    assert replica._deployment_config.max_ongoing_requests == 8 + 4
+    # The engine's seats, and room beside them for the ingress's subscription and short calls.
+    assert replica._deployment_config.max_ongoing_requests == 8 + 4 + CONTROL_ONGOING
     assert replica._deployment_config.request_router_config.request_router_kwargs == {"policy": "least-loaded"}
     engine_config = replica.init_args[0]
     assert engine_config.scheduler.max_num_seqs == 8 and engine_config.model.num_threads == 1

@@ -12,7 +12,7 @@ pytest.importorskip("ray")  # (the fleet's extra: `make serve` / `make test` ins
 
 from cadence.config import EngineConfig  # noqa: E402
 from cadence.engine.output_processor import StreamDelta  # noqa: E402
-from cadence.errors import CadenceError  # noqa: E402
+from cadence.errors import CadenceError, ErrorKind  # noqa: E402
 from cadence.fleet.client import FleetStream  # noqa: E402
 from cadence.fleet.protocol import Admitted, Deltas, Failed, GenerateCall, deltas_of  # noqa: E402
 from cadence.fleet.replica import CadenceReplica  # noqa: E402
@@ -67,6 +67,19 @@ def test_a_failure_after_a_deltas_item_still_gives_its_deltas_first() -> None:
     with pytest.raises(CadenceError, match="boom"):
         asyncio.run(read())
     assert got == [a1, b1]
+
+
+def test_a_failure_keeps_its_retry_after() -> None:
+    # (a queued request dropped for another tenant's fair share: 429 with Retry-After, as on one server)
+    stream = FleetStream(_Gen([Failed("fair_share", "dropped", 3.0)]), "r", ["r"], lambda s: None)
+
+    async def read() -> None:
+        async for _ in stream:
+            pass
+
+    with pytest.raises(CadenceError) as e:
+        asyncio.run(read())
+    assert e.value.kind is ErrorKind.FAIR_SHARE and e.value.retry_after == 3.0
 
 
 def test_a_replica_sends_the_choices_of_a_step_together() -> None:

@@ -20,7 +20,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,7 +28,7 @@ from typing import Any
 from cadence.config import EngineConfig
 from cadence.engine.output_processor import StreamDelta
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
-from cadence.fleet.protocol import Admitted, Deltas, Failed, GenerateCall, Refused, Target
+from cadence.fleet.protocol import Admitted, Deltas, Failed, GenerateCall, Refused, Target, policy_at_replica
 from cadence.fleet.replica import ReplicaInfo, refusal_error
 from cadence.fleet.subscription import Subscriptions
 from cadence.kv.hashing import block_hashers
@@ -44,9 +44,10 @@ log = logging.getLogger("cadence.fleet")
 REPLICA_HEADER = b"x-cadence-replica"
 REQUEST_ID_HEADER = b"x-request-id"  # the client's (or Serve's proxy's) id of the request
 BUSY_RETRY_AFTER_S = 1.0  # Retry-After when Serve's own queue for the replicas is full
-# A request every replica refused for a full queue, held at the ingress: the pauses before it is
-# sent again (the first, doubled each time up to the last).
-HOLD_PAUSE_S = (0.02, 0.5)
+# A request every replica refused for a full queue, held at the ingress, is sent again when one of
+# the ingress's streams closes (a seat freed), or else after a pause: the first, doubled each
+# time up to the last (for seats freed otherwise), and never past the request's deadline.
+HOLD_PAUSE_S = (0.05, 2.0)
 REPLICA_CALL_TIMEOUT_S = 10.0  # a call to one replica (its metrics, a request's status)
 PLACED_KEEP = 4096  # requests whose replica the ingress remembers, for GET /v1/requests/{id}
 
@@ -168,14 +169,15 @@ async def first_answer(gen: Any, what: str) -> Admitted | Refused:
 
 
 async def admission_anywhere(send: Callable[[GenerateCall], Any], call: GenerateCall, what: str,
-                             replicas: Collection[str], *, hold: bool = False) -> tuple[Any, Admitted]:
+                             replicas: Collection[str], *,
+                             hold: Callable[[float], Awaitable[None]] | None = None) -> tuple[Any, Admitted]:
     """`send(call)`'s stream and its admission. A replica whose engine refuses the request for a
     full queue (before admitting it: nothing was streamed) is named in the call's `avoid` and the
     call sent again, so that the router places it on another of `replicas`; each refuses it at
-    most once a round. When every replica refused it for a full queue, `hold` keeps it here and
-    starts another round after a pause (`HOLD_PAUSE_S`; the caller bounds what it holds, and its
-    deadline still runs); without `hold` the last refusal is the answer. Any other refusal is the
-    answer at once."""
+    most once a round. When every replica refused it for a full queue, `hold(seconds)` keeps it
+    (at most that long: the next pause of `HOLD_PAUSE_S`, or what is left of its deadline, after
+    which an engine refuses it) and another round starts; without `hold` the last refusal is the
+    answer. Any other refusal is the answer at once."""
     refused: list[str] = []
     pause = HOLD_PAUSE_S[0]
     while True:
@@ -187,9 +189,9 @@ async def admission_anywhere(send: Callable[[GenerateCall], Any], call: Generate
         refused.append(first.replica)
         full = first.admission and first.kind == ErrorKind.QUEUE_FULL.value
         everywhere = again or set(replicas) <= set(refused)
-        if full and everywhere and hold:
-            log.debug("request %s: every replica's queue is full; held %.2f s", call.request_id, pause)
-            await asyncio.sleep(pause)
+        if full and everywhere and hold is not None:
+            left = policy_at_replica(call, time.time()).deadline
+            await hold(pause if left is None else max(0.0, min(pause, left)))
             pause, refused = min(2 * pause, HOLD_PAUSE_S[1]), []
             continue
         if everywhere or not full:
@@ -273,7 +275,7 @@ class FleetStream:
             raise self._error
         if isinstance(item, Failed):
             self._close()
-            raise CadenceError(ErrorKind(item.kind), item.message)
+            raise CadenceError(ErrorKind(item.kind), item.message, retry_after=item.retry_after)
         if isinstance(item, Deltas):
             self._pending.extend(item.items[1:])
             item = item.items[0]
@@ -333,6 +335,7 @@ class FleetClient:
         # Serve's id of the HTTP request -> the response's id (as many as `_placed`)
         self._serve_ids: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._draining = False
+        self._seat_waiters: collections.deque[asyncio.Future[None]] = collections.deque()  # held requests
         # The ingress compiles constraints too (the grammar library loads on first use), so that a
         # refused one is a 400 naming the request's field before any replica sees it.
         self._grammars = StructuredOutputs(tokenizer, info.vocab_size)
@@ -397,7 +400,8 @@ class FleetClient:
         self._in_admission[request_id] = None
         try:
             gen, first = await admission_anywhere(handle.options(stream=True).generate.remote, call, "replica",
-                                                  handle_replicas(handle), hold=self._max_held is not None)
+                                                  handle_replicas(handle),
+                                                  hold=self._wait_for_seat if self._max_held is not None else None)
         except BaseException:
             self._in_admission.pop(request_id, None)
             if inbox is not None:
@@ -467,6 +471,27 @@ class FleetClient:
     def _closed(self, stream: FleetStream) -> None:
         if self._live.get(stream.request_id) is stream:
             del self._live[stream.request_id]
+            self._seat_freed()
+
+    async def _wait_for_seat(self, seconds: float) -> None:
+        """Hold a request every replica refused for a full queue: until a stream here closes (its
+        seat frees; one held request wakes per stream, the longest held first) or `seconds` pass."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._seat_waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, seconds)
+        except TimeoutError:
+            pass
+        finally:
+            if waiter in self._seat_waiters:
+                self._seat_waiters.remove(waiter)
+
+    def _seat_freed(self) -> None:
+        while self._seat_waiters:
+            waiter = self._seat_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     def abort(self, request_id: str, error: CadenceError | None = None) -> None:
         error = error or CadenceError(ErrorKind.UNAVAILABLE, "request aborted")

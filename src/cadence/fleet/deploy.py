@@ -28,6 +28,10 @@ REPLICA_NAME = "CadenceReplica"
 PREFILL_NAME = "CadencePrefill"  # the pools of a fleet with disaggregated prefill and decode
 DECODE_NAME = "CadenceDecode"
 CONTROL_CALLS = 64  # room in Serve's queue for the ingress's own calls (metrics, request status)
+# Room beside a replica's seats in Serve's limit of calls running there at once, for the ingress's
+# subscription and its short calls (aborts, metrics, a request's status): a subscription that
+# waited behind a burst's requests would fail the requests it was to carry.
+CONTROL_ONGOING = 8
 
 
 @dataclass(frozen=True)
@@ -183,7 +187,8 @@ def _replica_deployment(cls: type, name: str, num_replicas: int, router: str, op
         num_replicas=num_replicas,
         ray_actor_options={"num_cpus": options.replica_cpus},
         # (a decode replica's reservations and imports are calls too: room for one of each per seat)
-        max_ongoing_requests=(sched.max_num_seqs + sched.max_queue_len) * (2 if options.disaggregated else 1),
+        max_ongoing_requests=(sched.max_num_seqs + sched.max_queue_len) * (2 if options.disaggregated else 1)
+        + CONTROL_ONGOING,
         # The ingress bounds what it holds itself (`max_held`): Serve's bound, which counts a
         # request as queued while it is being routed, only stops what gets past it (calls for
         # metrics and request status besides).
@@ -192,7 +197,7 @@ def _replica_deployment(cls: type, name: str, num_replicas: int, router: str, op
         graceful_shutdown_timeout_s=server_config.shutdown_timeout,
         request_router_config=RequestRouterConfig(
             request_router_class="cadence.fleet.router:CadenceRequestRouter",
-            request_router_kwargs={"policy": router, "seats": sched.max_num_seqs + sched.max_queue_len},
+            request_router_kwargs={"policy": router},
             request_routing_stats_period_s=STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0,
         ),

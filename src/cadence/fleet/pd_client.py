@@ -297,7 +297,7 @@ class PDStream(FleetStream):
         if isinstance(item, Failed):
             await self._drop_reservation()
             self._close()
-            raise CadenceError(ErrorKind(item.kind), item.message)
+            raise CadenceError(ErrorKind(item.kind), item.message, retry_after=item.retry_after)
         assert isinstance(item, StreamDelta), type(item)
         if item.token_ids and self._first_at is None:
             self._first_at = time.monotonic()

@@ -45,6 +45,8 @@ def policy_at_replica(call: GenerateCall, now: float) -> RequestPolicy:
     return replace(policy, deadline=policy.deadline - max(0.0, now - call.sent_at))
 
 
+
+
 @dataclass(frozen=True)
 class Admitted:
     """The replica's engine took the request; deltas follow."""
@@ -71,6 +73,7 @@ class Failed:
 
     kind: str
     message: str
+    retry_after: float | None = None  # a refusal's Retry-After (a queued request dropped for fair share)
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,7 @@ class CadenceReplica:
             error = e
             if pending:
                 yield _item(pending)
-            yield Failed(e.kind.value, str(e))
+            yield Failed(e.kind.value, str(e), e.retry_after)
         finally:
             await stream.aclose()  # (a no-op once every choice finished; else the request is aborted)
             if traced:

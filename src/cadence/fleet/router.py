@@ -14,11 +14,6 @@ The chosen replica comes first; the others follow, least loaded first, should it
 `max_ongoing_requests`). Replicas a `GenerateCall` names in `avoid` (they refused it for a full
 queue) are left out while any other remains.
 
-A request is held here while every replica's load is at its engine's seats (`seats`: its
-`max_num_seqs` running plus `max_queue_len` waiting): Serve's seat limit cannot hold it, since it
-stops counting a request once admitted, and an engine past its seats would refuse it for a full
-queue. Serve asks again after its backoff, and the request goes once a replica has room.
-
 Each request's placement is counted (`state.routing_decided`, the ingress's
 `cadence:fleet_routed_requests_total`) once Serve sends it, by what decided the choice it went on:
 Serve asks again while every replica is at its limit.
@@ -45,9 +40,8 @@ class CadenceRequestRouter(RequestRouter):
     """Serve calls `initialize_state` with the deployment's `request_router_kwargs`: `policy` (one
     of cadence.routing.ROUTERS) and optionally the `RoutingConfig` fields."""
 
-    def initialize_state(self, policy: str = "prefix-affinity", seats: int | None = None, **cfg: Any) -> None:
+    def initialize_state(self, policy: str = "prefix-affinity", **cfg: Any) -> None:
         self._router = Router(policy, RoutingConfig(**cfg))
-        self._seats = seats  # requests a replica's engine holds (running + waiting); None: no bound here
         # Serve's internal request id -> the replica this router placed it on, until it finishes.
         self._placed: dict[str, ReplicaID] = {}
         self._watched: dict[str, asyncio.Future] = {}  # the request's pending future, watched
@@ -123,13 +117,6 @@ class CadenceRequestRouter(RequestRouter):
         rid = pending_request.metadata.internal_request_id if pending_request is not None else None
         placed = Counter(r for k, r in self._placed.items() if k != rid)
         stats = [self._stats(r, placed[r.replica_id]) for r in replicas]
-        if call is not None and self._seats is not None:
-            room = [i for i, s in enumerate(stats) if s.load < self._seats]
-            if not room:  # every engine is full: hold the request (Serve asks again after a pause)
-                if pending_request is not None:
-                    pending_request.routing_context.should_backoff = True
-                return []
-            replicas, stats = [replicas[i] for i in room], [stats[i] for i in room]
         decision = self._router.decide(chain, stats, [r.replica_id.unique_id for r in replicas])
         best = decision.replica
         self._note_placed(pending_request, replicas[best])
