@@ -10,8 +10,8 @@ import pytest
 
 from cadence.errors import AdmissionError, CadenceError, ErrorKind
 from cadence.fleet.client import admission_anywhere
-from cadence.fleet.protocol import Admitted, GenerateCall, Refused
-from cadence.request import SamplingParams
+from cadence.fleet.protocol import Admitted, GenerateCall, Refused, policy_at_replica
+from cadence.request import DEFAULT_POLICY, RequestPolicy, SamplingParams
 
 
 class _Stream:
@@ -39,9 +39,10 @@ def _fleet(answers: dict[str, object], order: list[str]) -> tuple[list[tuple[str
     return sent, send
 
 
-def _admit(send: object, replicas: list[str]) -> tuple[object, Admitted]:
-    call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req-1")
-    return asyncio.run(admission_anywhere(send, call, "replica", replicas))  # type: ignore[arg-type]
+def _admit(send: object, replicas: list[str], hold: object = None,
+           policy: RequestPolicy = DEFAULT_POLICY) -> tuple[object, Admitted]:
+    call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req-1", policy, sent_at=time.time())
+    return asyncio.run(admission_anywhere(send, call, "replica", replicas, hold=hold))  # type: ignore[arg-type]
 
 
 def test_a_full_queue_refusal_is_tried_on_the_other_replica() -> None:
@@ -84,19 +85,15 @@ class _Queues:
         return _Stream(_full(replica))
 
 
-def _held(full_rounds: int, policy: object = None) -> tuple[_Queues, list[float], Admitted]:
+def _held(full_rounds: int, policy: RequestPolicy = DEFAULT_POLICY) -> tuple[_Queues, list[float], Admitted]:
     """A request held while `full_rounds` rounds find every queue full; `hold` records its waits."""
-    from cadence.request import DEFAULT_POLICY
-
     waits: list[float] = []
 
     async def hold(seconds: float) -> None:
         waits.append(seconds)
 
     queues = _Queues(full_rounds)
-    call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req-1", policy or DEFAULT_POLICY,
-                        sent_at=time.time())
-    _, first = asyncio.run(admission_anywhere(queues.send, call, "replica", ["a", "b"], hold=hold))
+    _, first = _admit(queues.send, ["a", "b"], hold, policy)
     return queues, waits, first
 
 
@@ -111,8 +108,6 @@ def test_held_a_request_every_replica_refused_is_sent_again_until_one_has_room()
 
 
 def test_held_no_longer_than_its_deadline_leaves() -> None:
-    from cadence.request import RequestPolicy
-
     _, waits, _ = _held(full_rounds=7, policy=RequestPolicy(deadline=0.3))
     assert all(0 <= w <= 0.3 for w in waits) and max(waits) < 0.3 < 2.0
 
@@ -121,13 +116,12 @@ def test_held_a_refusal_other_than_a_full_queue_is_still_the_answer() -> None:
     late = Refused(ErrorKind.DEADLINE.value, "the request's deadline passed before it was queued", None, None,
                    True, "a")
     sent, send = _fleet({"a": late, "b": Admitted("b")}, ["a", "b"])
-    call = GenerateCall(([1, 2, 3],), SamplingParams(max_tokens=1), "req-1")
 
     async def hold(seconds: float) -> None:
         raise AssertionError("not held")
 
     with pytest.raises(CadenceError) as e:
-        asyncio.run(admission_anywhere(send, call, "replica", ["a", "b"], hold=hold))  # type: ignore[arg-type]
+        _admit(send, ["a", "b"], hold)
     assert e.value.kind is ErrorKind.DEADLINE and sent == [()]
 
 
@@ -176,9 +170,6 @@ def test_held_a_client_that_leaves_ends_the_hold() -> None:
 
 
 def test_the_time_held_is_taken_off_the_deadline_at_the_replica() -> None:
-    from cadence.fleet.protocol import policy_at_replica
-    from cadence.request import RequestPolicy
-
     call = GenerateCall(([1],), SamplingParams(max_tokens=1), "r", RequestPolicy(deadline=5.0), sent_at=100.0)
     assert policy_at_replica(call, 102.5).deadline == pytest.approx(2.5)
     assert policy_at_replica(call, 106.0).deadline == pytest.approx(-1.0)  # passed: the engine refuses it
